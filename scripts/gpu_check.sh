@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: the `gpu` tests, then the benchmarks, then a short table.
+# Usage (repo root, on a CUDA host with torch + triton + pytest):  bash scripts/gpu_check.sh [--quick]
+set -uo pipefail
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+out="${OUT:-runs/gpu_check}"
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25
+tests_rc=${PIPESTATUS[0]}
+python3 bench/bench_kernels.py --out "$out/bench_kernels.md" "$@" > "$out/bench_kernels.log" 2>&1
+bench_rc=$?
+cat "$out/bench_kernels.md" 2>/dev/null || tail -30 "$out/bench_kernels.log"
+echo "gpu tests rc=$tests_rc  bench rc=$bench_rc"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]

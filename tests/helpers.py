@@ -1,0 +1,48 @@
+"""Shared checks for the kernel tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp64; NaN anywhere gives inf."""
+    out, ref = out.double(), ref.double()
+    if torch.isnan(out).any() or torch.isnan(ref).any():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def tolerance(dtype: torch.dtype, on_gpu: bool) -> float:
+    """Relative-norm tolerance vs fp64: fp32 results, or one bf16 rounding (two in the interpreter, which truncates)."""
+    if dtype == torch.float32:
+        return 2e-5
+    return 6e-3 if on_gpu else 1.2e-2
+
+
+def take_rows(args: tuple, row_args: tuple[int, ...], index) -> tuple:
+    return tuple(a[index] if i in row_args else a for i, a in enumerate(args))
+
+
+def pad_rows(args: tuple, row_args: tuple[int, ...], before: int, after: int) -> tuple:
+    """Zero rows around the batch (token ids 0)."""
+    out = []
+    for i, a in enumerate(args):
+        if i in row_args:
+            z = torch.zeros((1, *a.shape[1:]), dtype=a.dtype, device=a.device)
+            a = torch.cat([z.expand(before, *a.shape[1:]), a, z.expand(after, *a.shape[1:])])
+        out.append(a)
+    return tuple(out)
+
+
+def forward_backward(fn, args: tuple, grad_args: tuple[int, ...], upstream=None, seed: int = 7):
+    """Output and the gradients of sum(out * G), G fixed random (or given as `upstream`)."""
+    args = tuple(
+        a.detach().clone().requires_grad_(True) if i in grad_args else a for i, a in enumerate(args)
+    )
+    out = fn(*args)
+    g = upstream
+    if g is None:
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    (out.double() * g.to(out.device).double()).sum().backward()
+    return out.detach(), [args[i].grad for i in grad_args]

@@ -1,0 +1,101 @@
+"""The kernel library's claims on a real GPU, bitwise, at Qwen3-1.7B widths.
+
+Run on the device with `bash scripts/gpu_check.sh` (skipped without CUDA).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import forward_backward, pad_rows, rel_err, take_rows, tolerance
+from workbench.kernels import REGISTRY, matmul_config
+
+pytestmark = pytest.mark.gpu
+
+OPS = sorted(REGISTRY)
+DTYPES = [torch.float32, torch.bfloat16]
+# Crosses every M bucket edge of the matmul (16/17, 128/129, 512/513).
+MS = [1, 2, 3, 7, 16, 17, 64, 128, 129, 300, 512, 513, 2048]
+
+
+def _inputs(op, rows, dtype, seed):
+    return op.make_inputs(rows, "real", torch.Generator().manual_seed(seed), "cuda", dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", OPS)
+def test_gpu_accuracy_vs_fp64(name, dtype):
+    op = REGISTRY[name]
+    args = _inputs(op, 64, dtype, seed=1)
+    out, grads = forward_backward(op.invariant, args, op.grad_args)
+    ref_args = tuple(a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+    ref, ref_grads = forward_backward(op.reference, ref_args, op.grad_args)
+    assert rel_err(out, ref) < tolerance(out.dtype, on_gpu=True)
+    for g, rg in zip(grads, ref_grads):
+        assert rel_err(g, rg) < 3 * tolerance(g.dtype, on_gpu=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", OPS)
+def test_gpu_rows_bitwise_invariant_across_batch_sizes(name, dtype):
+    """Every row of every M equals the same row computed alone; padding and position do not matter."""
+    op = REGISTRY[name]
+    big = _inputs(op, max(MS), dtype, seed=2)
+    alone = torch.cat([op.invariant(*take_rows(big, op.row_args, slice(r, r + 1))) for r in range(16)])
+    for m in MS:
+        out = op.invariant(*take_rows(big, op.row_args, slice(0, m)))
+        k = min(m, 16)
+        assert torch.equal(out[:k], alone[:k]), f"{name} {dtype}: rows differ at M={m}"
+        # The same rows at another position, behind other rows.
+        shifted = op.invariant(*take_rows(big, op.row_args, slice(max(MS) - m - 16, max(MS))))
+        assert torch.equal(shifted[-16:], op.invariant(*take_rows(big, op.row_args, slice(max(MS) - 16, max(MS)))))
+    padded = op.invariant(*pad_rows(take_rows(big, op.row_args, slice(0, 16)), op.row_args, before=5, after=123))
+    assert torch.equal(padded[5:21], alone)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_gpu_forward_backward_deterministic(name):
+    op = REGISTRY[name]
+    args = _inputs(op, 1024, torch.bfloat16, seed=3)
+    out1, g1 = forward_backward(op.invariant, args, op.grad_args)
+    out2, g2 = forward_backward(op.invariant, args, op.grad_args)
+    assert torch.equal(out1, out2)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+
+
+def test_gpu_every_matmul_bucket_gives_the_same_bits():
+    """The M buckets differ only in M-side tiles; forcing each one onto the same rows changes no bit."""
+    from workbench.kernels import matmul as mm
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(700, 2048, generator=g).cuda().bfloat16()
+    w = (torch.randn(4096, 2048, generator=g) / 45).cuda().bfloat16()
+    outs = []
+    saved = mm.MATMUL_BUCKETS
+    try:
+        for _, cfg in saved:
+            mm.MATMUL_BUCKETS = ((1 << 62, cfg),)
+            outs.append(mm.matmul(x, w.t()))
+    finally:
+        mm.MATMUL_BUCKETS = saved
+    for cfg_out in outs[1:]:
+        assert torch.equal(cfg_out, outs[0])
+    assert matmul_config(1, torch.bfloat16).block_k == matmul_config(8192, torch.bfloat16).block_k
+
+
+def test_gpu_negative_control_standard_linear_depends_on_batch_size():
+    """cuBLAS in bf16: row 0 of x @ W.T changes with M for some M (the mismatch the workbench removes)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2048, 4096, generator=g).cuda().bfloat16()
+    w = torch.randn(4096, 4096, generator=g).cuda().bfloat16()
+    op = REGISTRY["linear"]
+    one_std = op.standard(x[:1], w)
+    one_inv = op.invariant(x[:1], w)
+    differs = []
+    for m in list(range(2, 65)) + [128, 256, 512, 1024, 2048]:
+        if not torch.equal(op.standard(x[:m], w)[:1], one_std):
+            differs.append(m)
+        assert torch.equal(op.invariant(x[:m], w)[:1], one_inv)
+    assert differs, "standard linear was batch invariant at every M tried: the control shows nothing"

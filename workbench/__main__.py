@@ -1,0 +1,41 @@
+"""Command line: `python -m workbench <command> [options]`; each command parses its config and calls a function."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import add_arguments, from_namespace
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workbench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from .demo import BatchVarianceConfig
+
+    demo = sub.add_parser("demo", help="batch variance of a matmul: standard vs invariant, on this machine")
+    add_arguments(demo, BatchVarianceConfig)
+
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo import batch_variance, resolve_device, summarize
+
+        try:
+            cfg = from_namespace(BatchVarianceConfig, args)
+        except ValueError as e:
+            demo.error(str(e))
+        print(f"workbench demo on {resolve_device(cfg.device)}: row 0 of x[:M] @ W.T vs row 0 at M = 1 "
+              f"(K={cfg.k}, N={cfg.n})", flush=True)
+        table = batch_variance(cfg)
+        print(table.to_string(index=False))
+        print(summarize(table))
+        if not table["invariant_bitwise_equal"].all():
+            print("FAILED: the invariant kernel changed a row with the batch size", file=sys.stderr)
+            return 1
+        return 0
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""What a run ran on. Bitwise results hold per (GPU, torch, triton, kernel configs),
+so every run can record exactly that."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+
+def git_sha(cwd: str | Path | None = None) -> str:
+    """The checkout's commit (with '-dirty' if it has uncommitted changes), or 'unknown'."""
+    cwd = cwd or Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=cwd, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha + ("-dirty" if dirty else "")
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment_record() -> dict:
+    """Versions, device and kernel configs, as one JSON-able dict."""
+    from . import __version__
+    from .kernels import REGISTRY
+    from .kernels._common import interpreting
+
+    cuda = torch.cuda.is_available()
+    return {
+        "workbench": __version__,
+        "git_sha": git_sha(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "gpu_capability": list(torch.cuda.get_device_capability()) if cuda else None,
+        "gpu_sms": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None,
+        "triton_interpreter": interpreting(),
+        "kernel_configs": {name: op.tile_config() for name, op in REGISTRY.items()},
+    }

@@ -1,0 +1,33 @@
+"""The kernel library: every op of a Qwen3 model in an `invariant` and a `standard` mode.
+
+Import order matters on a CPU-only machine: `_common` chooses the Triton
+interpreter before any kernel is decorated.
+"""
+
+from . import _common  # noqa: F401  (must come first)
+from .logprobs import entropy, token_logprobs, token_logprobs_and_entropy
+from .matmul import linear, matmul_config
+from .mode import MODES, current_state, get_mode, mode, set_mode
+from .registry import REGISTRY, Op
+from .rmsnorm import rms_norm
+from .rope import apply_rope, rope_cos_sin
+from .silu_mul import silu_mul
+
+__all__ = [
+    "MODES",
+    "REGISTRY",
+    "Op",
+    "apply_rope",
+    "current_state",
+    "entropy",
+    "get_mode",
+    "linear",
+    "matmul_config",
+    "mode",
+    "rms_norm",
+    "rope_cos_sin",
+    "set_mode",
+    "silu_mul",
+    "token_logprobs",
+    "token_logprobs_and_entropy",
+]

@@ -1,0 +1,100 @@
+"""Where the kernels run, and the input checks every launcher shares.
+
+On a machine without CUDA the Triton kernels run in Triton's interpreter. The
+interpreter is chosen when a `@triton.jit` decorator runs, so
+`TRITON_INTERPRET=1` is set here, before any kernel module of this package is
+imported, and only when the user has not chosen either way.
+
+Two interpreter facts shape the kernels (and the tests):
+- bf16 arithmetic on loaded values is wrong there (values are raw bit
+  patterns), so every kernel upcasts right after each load, and the matmul
+  upcasts its `tl.dot` operands when interpreting (`DOT_IN_FP32`);
+- fp32 -> bf16 casts truncate there instead of rounding to nearest even, so
+  bf16 outputs differ from a GPU's by at most one ulp.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def interpreting() -> bool:
+    """True when the Triton kernels run in the CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_float(op: str, name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{op}: `{name}` has dtype {t.dtype}; the kernels support torch.bfloat16 and "
+            f"torch.float32 (cast with .to(torch.bfloat16) or .float())"
+        )
+
+
+def check_same(op: str, tensors: dict[str, torch.Tensor], *, dtype: bool = True) -> None:
+    """All tensors on one device (and, by default, of one dtype)."""
+    names = list(tensors)
+    first = tensors[names[0]]
+    for name in names[1:]:
+        t = tensors[name]
+        if t.device != first.device:
+            raise ValueError(
+                f"{op}: `{names[0]}` is on {first.device} but `{name}` is on {t.device}; "
+                "move them to one device"
+            )
+        if dtype and t.dtype != first.dtype:
+            raise TypeError(
+                f"{op}: `{names[0]}` is {first.dtype} but `{name}` is {t.dtype}; "
+                "the kernels take one dtype per call"
+            )
+
+
+def check_device(op: str, t: torch.Tensor) -> None:
+    """Invariant kernels run on CUDA, or on the CPU only through the interpreter."""
+    if t.device.type == "cuda":
+        return
+    if t.device.type == "cpu" and interpreting():
+        return
+    raise RuntimeError(
+        f"{op}: the invariant Triton kernels need a CUDA tensor (got one on {t.device}); "
+        "on a CPU-only machine set TRITON_INTERPRET=1 before importing workbench, "
+        "or use mode('standard')"
+    )
+
+
+def check_last_dim_contiguous(op: str, name: str, t: torch.Tensor) -> None:
+    if t.dim() == 0:
+        raise ValueError(f"{op}: `{name}` must have at least one dimension, got a scalar")
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(
+            f"{op}: `{name}` must be contiguous in its last dimension (stride 1), got "
+            f"strides {tuple(t.stride())}; call .contiguous() on it first"
+        )
+
+
+def rows_view(op: str, name: str, t: torch.Tensor) -> torch.Tensor:
+    """[..., N] -> [rows, N] without a copy; rows may have any stride."""
+    check_last_dim_contiguous(op, name, t)
+    n = t.shape[-1]
+    if t.dim() == 1:
+        return t.view(1, n)
+    try:
+        return t.view(-1, n)
+    except RuntimeError:
+        raise ValueError(
+            f"{op}: `{name}` with shape {tuple(t.shape)} and strides {tuple(t.stride())} "
+            "cannot be seen as rows without a copy; call .contiguous() on it first"
+        ) from None
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

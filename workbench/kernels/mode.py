@@ -1,0 +1,85 @@
+"""The one switch between the `invariant` kernels and the `standard` path.
+
+- `invariant`: this package's Triton kernels. Every output element is reduced
+  in one fixed order, whatever the batch size, the row's position, the other
+  rows or padding.
+- `standard`: the usual fast path (cuBLAS through `F.linear`, PyTorch ops):
+  the mismatched control.
+
+A mode is a default plus per-op overrides, so an experiment can make one op
+mismatched and keep the rest exact:
+
+    with mode("invariant", linear="standard"):
+        ...
+
+The state lives in a `ContextVar`, so threads and async tasks each see their
+own mode. The default, before any call, is `invariant`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+MODES = ("invariant", "standard")
+
+
+@dataclass(frozen=True)
+class ModeState:
+    default: str = "invariant"
+    overrides: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    def of(self, op: str) -> str:
+        return self.overrides.get(op, self.default)
+
+
+_STATE: contextvars.ContextVar[ModeState] = contextvars.ContextVar(
+    "workbench_kernel_mode", default=ModeState()
+)
+
+
+def _check_mode(name: str, where: str) -> str:
+    if name not in MODES:
+        raise ValueError(f"unknown kernel mode {name!r} for {where}; choose one of {MODES}")
+    return name
+
+
+def _make_state(name: str | None, overrides: Mapping[str, str]) -> ModeState:
+    from .registry import REGISTRY
+
+    default = _check_mode(name, "the default") if name is not None else _STATE.get().default
+    for op, op_mode in overrides.items():
+        if op not in REGISTRY:
+            raise ValueError(f"unknown op {op!r} in a mode override; known ops: {sorted(REGISTRY)}")
+        _check_mode(op_mode, f"op {op!r}")
+    return ModeState(default, MappingProxyType(dict(overrides)))
+
+
+@contextlib.contextmanager
+def mode(name: str | None = None, **overrides: str) -> Iterator[ModeState]:
+    """Run a block in mode `name` (None keeps the current default), with per-op overrides."""
+    token = _STATE.set(_make_state(name, overrides))
+    try:
+        yield _STATE.get()
+    finally:
+        _STATE.reset(token)
+
+
+def set_mode(name: str, **overrides: str) -> ModeState:
+    """Set the mode for the rest of this context (a notebook, a script)."""
+    state = _make_state(name, overrides)
+    _STATE.set(state)
+    return state
+
+
+def get_mode(op: str | None = None) -> str:
+    """The mode in force for `op`, or the default when `op` is None."""
+    state = _STATE.get()
+    return state.default if op is None else state.of(op)
+
+
+def current_state() -> ModeState:
+    return _STATE.get()

@@ -1,0 +1,162 @@
+"""`rms_norm(x, weight, eps)`: Qwen3's RMSNorm, forward and backward.
+
+Numerics contract (mode `invariant`), with Hugging Face's rounding points:
+- x is read and upcast to fp32; the sum of squares of a row is one `tl.sum`
+  over the whole row in fp32 (tree order fixed by BLOCK_N and num_warps, which
+  depend only on the row width N).
+- rstd = 1 / sqrt(sum / N + eps) in fp32.
+- Rounding point 1: n = x * rstd is cast to the input dtype (as HF's
+  `hidden_states.to(input_dtype)`).
+- Rounding point 2: y = weight * n, multiplied in fp32 and cast once (as
+  PyTorch's bf16 * bf16).
+- One row per program: a row's output never depends on other rows, M, or
+  padding.
+- Backward, in fp32 with the cast treated as the identity: g = dy * w,
+  dx = rstd * (g - n * mean(g * n)) (bit-identical per row, whatever the batch);
+  dw = sum over rows of dy * round(n), each program summing a fixed block of
+  ROWS rows in order, then the blocks summed in order: deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_device, check_float, check_same, interpreting, next_power_of_2, rows_view
+from .mode import get_mode
+
+MAX_WIDTH = 65536
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, N, eps,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    n = (x * rstd).to(y_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = n.to(tl.float32) * w
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
+    stride_x, stride_dy, stride_dx, M, N,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for i in range(0, ROWS):
+        row = (pid * ROWS + i).to(tl.int64)
+        if row < M:
+            x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + row)
+            n = x * rstd
+            g = dy * w
+            dx = rstd * (g - n * (tl.sum(g * n, axis=0) / N))
+            tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dw += dy * n.to(dx_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(dw_part_ptr + pid * N + cols, dw, mask=mask)
+
+
+def _num_warps(block_n: int) -> int:
+    return 4 if block_n <= 2048 else 8 if block_n <= 8192 else 16
+
+
+def tile_config() -> dict:
+    """The launch config in force here (for the environment record)."""
+    return {"block_n": "next power of 2 of the row width", "num_warps": "4 up to 2048, 8 up to 8192, else 16",
+            "backward_rows_per_program": 4 if interpreting() else 32}
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    check_float("rms_norm", "x", x)
+    check_float("rms_norm", "weight", weight)
+    check_same("rms_norm", {"x": x, "weight": weight})
+    if weight.dim() != 1 or x.dim() == 0 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(
+            f"rms_norm: weight must be 1-D of x's last dimension; got x {tuple(x.shape)} "
+            f"and weight {tuple(weight.shape)}"
+        )
+    if x.shape[-1] > MAX_WIDTH:
+        raise ValueError(f"rms_norm: rows wider than {MAX_WIDTH} are not supported (got {x.shape[-1]})")
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise ValueError(f"rms_norm: eps must be a positive number, got {eps!r}")
+
+
+class RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        check_device("rms_norm", x)
+        x2 = rows_view("rms_norm", "x", x)
+        m, n = x2.shape
+        y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+        rstd = torch.empty((m,), device=x.device, dtype=torch.float32)
+        block_n = next_power_of_2(n)
+        if m > 0:
+            _rms_norm_fwd_kernel[(m,)](
+                x2, weight, y, rstd, x2.stride(0), y.stride(0), n, float(eps),
+                BLOCK_N=block_n, num_warps=_num_warps(block_n),
+            )
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.x_shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x2, weight, rstd = ctx.saved_tensors
+        m, n = x2.shape
+        dy2 = dy.reshape(m, n).contiguous()
+        dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
+        rows = 4 if interpreting() else 32
+        n_prog = triton.cdiv(m, rows)
+        dw_part = torch.empty((max(n_prog, 1), n), device=x2.device, dtype=torch.float32)
+        if m == 0:
+            dw_part.zero_()
+        else:
+            block_n = next_power_of_2(n)
+            _rms_norm_bwd_kernel[(n_prog,)](
+                x2, weight, dy2, rstd, dx, dw_part,
+                x2.stride(0), dy2.stride(0), dx.stride(0), m, n,
+                BLOCK_N=block_n, ROWS=rows, num_warps=_num_warps(block_n),
+            )
+        dw = dw_part.sum(0).to(weight.dtype)
+        return dx.view(ctx.x_shape), dw, None
+
+
+def rms_norm_invariant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    _check(x, weight, eps)
+    return RMSNormFn.apply(x, weight, eps)
+
+
+def rms_norm_standard(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Hugging Face's Qwen3RMSNorm, op for op."""
+    _check(x, weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dimension, by the kernel the mode picks for `rms_norm`."""
+    if get_mode("rms_norm") == "standard":
+        return rms_norm_standard(x, weight, eps)
+    return rms_norm_invariant(x, weight, eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fp64 reference, no intermediate rounding."""
+    h = x.double()
+    return weight.double() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

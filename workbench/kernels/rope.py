@@ -1,0 +1,144 @@
+"""`apply_rope(x, cos, sin)`: rotary position embedding (Qwen3's half-split form).
+
+x has shape [..., H, D] (heads, head dim); cos and sin have shape [..., D/2]
+with the same leading dims (one row per token, so every token may carry its
+own absolute position), and are fp32. With x = [x1, x2] split in halves:
+    out1 = x1 * cos - x2 * sin,  out2 = x2 * cos + x1 * sin.
+
+Numerics contract (mode `invariant`):
+- x is upcast to fp32, the tables stay fp32 (Hugging Face casts them to bf16
+  first; we do not: fp32 tables, one rounding), each output is computed in
+  fp32 (the compiler may fuse a product and a sum into one FMA, always the
+  same way) and cast once.
+- Elementwise per token and head: no dependence on other tokens or the batch.
+- Backward is the inverse rotation, the same kernel with sin negated (exact).
+- `rope_cos_sin` builds the tables from integer positions with fp32 math; the
+  same position gives the same bits in training, prefill and decode.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_device, check_float, check_same, next_power_of_2
+from .mode import get_mode
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr, cos_ptr, sin_ptr, o_ptr,
+    stride_xt, stride_xh, stride_ct, stride_st, H, HALF,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INVERSE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HALF
+    mask = (h[:, None] < H) & dmask[None, :]
+    c = tl.load(cos_ptr + t * stride_ct + d, mask=dmask, other=0.0)[None, :]
+    s = tl.load(sin_ptr + t * stride_st + d, mask=dmask, other=0.0)[None, :]
+    if INVERSE:
+        s = -s
+    x_base = x_ptr + t * stride_xt + h[:, None] * stride_xh + d[None, :]
+    x1 = tl.load(x_base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_base + HALF, mask=mask, other=0.0).to(tl.float32)
+    o_base = o_ptr + t * H * 2 * HALF + h[:, None] * 2 * HALF + d[None, :]
+    tl.store(o_base, (x1 * c - x2 * s).to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_base + HALF, (x2 * c + x1 * s).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def tile_config() -> dict:
+    """The launch config in force here (for the environment record)."""
+    return {"program": "one token, all heads", "num_warps": 4}
+
+
+def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    check_float("apply_rope", "x", x)
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"apply_rope: `{name}` must be an fp32 tensor (tables stay fp32), got {got}")
+    check_same("apply_rope", {"x": x, "cos": cos, "sin": sin}, dtype=False)
+    if x.dim() < 2 or x.shape[-1] % 2:
+        raise ValueError(f"apply_rope: x must be [..., heads, head_dim] with an even head_dim, got {tuple(x.shape)}")
+    want = (*x.shape[:-2], x.shape[-1] // 2)
+    if tuple(cos.shape) != want or tuple(sin.shape) != want:
+        raise ValueError(
+            f"apply_rope: cos and sin must have shape {want} for x {tuple(x.shape)}, got "
+            f"{tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+
+
+def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    h, d = x.shape[-2:]
+    if x.stride(-1) != 1:
+        raise ValueError(
+            f"apply_rope: x must be contiguous in its last dimension, got strides {tuple(x.stride())}; "
+            "call .contiguous() on it first"
+        )
+    x3 = x.reshape(-1, h, d)
+    c2 = cos.reshape(-1, d // 2)
+    s2 = sin.reshape(-1, d // 2)
+    if c2.stride(-1) != 1 or s2.stride(-1) != 1:
+        c2, s2 = c2.contiguous(), s2.contiguous()
+    out = torch.empty(x3.shape, device=x.device, dtype=x.dtype)
+    if x3.shape[0] > 0:
+        _rope_kernel[(x3.shape[0],)](
+            x3, c2, s2, out, x3.stride(0), x3.stride(1), c2.stride(0), s2.stride(0), h, d // 2,
+            BLOCK_H=next_power_of_2(h), BLOCK_D=next_power_of_2(d // 2), INVERSE=inverse, num_warps=4,
+        )
+    return out.view(x.shape)
+
+
+class RopeFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        check_device("apply_rope", x)
+        ctx.save_for_backward(cos, sin)
+        return _launch(x, cos, sin, inverse=False)
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _launch(dout.contiguous(), cos, sin, inverse=True), None, None
+
+
+def apply_rope_invariant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    _check(x, cos, sin)
+    return RopeFn.apply(x, cos, sin)
+
+
+def apply_rope_standard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's form: tables cast to x's dtype, rotate_half, products and sum in x's dtype."""
+    _check(x, cos, sin)
+    c = torch.cat([cos, cos], -1).unsqueeze(-2).to(x.dtype)
+    s = torch.cat([sin, sin], -1).unsqueeze(-2).to(x.dtype)
+    x1, x2 = x.chunk(2, -1)
+    return x * c + torch.cat([-x2, x1], -1) * s
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x[..., H, D] by the per-token fp32 tables, by the kernel the mode picks for `apply_rope`."""
+    if get_mode("apply_rope") == "standard":
+        return apply_rope_standard(x, cos, sin)
+    return apply_rope_invariant(x, cos, sin)
+
+
+def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """fp64 reference."""
+    x1, x2 = x.double().chunk(2, -1)
+    c = cos.double().unsqueeze(-2)
+    s = sin.double().unsqueeze(-2)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin tables [..., head_dim/2] for integer positions, as Hugging Face computes them."""
+    if positions.dtype.is_floating_point:
+        raise TypeError(f"rope_cos_sin: positions must be integers, got {positions.dtype}")
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    return freqs.cos(), freqs.sin()

@@ -1,0 +1,1 @@
+"""The Qwen3 model on the kernel library (issue: model)."""

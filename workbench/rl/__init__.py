@@ -1,0 +1,1 @@
+"""The RL trainer: GRPO family, KL estimators, tasks (issue: RL)."""
