@@ -1,10 +1,15 @@
 """GPU benchmark of the kernel library against its baselines, measured in the same run.
 
 - linear: TFLOP/s of the invariant kernel and of cuBLAS (`F.linear`) on the
-  Qwen3-1.7B projection shapes, forward and backward (dx + dW), and the ratio.
-- rms_norm, silu_mul, token_logprobs (+ entropy), apply_rope: GB/s of the
-  invariant kernel and of the standard PyTorch path, against a device-to-device
-  copy measured here (bytes read + written).
+  Qwen3-1.7B projection shapes, forward, and forward + backward (y, dx, dW:
+  three products), and the ratio.
+- rms_norm, silu_mul, apply_rope, token_logprobs (with entropy's kernel):
+  GB/s of the invariant kernel and of the standard PyTorch path, against a
+  device-to-device copy measured here (bytes read + written). Bytes are the
+  fewest the op must move: each input read once, each output written once.
+
+Times are GPU time per call (CUDA graphs, inputs rotated past the L2 cache;
+see bench/timing.py).
 
     python bench/bench_kernels.py [--out FILE.md] [--quick]
 """
@@ -13,79 +18,97 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 
-from workbench.kernels import REGISTRY
+sys.path.insert(0, os.path.dirname(__file__))
+from timing import gpu_ms  # noqa: E402
+
+from workbench.env import git_sha  # noqa: E402
+from workbench.kernels import REGISTRY  # noqa: E402
 
 SHAPES = [(2048, 4096), (2048, 2048), (2048, 12288), (6144, 2048), (2048, 151936)]
 MS = [1, 8, 32, 128, 512, 2048, 8192]
+BACKWARD_MS = (8, 128, 2048, 8192)
 
 
-def bench(fn) -> float:
-    """Median milliseconds of GPU time: CUDA-graph replays, so Python launch overhead is left out."""
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 29, device="cuda", dtype=torch.uint8).random_()
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    return 2 * src.numel() / ms / 1e6
-
-
-def _fwd_bwd(fn, args, grad_idx):
+def _with_grad(fn, args, grad_idx):
+    """A call running forward and backward (autograd's backward runs on the forward's stream,
+    so both sit inside the CUDA graph)."""
     args = [a.detach().requires_grad_(True) if i in grad_idx else a for i, a in enumerate(args)]
-    out = fn(*args)
-    g = torch.randn_like(out)
+    g = torch.randn_like(fn(*args))
     grads = [args[i] for i in grad_idx]
-    return lambda: torch.autograd.grad(out, grads, g, retain_graph=True)
+    return lambda: torch.autograd.grad(fn(*args), grads, g)
 
 
 def linear_rows(quick: bool):
+    inv = REGISTRY["linear"].invariant
     rows = []
-    g = torch.Generator(device="cuda").manual_seed(0)
-    inv, std = REGISTRY["linear"].invariant, REGISTRY["linear"].standard
     for k, n in SHAPES:
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k**-0.5
-        for m in MS if not quick else [1, 128, 2048]:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        for m in [1, 128, 2048] if quick else MS:
+            nbytes = 2 * (m * k + n * k + m * n)
+
+            def make(fn, grad=False):
+                def call():
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+                    return _with_grad(fn, [x, w], (0, 1)) if grad else (lambda: fn(x, w))
+                return call
+
             flop = 2 * m * n * k
-            t_inv, t_std = bench(lambda: inv(x, w)), bench(lambda: F.linear(x, w))
+            t_inv, t_std = gpu_ms(make(inv), nbytes), gpu_ms(make(F.linear), nbytes)
             rows.append(("fwd", k, n, m, flop / t_inv / 1e9, flop / t_std / 1e9))
-            if m in (8, 128, 2048, 8192):
-                b_inv = _fwd_bwd(inv, [x, w], (0, 1))
-                b_std = _fwd_bwd(std, [x, w], (0, 1))
-                t_inv, t_std = bench(b_inv), bench(b_std)
-                rows.append(("bwd", k, n, m, 2 * flop / t_inv / 1e9, 2 * flop / t_std / 1e9))
+            if m in BACKWARD_MS:
+                t_inv, t_std = gpu_ms(make(inv, True), 2 * nbytes), gpu_ms(make(F.linear, True), 2 * nbytes)
+                rows.append(("fwd+bwd", k, n, m, 3 * flop / t_inv / 1e9, 3 * flop / t_std / 1e9))
     return rows
 
 
-def rowwise_rows(copy_gbs: float):
-    """(op, pass, shape, bytes moved, invariant ms, standard ms)."""
-    g = torch.Generator().manual_seed(1)
-    cases = [("rms_norm", 8192), ("rms_norm", 64), ("silu_mul", 8192), ("silu_mul", 64),
-             ("apply_rope", 8192), ("token_logprobs", 4096), ("token_logprobs", 64)]
+def copy_gbs() -> float:
+    n = 1 << 29
+
+    def make():
+        src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        dst = torch.empty_like(src)
+        return lambda: dst.copy_(src)
+
+    return 2 * 2 * n / gpu_ms(make, 4 * n) / 1e6
+
+
+# op -> (bytes of the forward, bytes of forward + backward), in elements of x (bf16, 2 bytes each)
+_TRAFFIC = {
+    "rms_norm": (2, 2 + 3),
+    "silu_mul": (3, 3 + 5),
+    "apply_rope": (2, 2 + 2),
+    "token_logprobs": (1, 1 + 2),
+}
+_CASES = [("rms_norm", 8192), ("rms_norm", 64), ("silu_mul", 8192), ("silu_mul", 64),
+          ("apply_rope", 8192), ("token_logprobs", 4096), ("token_logprobs", 64)]
+
+
+def rowwise_rows():
+    """(op, pass, shape, bytes, invariant ms, standard ms)."""
     rows = []
-    for name, m in cases:
+    for name, m in _CASES:
         op = REGISTRY[name]
-        args = op.make_inputs(m, "real", g, "cuda", torch.bfloat16)
-        elems = args[0].numel()
-        # Bytes the op must move at least: each bf16 input read once, each output written once.
-        fwd_bytes, bwd_bytes = {
-            "rms_norm": (2 * elems * 2, 3 * elems * 2),
-            "silu_mul": (3 * elems * 2, 5 * elems * 2),
-            "apply_rope": (2 * elems * 2, 2 * elems * 2),
-            "token_logprobs": (elems * 2, 2 * elems * 2),
-        }[name]
-        shape = "x".join(str(s) for s in args[0].shape)
-        t_inv, t_std = bench(lambda: op.invariant(*args)), bench(lambda: op.standard(*args))
-        rows.append((name, "fwd", shape, fwd_bytes, t_inv, t_std))
-        b_inv, b_std = _fwd_bwd(op.invariant, list(args), op.grad_args), _fwd_bwd(op.standard, list(args), op.grad_args)
-        rows.append((name, "bwd", shape, bwd_bytes, bench(b_inv), bench(b_std)))
+        row = op.make_inputs(1, "real", torch.Generator(), "cpu", torch.bfloat16)[0]
+        elems = m * row.numel()
+        shape = "x".join(str(s) for s in (m, *row.shape[1:]))
+        for label, grad, factor in (("fwd", False, _TRAFFIC[name][0]), ("fwd+bwd", True, _TRAFFIC[name][1])):
+            nbytes = 2 * elems * factor
+
+            def make_for(fn):
+                def call():
+                    args = op.make_inputs(m, "real", torch.Generator().manual_seed(0), "cuda", torch.bfloat16)
+                    return _with_grad(fn, list(args), op.grad_args) if grad else (lambda: fn(*args))
+                return call
+
+            rows.append((name, label, shape, nbytes, gpu_ms(make_for(op.invariant), nbytes),
+                         gpu_ms(make_for(op.standard), nbytes)))
     return rows
 
 
@@ -97,17 +120,16 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
-    dev = torch.cuda.get_device_name()
     lines = [
-        f"Device: {dev}; torch {torch.__version__}, triton {triton.__version__}, "
-        f"{datetime.date.today().isoformat()}, host {platform.node()}",
+        f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}; "
+        f"{datetime.date.today().isoformat()}; git {git_sha()}",
         "",
         "| pass | K | N | M | invariant TFLOP/s | cuBLAS TFLOP/s | ratio |",
         "|---|---|---|---|---|---|---|",
     ]
     for p, k, n, m, ti, ts in linear_rows(a.quick):
         lines.append(f"| {p} | {k} | {n} | {m} | {ti:.1f} | {ts:.1f} | {ti / ts:.2f} |")
-    copy = copy_bandwidth()
+    copy = copy_gbs()
     lines += [
         "",
         f"Device-to-device copy: {copy:.0f} GB/s (bytes read + written).",
@@ -115,7 +137,7 @@ def main() -> None:
         "| op | pass | shape | invariant GB/s | / copy | standard GB/s | / copy |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, p, shape, nbytes, ti, ts in rowwise_rows(copy):
+    for name, p, shape, nbytes, ti, ts in rowwise_rows():
         gi, gs = nbytes / ti / 1e6, nbytes / ts / 1e6
         lines.append(f"| {name} | {p} | {shape} | {gi:.0f} | {gi / copy:.2f} | {gs:.0f} | {gs / copy:.2f} |")
     text = "\n".join(lines)

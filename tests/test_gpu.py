@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import forward_backward, pad_rows, rel_err, take_rows, tolerance
-from workbench.kernels import REGISTRY, matmul_config
+from workbench.kernels import REGISTRY
 
 pytestmark = pytest.mark.gpu
 
@@ -66,7 +66,8 @@ def test_gpu_forward_backward_deterministic(name):
 
 
 def test_gpu_every_matmul_bucket_gives_the_same_bits():
-    """The M buckets differ only in M-side tiles; forcing each one onto the same rows changes no bit."""
+    """The M buckets differ only in M-side tiles, TMA and pointer kernels only in how tiles are loaded:
+    forcing each onto the same rows changes no bit. Backward layouts too."""
     from workbench.kernels import matmul as mm
 
     g = torch.Generator().manual_seed(4)
@@ -78,11 +79,15 @@ def test_gpu_every_matmul_bucket_gives_the_same_bits():
         for _, cfg in saved:
             mm.MATMUL_BUCKETS = ((1 << 62, cfg),)
             outs.append(mm.matmul(x, w.t()))
+            # The pointer kernel against the TMA kernel, in each bucket.
+            outs.append(mm.matmul(x, w.t(), tma=False))
     finally:
         mm.MATMUL_BUCKETS = saved
     for cfg_out in outs[1:]:
         assert torch.equal(cfg_out, outs[0])
-    assert matmul_config(1, torch.bfloat16).block_k == matmul_config(8192, torch.bfloat16).block_k
+    dy = torch.randn(700, 4096, generator=g).cuda().bfloat16()
+    assert torch.equal(mm.matmul(dy, w, tma=True), mm.matmul(dy, w, tma=False))
+    assert torch.equal(mm.matmul(dy.t(), x, tma=True), mm.matmul(dy.t(), x, tma=False))
 
 
 def test_gpu_negative_control_standard_linear_depends_on_batch_size():

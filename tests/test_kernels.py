@@ -100,3 +100,25 @@ def test_the_invariance_check_catches_a_batch_dependent_split_k():
     assert not torch.equal(split_k_linear(x, w)[:1], split_k_linear(x[:1], w))
     inv = REGISTRY["linear"].invariant
     assert torch.equal(inv(x.bfloat16(), w.bfloat16())[:1], inv(x[:1].bfloat16(), w.bfloat16()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tma_matmul_kernel_is_accurate_in_every_layout(dtype):
+    """The TMA kernel (a GPU's default for aligned operands) in the three layouts of forward and backward.
+
+    Its bits are checked against the pointer kernel on the GPU (tests/test_gpu.py); the
+    interpreter's dots round differently per memory layout, so here it is checked for accuracy.
+    """
+    from workbench.kernels.matmul import matmul
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(21, 64, generator=g).to(dtype)
+    w = torch.randn(48, 64, generator=g).to(dtype)
+    dy = torch.randn(21, 48, generator=g).to(dtype)
+    tol = tolerance(dtype, on_gpu=False)
+    for a, b in ((x, w.t()), (dy, w), (dy.t(), x)):
+        out = matmul(a, b, tma=True)
+        assert rel_err(out, a.double() @ b.double()) < tol
+        assert torch.equal(out, matmul(a, b, tma=True))
+    with pytest.raises(ValueError, match="tma=True needs"):
+        matmul(torch.empty(21, 65, dtype=dtype)[:, :64], w.t(), tma=True)

@@ -8,12 +8,12 @@ For a row of logits l (bf16 or fp32) and a temperature T, with x = l * (1/T) in 
 Numerics contract (mode `invariant`):
 - Logits are upcast to fp32 right after the load; nothing is rounded below fp32.
 - The vocabulary is cut into fixed chunks of CHUNK_V columns (a function of
-  nothing but the GPU/interpreter, never of the number of rows). Within a chunk,
-  each of BLOCK_V lanes keeps an online (max, sum exp, sum exp * x) over its
-  columns in increasing order; the lanes are then combined by one `tl.sum`
-  tree. The chunks are combined in increasing order by a second kernel. So a
-  row's results are the same bits whatever the other rows, their number or
-  padding rows, and the chunks give parallelism when there are few rows.
+  nothing but the GPU/interpreter, never of the number of rows). A chunk is
+  held in registers: its max m, sum exp(x - m) and sum exp(x - m) * x are each
+  one `tl.sum`/`tl.max` tree (one exp per logit). The chunks are combined in
+  increasing order by a second kernel (online rescaling). So a row's results
+  are the same bits whatever the other rows, their number or padding rows,
+  and the chunks give parallelism when there are few rows.
 - -inf logits (masked vocabulary) contribute exact zeros; a token outside
   [0, V) gives NaN (the kernel never reads outside the row).
 - Memory: no [rows, vocab] buffer in the forward (only [rows, chunks]
@@ -35,35 +35,22 @@ from .mode import get_mode
 @triton.jit
 def _lse_partials_kernel(
     x_ptr, part_ptr, stride_x, V, inv_t, n_chunks,
-    CHUNK_V: tl.constexpr, BLOCK_V: tl.constexpr,
+    CHUNK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    lanes = tl.arange(0, BLOCK_V)
-    m = tl.full((BLOCK_V,), float("-inf"), tl.float32)
-    s = tl.zeros((BLOCK_V,), tl.float32)
-    t = tl.zeros((BLOCK_V,), tl.float32)
-    start = chunk * CHUNK_V
-    for off in range(0, CHUNK_V, BLOCK_V):
-        cols = start + off + lanes
-        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_t
-        m_new = tl.maximum(m, x)
-        # A lane that has seen only -inf keeps m = -inf; shift by 0 there so no -inf - -inf appears.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - shift)
-        e = tl.exp(x - shift)
-        s = s * alpha + e
-        t = t * alpha + e * tl.where(x == float("-inf"), 0.0, x)
-        m = m_new
-    cm = tl.max(m, axis=0)
-    cshift = tl.where(cm == float("-inf"), 0.0, cm)
-    w = tl.exp(m - cshift)
-    cs = tl.sum(s * w, axis=0)
-    ct = tl.sum(t * w, axis=0)
+    cols = chunk * CHUNK_V + tl.arange(0, CHUNK_V)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_t
+    m = tl.max(x, axis=0)
+    # A chunk of only -inf keeps m = -inf; shift by 0 there so no -inf - -inf appears.
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    e = tl.exp(x - shift)
+    s = tl.sum(e, axis=0)
+    t = tl.sum(e * tl.where(x == float("-inf"), 0.0, x), axis=0)
     base = part_ptr + (row * n_chunks + chunk) * 3
-    tl.store(base, cm)
-    tl.store(base + 1, cs)
-    tl.store(base + 2, ct)
+    tl.store(base, m)
+    tl.store(base + 1, s)
+    tl.store(base + 2, t)
 
 
 @triton.jit
@@ -121,14 +108,14 @@ def _logprobs_bwd_kernel(
 
 
 def _config() -> tuple[int, int]:
-    """(CHUNK_V, BLOCK_V): fixed per machine kind, never a function of the rows."""
-    return (256, 128) if interpreting() else (8192, 1024)
+    """(CHUNK_V of the forward, BLOCK_V of the backward): fixed per machine kind, never a function of the rows."""
+    return (256, 128) if interpreting() else (4096, 1024)
 
 
 def tile_config() -> dict:
     """The launch config in force here (for the environment record)."""
     chunk_v, block_v = _config()
-    return {"chunk_v": chunk_v, "block_v": block_v, "num_warps": 4}
+    return {"forward_chunk_v": chunk_v, "forward_num_warps": 8, "backward_block_v": block_v, "backward_num_warps": 4}
 
 
 def _check(logits: torch.Tensor, tokens: torch.Tensor | None, temperature: float) -> None:
@@ -164,7 +151,7 @@ class LogProbsFn(torch.autograd.Function):
         x2 = rows_view("token_logprobs", "logits", logits)
         r, v = x2.shape
         tok = tokens.reshape(r).contiguous()
-        chunk_v, block_v = _config()
+        chunk_v, _ = _config()
         n_chunks = triton.cdiv(v, chunk_v)
         dev = logits.device
         part = torch.empty((r, n_chunks, 3), device=dev, dtype=torch.float32)
@@ -173,7 +160,7 @@ class LogProbsFn(torch.autograd.Function):
         inv_t = 1.0 / float(temperature)
         if r > 0:
             _lse_partials_kernel[(r, n_chunks)](
-                x2, part, x2.stride(0), v, inv_t, n_chunks, CHUNK_V=chunk_v, BLOCK_V=block_v, num_warps=4,
+                x2, part, x2.stride(0), v, inv_t, n_chunks, CHUNK_V=chunk_v, num_warps=8,
             )
             _lse_combine_kernel[(r,)](
                 x2, tok, part, logp, ent, lse, mean, x2.stride(0), v, inv_t, n_chunks, num_warps=1,

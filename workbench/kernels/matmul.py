@@ -3,16 +3,21 @@
 Numerics contract (mode `invariant`):
 - Operands are read in their dtype (bf16 or fp32) and multiplied on the
   tensor cores (bf16) or in IEEE fp32 (`input_precision="ieee"`, never tf32).
-- Each output element is accumulated in one fp32 register, over K in blocks of
-  BLOCK_K taken in increasing order: acc = dot(a_0, b_0); acc = dot(a_1, b_1, acc); ...
+- Each output element is accumulated in one fp32 register, over K in blocks
+  taken in increasing order: acc = dot(a_0, b_0); acc = dot(a_1, b_1, acc); ...
+  (the tensor cores step through each block 16 k at a time, also in order).
   No split-K, no atomics, no run-time autotuning.
 - One rounding point: the fp32 accumulator is cast to the output dtype once.
-- BLOCK_K, and so the order of every sum, depends only on (K, dtype, GPU),
-  never on M. The M-side tiles may change with M (see `MATMUL_BUCKETS`); each
-  bucket is checked bitwise against the others on the GPU
-  (`tests/test_gpu.py`), since a row's result must not depend on its bucket.
-  So a row of x gives the same bits alone, in any batch, at any position, next
-  to any other rows, with or without padding rows.
+- The tile config may change with M (`MATMUL_BUCKETS`, a fixed table), because
+  on the GPU the per-element chain of k-steps does not depend on the tiles:
+  every bucket is checked bitwise against the others (`tests/test_gpu.py`),
+  since a row's result must not depend on its bucket. So a row of x gives the
+  same bits alone, in any batch, at any position, next to any other rows,
+  with or without padding rows.
+- Two kernels, one arithmetic: `_matmul_kernel` (pointer loads, any strides) and
+  `_matmul_tma_kernel` (TMA loads, optionally persistent, for 16-byte aligned
+  row-major operands: the GPU default). They run the same dot chain, so give
+  the same bits (checked on the GPU).
 - Backward: dx = dy @ W is computed by the same kernel (so it is batch
   invariant too); dW = dy.T @ x reduces over the token dimension in blocks of
   BLOCK_K in order, so it is deterministic run to run. Gradients come out in
@@ -26,11 +31,13 @@ with a tolerance there, bitwise only with themselves.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import check_device, check_float, check_same, interpreting
 from .mode import get_mode
@@ -93,6 +100,47 @@ def _matmul_kernel(
     tl.store(c_ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
+@triton.jit
+def _matmul_tma_kernel(
+    a_desc, b_desc, c_desc, M, N, K, NUM_PROGRAMS,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, IEEE: tl.constexpr,
+):
+    # The same product through the bulk tensor copy engine (TMA), for aligned
+    # operands; optionally persistent (NUM_PROGRAMS < number of tiles). TMA
+    # zero-fills outside the tensor, so tails need no masks, and stores are
+    # clipped to the tensor. Same dot chain as `_matmul_kernel`: same bits.
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        group_id = tile // width
+        first_m = group_id * GROUP_M
+        group_rows = min(num_pid_m - first_m, GROUP_M)
+        off_m = (first_m + ((tile % width) % group_rows)) * BLOCK_M
+        off_n = ((tile % width) // group_rows) * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            off_k = k * BLOCK_K
+            if A_K_MAJOR:
+                a = a_desc.load([off_m, off_k])
+            else:
+                a = tl.trans(a_desc.load([off_k, off_m]))
+            if B_K_MAJOR:
+                b = tl.trans(b_desc.load([off_n, off_k]))
+            else:
+                b = b_desc.load([off_k, off_n])
+            if DOT_IN_FP32:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+
+
 @dataclass(frozen=True)
 class MatmulConfig:
     block_m: int
@@ -101,19 +149,24 @@ class MatmulConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    persistent: bool = False
+    """One program per SM looping over tiles (TMA path only)."""
 
 
 # Interpreter: small tiles keep a CPU test in the tens of milliseconds.
 _INTERPRETER = MatmulConfig(32, 32, 32, group_m=4, num_warps=4, num_stages=1)
 
 # GPU, bf16: (largest M of the bucket, config), chosen by `bench/tune_matmul.py`
-# on an H200. BLOCK_K is 64 in every bucket; with it every candidate config gave
-# the same bits on every row, which is what lets the M-side tiles follow M.
+# on an H200. Every candidate config (BLOCK_K 64 or 128, any M/N tiles, warps,
+# stages, persistent or not, TMA or pointer loads) gave the same bits on every
+# row: on Hopper a dot over a K block is a chain of k=16 MMA steps in
+# increasing k, whatever the tiling. That is what lets the tiles follow M;
+# tests/test_gpu.py checks it again for these buckets.
 MATMUL_BUCKETS: tuple[tuple[int, MatmulConfig], ...] = (
-    (16, MatmulConfig(16, 64, 64, group_m=8, num_warps=4, num_stages=4)),
-    (128, MatmulConfig(64, 32, 64, group_m=8, num_warps=4, num_stages=4)),
+    (32, MatmulConfig(16, 64, 128, group_m=8, num_warps=4, num_stages=4)),
+    (128, MatmulConfig(64, 64, 64, group_m=8, num_warps=4, num_stages=4)),
     (512, MatmulConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)),
-    (1 << 62, MatmulConfig(256, 128, 64, group_m=8, num_warps=8, num_stages=3)),
+    (1 << 62, MatmulConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, persistent=True)),
 )
 # GPU, fp32 (IEEE dot, FMA units): one config for every M.
 _FP32 = MatmulConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=2)
@@ -138,8 +191,28 @@ def tile_config() -> dict:
     return {"bf16_buckets": [(m, vars(c)) for m, c in MATMUL_BUCKETS], "fp32": vars(_FP32)}
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """a[M, K] @ b[K, N] with the invariant kernel; any strides."""
+def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor | None:
+    """A TMA descriptor for a row-major 2-D view, or None where TMA's alignment rules fail."""
+    size = t.element_size()
+    if t.stride(1) != 1 or (t.stride(0) * size) % 16 or t.data_ptr() % 16 or t.shape[1] * size < 16:
+        return None
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+
+@cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
+           tma: bool | None = None) -> torch.Tensor:
+    """a[M, K] @ b[K, N] with the invariant kernel; any strides.
+
+    tma=None takes the TMA kernel on a GPU where the operands are aligned, the
+    pointer kernel otherwise. The interpreter runs the pointer kernel: there a
+    dot is numpy's matmul, whose rounding changes with the operands' memory
+    layout (a transposed TMA tile), so only one kernel can be self-consistent.
+    """
     m, k = a.shape
     k2, n = b.shape
     assert k == k2, (a.shape, b.shape)
@@ -149,13 +222,31 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = Non
     if k == 0:
         return c.zero_()
     cfg = matmul_config(m, a.dtype)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _matmul_kernel[grid](
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    interp = interpreting()
+    flags = dict(DOT_IN_FP32=interp, IEEE=(a.dtype == torch.float32 or interp))
+    a_k_major = a.stride(1) == 1
+    b_k_major = b.stride(0) == 1 and not b.stride(1) == 1
+    a_desc = _descriptor(a, [bm, bk]) if a_k_major else _descriptor(a.t(), [bk, bm])
+    b_desc = _descriptor(b.t(), [bn, bk]) if b_k_major else _descriptor(b, [bk, bn])
+    c_desc = _descriptor(c, [bm, bn])
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    aligned = a_desc is not None and b_desc is not None and c_desc is not None
+    if tma and not aligned:
+        raise ValueError("matmul: tma=True needs 16-byte aligned, row-major operands")
+    if aligned and (tma or (tma is None and not interp)):
+        programs = min(tiles, _num_sms(a.device.index or 0)) if cfg.persistent and not interp else tiles
+        _matmul_tma_kernel[(programs,)](
+            a_desc, b_desc, c_desc, m, n, k, programs,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+            A_K_MAJOR=a_k_major, B_K_MAJOR=b_k_major, **flags,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return c
+    _matmul_kernel[(tiles,)](
         a, b, c, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=(k % cfg.block_k == 0),
-        DOT_IN_FP32=interpreting(), IEEE=(a.dtype == torch.float32 or interpreting()),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, EVEN_K=(k % bk == 0), **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return c

@@ -1,0 +1,47 @@
+"""GPU timing shared by the benchmark scripts.
+
+`gpu_ms(make_call, nbytes)` builds several independent input sets, so that
+together they exceed the L2 cache several times over, captures one CUDA graph
+that runs the call once on each set, and reports the median replay time per
+call. So: no Python launch overhead (graphs), and no cache-warm inputs (each
+call's operands were evicted by the calls before it).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+L2_MULTIPLE = 4
+MAX_SETS = 1024
+
+
+def gpu_ms(make_call: Callable[[], Callable[[], object]], nbytes: int, reps: int = 20) -> float:
+    """make_call() returns a zero-argument call bound to fresh inputs of `nbytes` bytes; median ms per call."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    n_sets = max(1, min(MAX_SETS, -(-L2_MULTIPLE * l2 // max(nbytes, 1))))
+    calls = [make_call() for _ in range(n_sets)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:  # warm-up: compilation, allocator, autotune of the baselines
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / n_sets)
+    del graph, calls
+    return statistics.median(times)
