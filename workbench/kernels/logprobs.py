@@ -107,15 +107,18 @@ def _logprobs_bwd_kernel(
     tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def _config() -> tuple[int, int]:
-    """(CHUNK_V of the forward, BLOCK_V of the backward): fixed per machine kind, never a function of the rows."""
-    return (256, 128) if interpreting() else (4096, 1024)
+# Fixed per machine kind, never a function of the rows (bench/tune_rowwise.py chose the GPU one).
+_GPU_CONFIG = {"chunk_v": 4096, "forward_num_warps": 8, "backward_block_v": 1024, "backward_num_warps": 4}
+_INTERPRETER_CONFIG = {"chunk_v": 256, "forward_num_warps": 4, "backward_block_v": 128, "backward_num_warps": 4}
+
+
+def _config() -> dict:
+    return _INTERPRETER_CONFIG if interpreting() else _GPU_CONFIG
 
 
 def tile_config() -> dict:
     """The launch config in force here (for the environment record)."""
-    chunk_v, block_v = _config()
-    return {"forward_chunk_v": chunk_v, "forward_num_warps": 8, "backward_block_v": block_v, "backward_num_warps": 4}
+    return dict(_config())
 
 
 def _check(logits: torch.Tensor, tokens: torch.Tensor | None, temperature: float) -> None:
@@ -151,8 +154,8 @@ class LogProbsFn(torch.autograd.Function):
         x2 = rows_view("token_logprobs", "logits", logits)
         r, v = x2.shape
         tok = tokens.reshape(r).contiguous()
-        chunk_v, _ = _config()
-        n_chunks = triton.cdiv(v, chunk_v)
+        cfg = _config()
+        n_chunks = triton.cdiv(v, cfg["chunk_v"])
         dev = logits.device
         part = torch.empty((r, n_chunks, 3), device=dev, dtype=torch.float32)
         out = torch.empty((4, r), device=dev, dtype=torch.float32)
@@ -160,7 +163,8 @@ class LogProbsFn(torch.autograd.Function):
         inv_t = 1.0 / float(temperature)
         if r > 0:
             _lse_partials_kernel[(r, n_chunks)](
-                x2, part, x2.stride(0), v, inv_t, n_chunks, CHUNK_V=chunk_v, num_warps=8,
+                x2, part, x2.stride(0), v, inv_t, n_chunks, CHUNK_V=cfg["chunk_v"],
+                num_warps=cfg["forward_num_warps"],
             )
             _lse_combine_kernel[(r,)](
                 x2, tok, part, logp, ent, lse, mean, x2.stride(0), v, inv_t, n_chunks, num_warps=1,
@@ -180,11 +184,11 @@ class LogProbsFn(torch.autograd.Function):
         g_lp = zeros if g_lp is None else g_lp.reshape(r).float().contiguous()
         g_ent = zeros if g_ent is None else g_ent.reshape(r).float().contiguous()
         dx = torch.empty((r, v), device=x2.device, dtype=x2.dtype)
-        _, block_v = _config()
+        cfg = _config()
         if r > 0:
-            _logprobs_bwd_kernel[(r, triton.cdiv(v, block_v))](
+            _logprobs_bwd_kernel[(r, triton.cdiv(v, cfg["backward_block_v"]))](
                 x2, tok, lse, mean, g_lp, g_ent, dx, x2.stride(0), dx.stride(0), v, ctx.inv_t,
-                BLOCK_V=block_v, num_warps=4,
+                BLOCK_V=cfg["backward_block_v"], num_warps=cfg["backward_num_warps"],
             )
         return dx.view(ctx.shape), None, None
 

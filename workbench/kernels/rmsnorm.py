@@ -71,6 +71,11 @@ def _rms_norm_bwd_kernel(
     tl.store(dw_part_ptr + pid * N + cols, dw, mask=mask)
 
 
+# Backward rows per program (a fixed block of rows summed in order into dw); chosen by bench/tune_rowwise.py.
+_GPU_BACKWARD_ROWS = 32
+_INTERPRETER_BACKWARD_ROWS = 4
+
+
 def _num_warps(block_n: int) -> int:
     return 4 if block_n <= 2048 else 8 if block_n <= 8192 else 16
 
@@ -78,7 +83,7 @@ def _num_warps(block_n: int) -> int:
 def tile_config() -> dict:
     """The launch config in force here (for the environment record)."""
     return {"block_n": "next power of 2 of the row width", "num_warps": "4 up to 2048, 8 up to 8192, else 16",
-            "backward_rows_per_program": 4 if interpreting() else 32}
+            "backward_rows_per_program": _INTERPRETER_BACKWARD_ROWS if interpreting() else _GPU_BACKWARD_ROWS}
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
@@ -120,7 +125,7 @@ class RMSNormFn(torch.autograd.Function):
         m, n = x2.shape
         dy2 = dy.reshape(m, n).contiguous()
         dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
-        rows = 4 if interpreting() else 32
+        rows = _INTERPRETER_BACKWARD_ROWS if interpreting() else _GPU_BACKWARD_ROWS
         n_prog = triton.cdiv(m, rows)
         dw_part = torch.empty((max(n_prog, 1), n), device=x2.device, dtype=torch.float32)
         if m == 0:
