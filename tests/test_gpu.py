@@ -104,3 +104,12 @@ def test_gpu_negative_control_standard_linear_depends_on_batch_size():
             differs.append(m)
         assert torch.equal(op.invariant(x[:m], w)[:1], one_inv)
     assert differs, "standard linear was batch invariant at every M tried: the control shows nothing"
+
+
+def test_gpu_logprobs_same_bits_with_or_without_entropy():
+    from workbench.kernels.logprobs import logprobs_and_entropy_invariant
+
+    logits, tokens = _inputs(REGISTRY["token_logprobs"], 300, torch.bfloat16, seed=6)
+    both = logprobs_and_entropy_invariant(logits, tokens, 0.8, with_entropy=True)
+    alone = logprobs_and_entropy_invariant(logits, tokens, 0.8, with_entropy=False)
+    assert torch.equal(both[0], alone[0])

@@ -122,3 +122,12 @@ def test_tma_matmul_kernel_is_accurate_in_every_layout(dtype):
         assert torch.equal(out, matmul(a, b, tma=True))
     with pytest.raises(ValueError, match="tma=True needs"):
         matmul(torch.empty(21, 65, dtype=dtype)[:, :64], w.t(), tma=True)
+
+
+def test_logprobs_are_the_same_bits_with_or_without_the_entropy_sums():
+    from workbench.kernels.logprobs import logprobs_and_entropy_invariant
+
+    logits, tokens = _inputs(REGISTRY["token_logprobs"], 9, torch.bfloat16, seed=12)
+    both = logprobs_and_entropy_invariant(logits, tokens, 0.8, with_entropy=True)
+    alone = logprobs_and_entropy_invariant(logits, tokens, 0.8, with_entropy=False)
+    assert torch.equal(both[0], alone[0]) and torch.isnan(alone[1]).all()

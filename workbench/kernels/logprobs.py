@@ -1,111 +1,118 @@
 """`token_logprobs(logits, tokens)` and `entropy(logits)`: row-wise in fp32, forward and backward.
 
-For a row of logits l (bf16 or fp32) and a temperature T, with x = l * (1/T) in fp32
-(1/T rounded to fp32 once; exact for T = 1):
-    lse = log(sum(exp(x))),  token_logprobs = x[token] - lse,
-    entropy = lse - sum(p * x) with p = exp(x - lse).
+For a row of logits l (bf16 or fp32) and a temperature T:
+    lse = log(sum(exp(l / T))),  token_logprobs = l[token] / T - lse,
+    entropy = lse - sum(p * l / T) with p = exp(l / T - lse).
 
 Numerics contract (mode `invariant`):
 - Logits are upcast to fp32 right after the load; nothing is rounded below fp32.
+- All of it runs in base 2, where the GPU's exp2/log2 are native: x2 = l * s
+  with s = log2(e) / T rounded to fp32 once; lse2 = log2(sum(2^x2));
+  token_logprobs = (x2[token] - lse2) * ln2; entropy = (lse2 - E_p[x2]) * ln2.
 - The vocabulary is cut into fixed chunks of CHUNK_V columns (a function of
   nothing but the GPU/interpreter, never of the number of rows). A chunk is
-  held in registers: its max m, sum exp(x - m) and sum exp(x - m) * x are each
-  one `tl.sum`/`tl.max` tree (one exp per logit). The chunks are combined in
-  increasing order by a second kernel (online rescaling). So a row's results
-  are the same bits whatever the other rows, their number or padding rows,
-  and the chunks give parallelism when there are few rows.
+  held in registers: its max m, sum 2^(x2 - m) and sum 2^(x2 - m) * x2 are each
+  one `tl.max`/`tl.sum` tree (one exp2 per logit). A second kernel combines
+  the chunks of a row by one more tree over the chunks (rescaled by 2^(m_c - max)),
+  its width the next power of two of the chunk count, again a function of V
+  alone. So a row's results are the same bits whatever the other rows, their
+  number or padding rows, and the chunks give parallelism when there are few rows.
 - -inf logits (masked vocabulary) contribute exact zeros; a token outside
   [0, V) gives NaN (the kernel never reads outside the row).
 - Memory: no [rows, vocab] buffer in the forward (only [rows, chunks]
   partials); the backward writes the gradient, the one [rows, vocab] buffer.
-- Backward, in fp32 and cast once to the logits' dtype:
-  d/dl_j = (g_lp * (1[j = token] - p_j) - g_ent * p_j * (x_j - E_p[x])) / T.
+- Backward, in fp32 and cast once to the logits' dtype, with p_j = 2^(x2_j - lse2):
+  d/dl_j = (g_lp * (1[j = token] - p_j) - g_ent * p_j * (x2_j - E_p[x2]) * ln2) / T.
+- `token_logprobs` alone skips the entropy sums (same log-prob bits either way).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_float, interpreting, rows_view
+from ._common import check_device, check_float, interpreting, next_power_of_2, rows_view
 from .mode import get_mode
 
 
 @triton.jit
 def _lse_partials_kernel(
-    x_ptr, part_ptr, stride_x, V, inv_t, n_chunks,
-    CHUNK_V: tl.constexpr,
+    x_ptr, part_ptr, stride_x, V, scale, n_chunks,
+    CHUNK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
 ):
+    # Base-2 units: x2 = logit * (log2(e) / T), so exp2 needs no extra multiply.
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK_V + tl.arange(0, CHUNK_V)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_t
-    m = tl.max(x, axis=0)
+    x2 = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * scale
+    m = tl.max(x2, axis=0)
     # A chunk of only -inf keeps m = -inf; shift by 0 there so no -inf - -inf appears.
     shift = tl.where(m == float("-inf"), 0.0, m)
-    e = tl.exp(x - shift)
-    s = tl.sum(e, axis=0)
-    t = tl.sum(e * tl.where(x == float("-inf"), 0.0, x), axis=0)
+    e = tl.exp2(x2 - shift)
     base = part_ptr + (row * n_chunks + chunk) * 3
     tl.store(base, m)
-    tl.store(base + 1, s)
-    tl.store(base + 2, t)
+    tl.store(base + 1, tl.sum(e, axis=0))
+    if WITH_ENTROPY:
+        tl.store(base + 2, tl.sum(e * tl.where(x2 == float("-inf"), 0.0, x2), axis=0))
 
 
 @triton.jit
 def _lse_combine_kernel(
-    x_ptr, tok_ptr, part_ptr, logp_ptr, ent_ptr, lse_ptr, mean_ptr,
-    stride_x, V, inv_t, n_chunks,
+    x_ptr, tok_ptr, part_ptr, out_ptr, stride_x, V, scale, n_rows, n_chunks,
+    BLOCK_C: tl.constexpr, WITH_ENTROPY: tl.constexpr,
 ):
+    # out rows: 0 log-prob, 1 entropy (NaN unless WITH_ENTROPY), 2 lse2, 3 E[x2], all per row.
+    LN2: tl.constexpr = 0.6931471805599453
     row = tl.program_id(0).to(tl.int64)
-    base = part_ptr + row * n_chunks * 3
-    m = tl.load(base)
-    s = tl.load(base + 1)
-    t = tl.load(base + 2)
-    for c in range(1, n_chunks):
-        cm = tl.load(base + c * 3)
-        cs = tl.load(base + c * 3 + 1)
-        ct = tl.load(base + c * 3 + 2)
-        m_new = tl.maximum(m, cm)
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a = tl.exp(m - shift)
-        b = tl.exp(cm - shift)
-        s = s * a + cs * b
-        t = t * a + ct * b
-        m = m_new
-    lse = m + tl.log(s)
-    mean = t / s
+    c = tl.arange(0, BLOCK_C)
+    ok_c = c < n_chunks
+    base = part_ptr + row * n_chunks * 3 + c * 3
+    m_c = tl.load(base, mask=ok_c, other=float("-inf"))
+    m = tl.max(m_c, axis=0)
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(m_c - shift)
+    s = tl.sum(tl.load(base + 1, mask=ok_c, other=0.0) * w, axis=0)
+    lse2 = m + tl.log2(s)
     tok = tl.load(tok_ptr + row).to(tl.int64)
     ok = (tok >= 0) & (tok < V)
-    x_tok = tl.load(x_ptr + row * stride_x + tok, mask=ok, other=0.0).to(tl.float32) * inv_t
-    tl.store(logp_ptr + row, tl.where(ok, x_tok - lse, float("nan")))
-    tl.store(ent_ptr + row, lse - mean)
-    tl.store(lse_ptr + row, lse)
-    tl.store(mean_ptr + row, mean)
+    x2_tok = tl.load(x_ptr + row * stride_x + tok, mask=ok, other=0.0).to(tl.float32) * scale
+    tl.store(out_ptr + row, tl.where(ok, (x2_tok - lse2) * LN2, float("nan")))
+    tl.store(out_ptr + 2 * n_rows + row, lse2)
+    if WITH_ENTROPY:
+        mean2 = tl.sum(tl.load(base + 2, mask=ok_c, other=0.0) * w, axis=0) / s
+        tl.store(out_ptr + n_rows + row, (lse2 - mean2) * LN2)
+        tl.store(out_ptr + 3 * n_rows + row, mean2)
+    else:
+        tl.store(out_ptr + n_rows + row, float("nan"))
 
 
 @triton.jit
 def _logprobs_bwd_kernel(
-    x_ptr, tok_ptr, lse_ptr, mean_ptr, g_lp_ptr, g_ent_ptr, dx_ptr,
-    stride_x, stride_dx, V, inv_t,
-    BLOCK_V: tl.constexpr,
+    x_ptr, tok_ptr, stats_ptr, g_lp_ptr, g_ent_ptr, dx_ptr,
+    stride_x, stride_dx, V, scale, inv_t, n_rows,
+    BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
 ):
+    LN2: tl.constexpr = 0.6931471805599453
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < V
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-    lse = tl.load(lse_ptr + row)
-    mean = tl.load(mean_ptr + row)
+    x2 = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=float("-inf")).to(tl.float32) * scale
+    lse2 = tl.load(stats_ptr + 2 * n_rows + row)
     g_lp = tl.load(g_lp_ptr + row)
-    g_ent = tl.load(g_ent_ptr + row)
     tok = tl.load(tok_ptr + row).to(tl.int64)
-    p = tl.exp(x - lse)
-    hit = tl.where(cols == tok, 1.0, 0.0)
-    d_ent = p * (tl.where(x == float("-inf"), mean, x) - mean)
-    dx = (g_lp * (hit - p) - g_ent * d_ent) * inv_t
-    tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    p = tl.exp2(x2 - lse2)
+    dx = g_lp * (tl.where(cols == tok, 1.0, 0.0) - p)
+    if WITH_ENTROPY:
+        mean2 = tl.load(stats_ptr + 3 * n_rows + row)
+        g_ent = tl.load(g_ent_ptr + row)
+        dx -= g_ent * p * ((tl.where(x2 == float("-inf"), mean2, x2) - mean2) * LN2)
+    tl.store(dx_ptr + row * stride_dx + cols, (dx * inv_t).to(dx_ptr.dtype.element_ty), mask=mask)
 
+
+_LOG2E = math.log2(math.e)
 
 # Fixed per machine kind, never a function of the rows (bench/tune_rowwise.py chose the GPU one).
 _GPU_CONFIG = {"chunk_v": 4096, "forward_num_warps": 8, "backward_block_v": 1024, "backward_num_warps": 4}
@@ -146,56 +153,57 @@ def _check(logits: torch.Tensor, tokens: torch.Tensor | None, temperature: float
 
 
 class LogProbsFn(torch.autograd.Function):
-    """(logits, tokens, T) -> (token log-probs, entropy), both fp32 of logits.shape[:-1]."""
+    """(logits, tokens, T, with_entropy) -> (token log-probs, entropy or NaN), fp32 of logits.shape[:-1]."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
+    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool):
         check_device("token_logprobs", logits)
         x2 = rows_view("token_logprobs", "logits", logits)
         r, v = x2.shape
         tok = tokens.reshape(r).contiguous()
         cfg = _config()
         n_chunks = triton.cdiv(v, cfg["chunk_v"])
-        dev = logits.device
-        part = torch.empty((r, n_chunks, 3), device=dev, dtype=torch.float32)
-        out = torch.empty((4, r), device=dev, dtype=torch.float32)
-        logp, ent, lse, mean = out
+        part = torch.empty((r, n_chunks, 3), device=logits.device, dtype=torch.float32)
+        out = torch.empty((4, r), device=logits.device, dtype=torch.float32)
         inv_t = 1.0 / float(temperature)
+        scale = inv_t * _LOG2E
         if r > 0:
             _lse_partials_kernel[(r, n_chunks)](
-                x2, part, x2.stride(0), v, inv_t, n_chunks, CHUNK_V=cfg["chunk_v"],
+                x2, part, x2.stride(0), v, scale, n_chunks, CHUNK_V=cfg["chunk_v"], WITH_ENTROPY=with_entropy,
                 num_warps=cfg["forward_num_warps"],
             )
             _lse_combine_kernel[(r,)](
-                x2, tok, part, logp, ent, lse, mean, x2.stride(0), v, inv_t, n_chunks, num_warps=1,
+                x2, tok, part, out, x2.stride(0), v, scale, r, n_chunks,
+                BLOCK_C=next_power_of_2(n_chunks), WITH_ENTROPY=with_entropy, num_warps=1,
             )
-        ctx.save_for_backward(x2, tok, lse, mean)
-        ctx.inv_t = inv_t
+        ctx.save_for_backward(x2, tok, out)
+        ctx.scale, ctx.inv_t, ctx.with_entropy = scale, inv_t, with_entropy
         ctx.shape = logits.shape
         ctx.mark_non_differentiable(tokens)
         lead = logits.shape[:-1]
-        return logp.view(lead), ent.view(lead)
+        return out[0].view(lead), out[1].view(lead)
 
     @staticmethod
     def backward(ctx, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None):
-        x2, tok, lse, mean = ctx.saved_tensors
+        x2, tok, stats = ctx.saved_tensors
         r, v = x2.shape
         zeros = torch.zeros(r, device=x2.device, dtype=torch.float32)
         g_lp = zeros if g_lp is None else g_lp.reshape(r).float().contiguous()
+        with_entropy = ctx.with_entropy and g_ent is not None
         g_ent = zeros if g_ent is None else g_ent.reshape(r).float().contiguous()
         dx = torch.empty((r, v), device=x2.device, dtype=x2.dtype)
         cfg = _config()
         if r > 0:
             _logprobs_bwd_kernel[(r, triton.cdiv(v, cfg["backward_block_v"]))](
-                x2, tok, lse, mean, g_lp, g_ent, dx, x2.stride(0), dx.stride(0), v, ctx.inv_t,
-                BLOCK_V=cfg["backward_block_v"], num_warps=cfg["backward_num_warps"],
+                x2, tok, stats, g_lp, g_ent, dx, x2.stride(0), dx.stride(0), v, ctx.scale, ctx.inv_t, r,
+                BLOCK_V=cfg["backward_block_v"], WITH_ENTROPY=with_entropy, num_warps=cfg["backward_num_warps"],
             )
-        return dx.view(ctx.shape), None, None
+        return dx.view(ctx.shape), None, None, None
 
 
-def logprobs_and_entropy_invariant(logits, tokens, temperature: float = 1.0):
+def logprobs_and_entropy_invariant(logits, tokens, temperature: float = 1.0, with_entropy: bool = True):
     _check(logits, tokens, temperature)
-    return LogProbsFn.apply(logits, tokens, temperature)
+    return LogProbsFn.apply(logits, tokens, temperature, with_entropy)
 
 
 def logprobs_and_entropy_standard(logits, tokens, temperature: float = 1.0):
@@ -219,7 +227,7 @@ def _zero_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprobs_invariant(logits, tokens, temperature: float = 1.0):
-    return logprobs_and_entropy_invariant(logits, tokens, temperature)[0]
+    return logprobs_and_entropy_invariant(logits, tokens, temperature, with_entropy=False)[0]
 
 
 def token_logprobs_standard(logits, tokens, temperature: float = 1.0):
@@ -228,7 +236,9 @@ def token_logprobs_standard(logits, tokens, temperature: float = 1.0):
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """fp32 log p(token) under softmax(logits / T), by the kernel the mode picks for `token_logprobs`."""
-    return token_logprobs_and_entropy(logits, tokens, temperature)[0]
+    if get_mode("token_logprobs") == "standard":
+        return token_logprobs_standard(logits, tokens, temperature)
+    return token_logprobs_invariant(logits, tokens, temperature)
 
 
 def entropy_invariant(logits, temperature: float = 1.0):

@@ -72,7 +72,7 @@ def _rms_norm_bwd_kernel(
 
 
 # Backward rows per program (a fixed block of rows summed in order into dw); chosen by bench/tune_rowwise.py.
-_GPU_BACKWARD_ROWS = 32
+_GPU_BACKWARD_ROWS = 16
 _INTERPRETER_BACKWARD_ROWS = 4
 
 
