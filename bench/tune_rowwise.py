@@ -37,7 +37,7 @@ def main() -> None:
     base = dict(logprobs._GPU_CONFIG)
     for rows in (4096, 64):
         nbytes = rows * 151936 * 2
-        for chunk, warps in itertools.product((2048, 4096, 8192, 16384), (4, 8, 16)):
+        for chunk, warps in itertools.product((2048, 4096, 8192), (2, 4, 8)):
             logprobs._GPU_CONFIG = dict(base, chunk_v=chunk, forward_num_warps=warps)
             ms = gpu_ms(lambda: (lambda a=_args("token_logprobs", rows): REGISTRY["token_logprobs"].invariant(*a)),
                         nbytes)
@@ -49,12 +49,11 @@ def main() -> None:
                     nbytes)
         print(f"logprobs fwd+bwd block={block} warps={warps}: {nbytes / ms / 1e6 / copy:.2f} of copy")
     logprobs._GPU_CONFIG = base
-    for rows_per_prog in (2, 4, 8, 16, 32, 64):
-        rmsnorm._GPU_BACKWARD_ROWS = rows_per_prog
+    for rows_per_prog, tile in ((8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (16, 8), (32, 4), (32, 8)):
+        rmsnorm._GPU_BACKWARD = {"rows": rows_per_prog, "tile_rows": tile}
         nbytes = 8192 * 2048 * 2 * 5
         ms = gpu_ms(lambda: _fwd_bwd(REGISTRY["rms_norm"].invariant, list(_args("rms_norm", 8192)), (0, 1)), nbytes)
-        print(f"rms_norm fwd+bwd rows/program={rows_per_prog}: {nbytes / ms / 1e6 / copy:.2f} of copy")
-
+        print(f"rms_norm fwd+bwd rows/program={rows_per_prog} tile={tile}: {nbytes / ms / 1e6 / copy:.2f} of copy")
 
 if __name__ == "__main__":
     main()

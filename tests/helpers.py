@@ -46,3 +46,14 @@ def forward_backward(fn, args: tuple, grad_args: tuple[int, ...], upstream=None,
         g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
     (out.double() * g.to(out.device).double()).sum().backward()
     return out.detach(), [args[i].grad for i in grad_args]
+
+
+def check_against_fp64(op, args: tuple, on_gpu: bool) -> None:
+    """The op's output and every gradient against its fp64 reference, within the dtype's tolerance."""
+    out, grads = forward_backward(op.invariant, args, op.grad_args)
+    ref_args = tuple(a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+    ref, ref_grads = forward_backward(op.reference, ref_args, op.grad_args)
+    assert rel_err(out, ref) < tolerance(out.dtype, on_gpu), f"{op.name} forward"
+    for i, g, rg in zip(op.grad_args, grads, ref_grads):
+        assert g.dtype == args[i].dtype, f"{op.name}: grad of arg {i} has dtype {g.dtype}"
+        assert rel_err(g, rg) < 3 * tolerance(g.dtype, on_gpu), f"{op.name}: grad of arg {i}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import forward_backward, pad_rows, rel_err, take_rows, tolerance
+from helpers import check_against_fp64, forward_backward, pad_rows, take_rows
 from workbench.kernels import REGISTRY
 
 pytestmark = pytest.mark.gpu
@@ -27,13 +27,7 @@ def _inputs(op, rows, dtype, seed):
 @pytest.mark.parametrize("name", OPS)
 def test_gpu_accuracy_vs_fp64(name, dtype):
     op = REGISTRY[name]
-    args = _inputs(op, 64, dtype, seed=1)
-    out, grads = forward_backward(op.invariant, args, op.grad_args)
-    ref_args = tuple(a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
-    ref, ref_grads = forward_backward(op.reference, ref_args, op.grad_args)
-    assert rel_err(out, ref) < tolerance(out.dtype, on_gpu=True)
-    for g, rg in zip(grads, ref_grads):
-        assert rel_err(g, rg) < 3 * tolerance(g.dtype, on_gpu=True)
+    check_against_fp64(op, _inputs(op, 64, dtype, seed=1), on_gpu=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

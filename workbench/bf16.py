@@ -12,7 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-_INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+_INT_VIEW = {
+    torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64,
+}
 _HEX_DIGITS = {torch.bfloat16: 4, torch.float16: 4, torch.float32: 8, torch.float64: 16}
 
 
@@ -115,7 +117,8 @@ def sum_in_order(values: Sequence[float] | torch.Tensor, order: Sequence[int] | 
     return acc
 
 
-def split_sum(values: Sequence[float] | torch.Tensor, n_splits: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def split_sum(values: Sequence[float] | torch.Tensor, n_splits: int,
+              dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Split-K style: sum `n_splits` contiguous chunks separately, then add the partial sums.
 
     A library that picks n_splits from the batch size (as cuBLAS picks split-K)

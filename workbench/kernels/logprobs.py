@@ -115,7 +115,7 @@ def _logprobs_bwd_kernel(
 _LOG2E = math.log2(math.e)
 
 # Fixed per machine kind, never a function of the rows (bench/tune_rowwise.py chose the GPU one).
-_GPU_CONFIG = {"chunk_v": 4096, "forward_num_warps": 8, "backward_block_v": 1024, "backward_num_warps": 4}
+_GPU_CONFIG = {"chunk_v": 4096, "forward_num_warps": 4, "backward_block_v": 1024, "backward_num_warps": 4}
 _INTERPRETER_CONFIG = {"chunk_v": 256, "forward_num_warps": 4, "backward_block_v": 128, "backward_num_warps": 4}
 
 

@@ -44,6 +44,17 @@ from .mode import get_mode
 
 
 @triton.jit
+def _dot_step(a, b, acc, DOT_IN_FP32: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ b, the one accumulation step both kernels share."""
+    if DOT_IN_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _matmul_kernel(
     a_ptr, b_ptr, c_ptr,
     M, N, K,
@@ -85,13 +96,7 @@ def _matmul_kernel(
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        if DOT_IN_FP32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = _dot_step(a, b, acc, DOT_IN_FP32, IEEE)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -131,13 +136,7 @@ def _matmul_tma_kernel(
                 b = tl.trans(b_desc.load([off_n, off_k]))
             else:
                 b = b_desc.load([off_k, off_n])
-            if DOT_IN_FP32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = _dot_step(a, b, acc, DOT_IN_FP32, IEEE)
         c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
 
 

@@ -14,7 +14,8 @@ Numerics contract (mode `invariant`), with Hugging Face's rounding points:
 - Backward, in fp32 with the cast treated as the identity: g = dy * w,
   dx = rstd * (g - n * mean(g * n)) (bit-identical per row, whatever the batch);
   dw = sum over rows of dy * round(n), each program summing a fixed block of
-  ROWS rows in order, then the blocks summed in order: deterministic.
+  rows (a tree over each tile of rows, the tiles in order), then the blocks
+  summed in order: deterministic run to run.
 """
 
 from __future__ import annotations
@@ -50,30 +51,34 @@ def _rms_norm_fwd_kernel(
 def _rms_norm_bwd_kernel(
     x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
     stride_x, stride_dy, stride_dx, M, N,
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, TILE_ROWS: tl.constexpr,
 ):
+    # A program owns ROWS consecutive rows, taken TILE_ROWS at a time (loads of
+    # several rows in flight); dw is summed over each tile's rows by one tree,
+    # then over the tiles in order.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    cmask = cols < N
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for i in range(0, ROWS):
-        row = (pid * ROWS + i).to(tl.int64)
-        if row < M:
-            x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_ptr + row)
-            n = x * rstd
-            g = dy * w
-            dx = rstd * (g - n * (tl.sum(g * n, axis=0) / N))
-            tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-            dw += dy * n.to(dx_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(dw_part_ptr + pid * N + cols, dw, mask=mask)
+    for i in range(0, ROWS, TILE_ROWS):
+        rows = (pid * ROWS + i + tl.arange(0, TILE_ROWS)).to(tl.int64)
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)[:, None]
+        n = x * rstd
+        g = dy * w[None, :]
+        dx = rstd * (g - n * (tl.sum(g * n, axis=1) / N)[:, None])
+        tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += tl.sum(dy * n.to(dx_ptr.dtype.element_ty).to(tl.float32), axis=0)
+    tl.store(dw_part_ptr + pid * N + cols, dw, mask=cmask)
 
 
-# Backward rows per program (a fixed block of rows summed in order into dw); chosen by bench/tune_rowwise.py.
-_GPU_BACKWARD_ROWS = 16
-_INTERPRETER_BACKWARD_ROWS = 4
+# Backward: rows per program and rows per tile (chosen by bench/tune_rowwise.py).
+_GPU_BACKWARD = {"rows": 8, "tile_rows": 2}
+_INTERPRETER_BACKWARD = {"rows": 4, "tile_rows": 2}
 
 
 def _num_warps(block_n: int) -> int:
@@ -83,7 +88,7 @@ def _num_warps(block_n: int) -> int:
 def tile_config() -> dict:
     """The launch config in force here (for the environment record)."""
     return {"block_n": "next power of 2 of the row width", "num_warps": "4 up to 2048, 8 up to 8192, else 16",
-            "backward_rows_per_program": _INTERPRETER_BACKWARD_ROWS if interpreting() else _GPU_BACKWARD_ROWS}
+            "backward": _INTERPRETER_BACKWARD if interpreting() else _GPU_BACKWARD}
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
@@ -125,7 +130,8 @@ class RMSNormFn(torch.autograd.Function):
         m, n = x2.shape
         dy2 = dy.reshape(m, n).contiguous()
         dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
-        rows = _INTERPRETER_BACKWARD_ROWS if interpreting() else _GPU_BACKWARD_ROWS
+        bwd = _INTERPRETER_BACKWARD if interpreting() else _GPU_BACKWARD
+        rows = bwd["rows"]
         n_prog = triton.cdiv(m, rows)
         dw_part = torch.empty((max(n_prog, 1), n), device=x2.device, dtype=torch.float32)
         if m == 0:
@@ -135,7 +141,8 @@ class RMSNormFn(torch.autograd.Function):
             _rms_norm_bwd_kernel[(n_prog,)](
                 x2, weight, dy2, rstd, dx, dw_part,
                 x2.stride(0), dy2.stride(0), dx.stride(0), m, n,
-                BLOCK_N=block_n, ROWS=rows, num_warps=_num_warps(block_n),
+                BLOCK_N=block_n, ROWS=rows, TILE_ROWS=bwd["tile_rows"],
+                num_warps=_num_warps(block_n * bwd["tile_rows"]),
             )
         dw = dw_part.sum(0).to(weight.dtype)
         return dx.view(ctx.x_shape), dw, None
