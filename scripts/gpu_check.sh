@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the `gpu` tests, then the benchmarks, then a short table.
 # Usage (repo root, on a CUDA host with torch + triton + pytest):  bash scripts/gpu_check.sh [--quick]
+# A tree copied without .git can name its commit: WORKBENCH_GIT_SHA=<sha> bash scripts/gpu_check.sh
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out="${OUT:-runs/gpu_check}"

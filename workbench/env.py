@@ -3,6 +3,7 @@ so every run can record exactly that."""
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 from importlib import metadata
@@ -12,7 +13,12 @@ import torch
 
 
 def git_sha(cwd: str | Path | None = None) -> str:
-    """The checkout's commit (with '-dirty' if it has uncommitted changes), or 'unknown'."""
+    """The checkout's commit (with '-dirty' if it has uncommitted changes), or 'unknown'.
+
+    A copy of the tree without .git (a GPU host) can be told its commit through WORKBENCH_GIT_SHA.
+    """
+    if os.environ.get("WORKBENCH_GIT_SHA"):
+        return os.environ["WORKBENCH_GIT_SHA"]
     cwd = cwd or Path(__file__).resolve().parent
     try:
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=cwd, capture_output=True,
