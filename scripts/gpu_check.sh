@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: the `gpu` tests, then the benchmarks, then a short table.
-# Usage (repo root, on a CUDA host with torch + triton + pytest):  bash scripts/gpu_check.sh [--quick]
+# One call on the GPU machine: the `gpu` tests, then the benchmarks, then short tables.
+# Usage (repo root, on a CUDA host with torch + triton + pytest):  bash scripts/gpu_check.sh
 # A tree copied without .git can name its commit: WORKBENCH_GIT_SHA=<sha> bash scripts/gpu_check.sh
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -10,8 +10,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25
 tests_rc=${PIPESTATUS[0]}
-python3 bench/bench_kernels.py --out "$out/bench_kernels.md" "$@" > "$out/bench_kernels.log" 2>&1
-bench_rc=$?
-cat "$out/bench_kernels.md" 2>/dev/null || tail -30 "$out/bench_kernels.log"
+bench_rc=0
+for b in kernels model; do
+  python3 "bench/bench_$b.py" --out "$out/bench_$b.md" > "$out/bench_$b.log" 2>&1 || bench_rc=1
+  cat "$out/bench_$b.md" 2>/dev/null || tail -30 "$out/bench_$b.log"
+done
 echo "gpu tests rc=$tests_rc  bench rc=$bench_rc"
 [ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]

@@ -5,10 +5,11 @@ interpreter before any kernel is decorated.
 """
 
 from . import _common  # noqa: F401  (must come first)
+from .registry import REGISTRY, Op  # before the op functions below shadow their modules' names
+from .attention import attention, attention_with_cache
 from .logprobs import entropy, token_logprobs, token_logprobs_and_entropy
 from .matmul import linear, matmul_config
 from .mode import MODES, current_state, get_mode, mode, set_mode
-from .registry import REGISTRY, Op
 from .rmsnorm import rms_norm
 from .rope import apply_rope, rope_cos_sin
 from .silu_mul import silu_mul
@@ -18,6 +19,8 @@ __all__ = [
     "REGISTRY",
     "Op",
     "apply_rope",
+    "attention",
+    "attention_with_cache",
     "current_state",
     "entropy",
     "get_mode",

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from . import logprobs, matmul, rmsnorm, rope, silu_mul
+from . import attention, logprobs, matmul, rmsnorm, rope, silu_mul
 
 # (small: interpreter-friendly, real: Qwen3-1.7B widths)
 _SIZES = {
-    "small": dict(k=96, n=80, hidden=72, inter=200, heads=3, head_dim=16, vocab=600),
-    "real": dict(k=2048, n=4096, hidden=2048, inter=6144, heads=16, head_dim=128, vocab=151936),
+    "small": dict(k=96, n=80, hidden=72, inter=200, heads=3, head_dim=16, vocab=600,
+                  seq=19, q_heads=4, kv_heads=2),
+    "real": dict(k=2048, n=4096, hidden=2048, inter=6144, heads=16, head_dim=128, vocab=151936,
+                 seq=64, q_heads=16, kv_heads=8),
 }
 
 
@@ -37,6 +39,8 @@ class Op:
     """Indices of the arguments that get gradients."""
     tile_config: Callable[[], dict]
     """The launch config of the invariant kernels here, for the environment record."""
+    max_rows: int = 64
+    """The largest batch the generic tests draw (an attention row is a whole sequence)."""
 
 
 def _randn(shape, g, device, dtype, scale=1.0):
@@ -72,6 +76,16 @@ def _logit_inputs(rows, size, g, device, dtype):
     return logits, tokens
 
 
+def _attention_inputs(rows, size, g, device, dtype):
+    s = _SIZES[size]
+    t, d = s["seq"], s["head_dim"]
+    q = _randn((rows, t, s["q_heads"], d), g, device, dtype)
+    k = _randn((rows, t, s["kv_heads"], d), g, device, dtype)
+    v = _randn((rows, t, s["kv_heads"], d), g, device, dtype)
+    lens = torch.randint(1, t + 1, (rows,), generator=g).to(device)
+    return q, k, v, lens
+
+
 def _entropy_inputs(rows, size, g, device, dtype):
     return _logit_inputs(rows, size, g, device, dtype)[:1]
 
@@ -90,6 +104,9 @@ REGISTRY: dict[str, Op] = {
         Op("token_logprobs", logprobs.token_logprobs_invariant, logprobs.token_logprobs_standard,
            logprobs.token_logprobs_reference, _logit_inputs, row_args=(0, 1), grad_args=(0,),
            tile_config=logprobs.tile_config),
+        Op("attention", attention.attention_invariant, attention.attention_standard,
+           attention.attention_reference, _attention_inputs, row_args=(0, 1, 2, 3), grad_args=(0, 1, 2),
+           tile_config=attention.tile_config, max_rows=16),
         Op("entropy", logprobs.entropy_invariant, logprobs.entropy_standard, logprobs.entropy_reference,
            _entropy_inputs, row_args=(0,), grad_args=(0,), tile_config=logprobs.tile_config),
     )

@@ -1,0 +1,106 @@
+"""The model and attention claims on a real GPU, bitwise, at Qwen3-1.7B shapes (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import rel_err
+from workbench.kernels import attention, attention_with_cache, mode
+from workbench.models import KVCache, build, config
+
+pytestmark = pytest.mark.gpu
+
+LENS = [1024, 700, 333, 1]
+
+
+def _qkv(b, t, seed, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda h: torch.randn(b, t, h, 128, device="cuda", dtype=dtype, generator=g)  # noqa: E731
+    return mk(16), mk(8), mk(8)
+
+
+def _decode_positions(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return sorted({0, n - 1, *torch.randint(0, n, (24,), generator=g).tolist()})
+
+
+def _attention_triangle(mode_name: str):
+    """(training == prefill, every decode position equal, sequence alone == in the batch)."""
+    q, k, v = _qkv(len(LENS), max(LENS), seed=1)
+    lens = torch.tensor(LENS, device="cuda", dtype=torch.int32)
+    cache_k = torch.full((len(LENS), 1536, 8, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    cache_v = torch.full_like(cache_k, float("nan"))
+    cache_k[:, : max(LENS)], cache_v[:, : max(LENS)] = k, v
+    zero = torch.zeros(len(LENS), device="cuda", dtype=torch.int32)
+    with mode(mode_name):
+        train = attention(q, k, v, lens)
+        prefill = attention_with_cache(q, cache_k, cache_v, zero, lens)
+        pre_ok = all(torch.equal(prefill[b, :n], train[b, :n]) for b, n in enumerate(LENS))
+        dec_ok = True
+        for b, n in enumerate(LENS):
+            for t in _decode_positions(n, seed=b):
+                one = attention_with_cache(q[b : b + 1, t : t + 1], cache_k[b : b + 1], cache_v[b : b + 1],
+                                           torch.tensor([t], device="cuda"), torch.tensor([t + 1], device="cuda"))
+                dec_ok &= torch.equal(one[0, 0], train[b, t])
+        n = LENS[1]
+        alone = attention(q[1:2, :n], k[1:2, :n], v[1:2, :n])
+        alone_ok = torch.equal(alone[0], train[1, :n])
+    return pre_ok, dec_ok, alone_ok
+
+
+def test_gpu_attention_training_prefill_decode_bitwise():
+    assert _attention_triangle("invariant") == (True, True, True)
+
+
+def test_gpu_attention_negative_control_standard_decode_differs():
+    _, dec_ok, _ = _attention_triangle("standard")
+    assert not dec_ok, "SDPA gave decode == training at every position tried: the control shows nothing"
+
+
+def _model_triangle(model, lens, prefill: int, steps: int):
+    """Training logits vs prefill + `steps` decode steps, per sequence; returns the max |difference| per stage."""
+    b, t = len(lens), max(lens)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    ids = torch.randint(0, model.config.vocab_size, (b, t), device="cuda", generator=g)
+    seq = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    with torch.no_grad():
+        train = model(ids, seq_lens=seq).float()
+        cache = KVCache.allocate(model.config, b, t + 8, "cuda")
+        cache.k.fill_(float("nan"))
+        cache.v.fill_(float("nan"))
+        first = torch.clamp(seq, max=prefill)
+        pre = model(ids[:, :prefill], seq_lens=first, cache=cache, start=torch.zeros_like(seq)).float()
+        diffs = [max((pre[i, : min(n, prefill)] - train[i, : min(n, prefill)]).abs().max().item()
+                     for i, n in enumerate(lens))]
+        for s in range(prefill, prefill + steps):
+            step = model(ids[:, s : s + 1], seq_lens=torch.ones_like(seq), cache=cache,
+                         start=torch.full_like(seq, s)).float()
+            live = [i for i, n in enumerate(lens) if s < n]
+            diffs.append(max((step[i, 0] - train[i, s]).abs().max().item() for i in live))
+    return diffs
+
+
+def test_gpu_model_1p7b_shape_training_equals_prefill_and_decode_bitwise():
+    model = build("1.7B", device="cuda", seed=3)
+    diffs = _model_triangle(model, lens=[300, 200, 129], prefill=100, steps=40)
+    assert max(diffs) == 0.0, f"max |logit difference| per stage: {diffs}"
+    with mode("standard"):
+        diffs = _model_triangle(model, lens=[300, 200, 129], prefill=100, steps=40)
+    assert max(diffs) > 0.0, "standard mode matched bitwise everywhere: the negative control shows nothing"
+
+
+def test_gpu_model_matches_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from workbench.models import load_pretrained, save_pretrained
+
+    ours = build(config("tiny"), device="cuda", dtype=torch.float32, seed=4)
+    save_pretrained(ours, tmp_path / "ckpt")
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "ckpt").cuda().eval()
+    ids = torch.randint(0, 512, (3, 37), device="cuda")
+    with torch.no_grad():
+        ref = hf(ids).logits
+        assert rel_err(ours(ids), ref) < 1e-5
+        back = load_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16, device="cuda")
+        with mode("standard"):
+            assert rel_err(back(ids), hf.to(torch.bfloat16)(ids).logits) < 3e-2

@@ -1,0 +1,223 @@
+"""The Qwen3 model against `transformers`, its checkpoints, and the training/prefill/decode triangle (CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from helpers import rel_err
+from workbench.kernels import mode
+from workbench.models import (
+    SIZES,
+    CheckpointError,
+    KVCache,
+    build,
+    config,
+    hf_to_titan,
+    load_pretrained,
+    merge_gate_up,
+    save_pretrained,
+    split_gate_up,
+    titan_to_hf,
+)
+
+TINY = SIZES["tiny"]
+VARIANTS = {
+    "tied-gqa2": TINY,
+    "untied-gqa1": dataclasses.replace(TINY, tie_word_embeddings=False, num_key_value_heads=4),
+    "tied-gqa4": dataclasses.replace(TINY, num_key_value_heads=1, num_hidden_layers=3),
+}
+
+
+def _hf_model(cfg, seed: int, tmp_path) -> transformers.Qwen3ForCausalLM:
+    """A random model made and saved by transformers itself."""
+    torch.manual_seed(seed)
+    hf_cfg = transformers.Qwen3Config(**cfg.to_dict(), attention_bias=False)
+    model = transformers.Qwen3ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():  # transformers initialises norms to 1; make them random too
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape))
+    model.save_pretrained(tmp_path / "hf")
+    return model
+
+
+def _ids(batch: int, seq: int, vocab: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_load_pretrained_matches_transformers_fp32(name, tmp_path):
+    cfg = VARIANTS[name]
+    hf = _hf_model(cfg, seed=1, tmp_path=tmp_path)
+    ours = load_pretrained(tmp_path / "hf", dtype=torch.float32)
+    for seq in (7, 13):
+        ids = _ids(2, seq, cfg.vocab_size, seed=seq)
+        with torch.no_grad():
+            ref = hf(ids).logits
+            assert rel_err(ours(ids), ref) < 1e-5
+            with mode("standard"):
+                assert rel_err(ours(ids), ref) < 1e-5
+
+
+def test_bf16_logits_close_to_transformers(tmp_path):
+    hf = _hf_model(TINY, seed=2, tmp_path=tmp_path).to(torch.bfloat16)
+    ours = load_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
+    ids = _ids(3, 11, TINY.vocab_size, seed=3)
+    with torch.no_grad():
+        ref = hf(ids).logits
+        with mode("standard"):
+            assert rel_err(ours(ids), ref) < 2e-2
+        assert rel_err(ours(ids), ref) < 4e-2  # the interpreter truncates every bf16 rounding
+
+
+def test_transformers_loads_what_we_save(tmp_path):
+    ours = build(VARIANTS["untied-gqa1"], dtype=torch.float32, seed=4)
+    save_pretrained(ours, tmp_path / "ckpt")
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    ids = _ids(2, 9, TINY.vocab_size, seed=5)
+    with torch.no_grad():
+        assert rel_err(ours(ids), hf(ids).logits) < 1e-5
+
+
+def test_save_load_round_trip_is_bitwise(tmp_path):
+    model = build("tiny", dtype=torch.bfloat16, seed=6)
+    save_pretrained(model, tmp_path / "a")
+    again = load_pretrained(tmp_path / "a", dtype=torch.bfloat16)
+    for (n1, a), (n2, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert n1 == n2 and a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_torchtitan_names_round_trip_bitwise():
+    state = build(VARIANTS["untied-gqa1"], seed=7).state_dict()
+    titan = hf_to_titan(state)
+    assert "layers.0.attention.wq.weight" in titan and "tok_embeddings.weight" in titan
+    assert "layers.1.feed_forward.w3.weight" in titan and "output.weight" in titan
+    back = titan_to_hf(titan)
+    assert list(back) == list(state) and all(torch.equal(back[k], state[k]) for k in state)
+    with pytest.raises(KeyError, match="no torchtitan/HF name"):
+        hf_to_titan({"model.layers.0.self_attn.rotary.inv_freq": torch.zeros(1)})
+
+
+def test_merged_gate_up_round_trip():
+    gate, up = torch.randn(6, 4), torch.randn(6, 4)
+    merged = merge_gate_up(gate, up)
+    assert merged.shape == (12, 4)
+    g2, u2 = split_gate_up(merged)
+    assert torch.equal(g2, gate) and torch.equal(u2, up)
+
+
+def test_model_gradients_match_fp64_transformers(tmp_path):
+    hf = _hf_model(TINY, seed=8, tmp_path=tmp_path).double()
+    ours = load_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ids = _ids(2, 10, TINY.vocab_size, seed=9)
+    g = torch.randn(2, 10, TINY.vocab_size, generator=torch.Generator().manual_seed(10))
+    (ours(ids).double() * g).sum().backward()
+    (hf(ids).logits * g.double()).sum().backward()
+    hf_grads = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        assert rel_err(p.grad, hf_grads[name].grad) < 1e-4, name
+
+
+def _prefill_then_decode(model, ids, lens, prefill: int, cache_len: int, poison: bool):
+    """Logits of every real token: the first `prefill` tokens in one cached step, then one token per step."""
+    b = ids.shape[0]
+    cache = KVCache.allocate(model.config, b, cache_len, "cpu", dtype=next(model.parameters()).dtype)
+    if poison:  # stale memory must never leak in
+        cache.k.fill_(float("nan"))
+        cache.v.fill_(float("nan"))
+    out = torch.full((*ids.shape, model.config.vocab_size), float("nan"))
+    start = torch.zeros(b, dtype=torch.int32)
+    first = torch.clamp(lens, max=prefill).to(torch.int32)
+    out[:, :prefill] = model(ids[:, :prefill], seq_lens=first, cache=cache, start=start).float()
+    for t in range(prefill, ids.shape[1]):
+        step = model(ids[:, t:t + 1], seq_lens=torch.ones(b, dtype=torch.int32), cache=cache,
+                     start=torch.full((b,), t, dtype=torch.int32))
+        out[:, t] = step[:, 0].float()
+    return out
+
+
+def test_training_prefill_and_decode_logits_are_bitwise_equal():
+    """A token's logits: training forward over a padded batch == prefill == decode step, and alone == in a batch."""
+    model = build("tiny", dtype=torch.bfloat16, seed=11)
+    lens = torch.tensor([13, 6, 10], dtype=torch.int32)
+    ids = _ids(3, 13, TINY.vocab_size, seed=12)
+    with torch.no_grad():
+        train = model(ids, seq_lens=lens).float()
+        cached = _prefill_then_decode(model, ids, lens, prefill=5, cache_len=32, poison=True)
+        alone = model(ids[1:2, :6]).float()
+    for b in range(3):
+        n = int(lens[b])
+        assert torch.equal(cached[b, :n], train[b, :n]), f"sequence {b}: decode differs from training"
+    assert torch.equal(alone[0], train[1, :6]), "a sequence alone differs from the same in a padded batch"
+
+
+def test_standard_mode_runs_the_same_paths():
+    model = build("tiny", dtype=torch.float32, seed=13)
+    lens = torch.tensor([9, 4], dtype=torch.int32)
+    ids = _ids(2, 9, TINY.vocab_size, seed=14)
+    with torch.no_grad(), mode("standard"):
+        train = model(ids, seq_lens=lens)
+        cached = _prefill_then_decode(model, ids, lens, prefill=3, cache_len=16, poison=False)
+    for b in range(2):
+        n = int(lens[b])
+        assert rel_err(cached[b, :n], train[b, :n]) < 1e-5
+
+
+def _write_checkpoint(tmp_path, cfg=TINY):
+    d = tmp_path / "ckpt"
+    save_pretrained(build(cfg, dtype=torch.float32, seed=15), d)
+    return d
+
+
+def test_bad_checkpoints_say_what_is_wrong(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint directory"):
+        load_pretrained(tmp_path / "nowhere")
+    d = _write_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="is a file"):
+        load_pretrained(d / "config.json")
+    cfg = json.loads((d / "config.json").read_text())
+
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(CheckpointError, match="Qwen3 checkpoints only"):
+        load_pretrained(d)
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_pretrained(d)
+    (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "hidden_size"}))
+    with pytest.raises(CheckpointError, match="missing Qwen3 fields"):
+        load_pretrained(d)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+    tensors = load_file(d / "model.safetensors")
+    missing = {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    save_file(missing, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match="missing.*up_proj"):
+        load_pretrained(d)
+    bad_shape = dict(tensors, **{"model.norm.weight": torch.ones(65)})
+    save_file(bad_shape, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model.norm.weight: the model has shape \(64,\)"):
+        load_pretrained(d)
+    (d / "model.safetensors").write_bytes(b"\x00\x01garbage")
+    with pytest.raises(CheckpointError, match="corrupt or unreadable"):
+        load_pretrained(d)
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(CheckpointError, match="never .bin / pickle"):
+        load_pretrained(d)
+
+
+def test_configs():
+    assert config("1.7B").hidden_size == 2048 and config("1.7B").tie_word_embeddings
+    assert config("8B").num_attention_heads == 32 and not config("8B").tie_word_embeddings
+    with pytest.raises(ValueError, match="unknown Qwen3 size"):
+        config("2B")
+    with pytest.raises(ValueError, match="must be a multiple"):
+        dataclasses.replace(TINY, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="must be positive"):
+        dataclasses.replace(TINY, hidden_size=0)

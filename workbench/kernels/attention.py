@@ -1,0 +1,352 @@
+"""Causal attention with GQA: the training forward and backward over a padded
+batch, and the same forward against a static KV cache (prefill, decode).
+
+Layouts: q [B, T, Hq, D]; k, v [B, S, Hkv, D] (Hq a multiple of Hkv; D a
+power of two). A query at row i of sequence b sits at absolute position
+q_start[b] + i and may see the keys at positions j <= its position with
+j < kv_len[b]. Training is q_start = 0, kv_len = seq_len, k and v the sequence
+itself; a cached step is the same kernel reading the cache, after the step's
+K/V were written into it.
+
+Numerics contract (mode `invariant`):
+- s = dot(q, k^T) (bf16 operands on the tensor cores, fp32 accumulation over D),
+  then s * (softmax_scale * log2 e) in fp32; online softmax in base 2:
+  m' = max(m, rowmax(s)), p = exp2(s - m'), l = l * exp2(m - m') + rowsum(p),
+  acc = acc * exp2(m - m') + dot(bf16(p), v) (fp32 accumulation);
+  out = acc / l, cast once. Rounding points: bf16(p) and the final cast.
+- KV tiles cover absolute positions [j * BLOCK_N, (j + 1) * BLOCK_N), taken in
+  increasing j, with one (BLOCK_M, BLOCK_N, num_warps) for training, prefill and
+  decode: a decode step is the same kernel with one valid query row. Tiles past
+  a row's position are fully masked for it and change nothing (alpha = 1, p = 0),
+  so a query at position t gets the same bits in a training forward, a prefill
+  or a decode step, whatever the batch, the other sequences or the padding.
+- No split-KV, no atomics. Masked K/V loads return 0, so stale cache memory can
+  never bring a NaN in. Padding queries (position >= kv_len) give zeros and
+  pass no gradient.
+- Backward (training only): FlashAttention-2 style, recomputing p from the
+  saved base-2 log-sum-exp; dK and dV accumulate over query blocks, and over
+  the query heads of a KV head, in a fixed order in registers; dQ in a second
+  pass. Deterministic run to run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._common import check_device, check_float, check_same, interpreting
+from .mode import get_mode
+
+_LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _mm(a, b, acc, IEEE: tl.constexpr):
+    # IEEE: fp32 operands multiplied in fp32 (never tf32), and the interpreter's upcast bf16.
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, Out, LSE, q_start_ptr, kv_len_ptr,
+    sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
+    n_q_heads, T_q, group, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    IEEE: tl.constexpr, STORE_LSE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // n_q_heads).to(tl.int64)
+    h = bh % n_q_heads
+    kvh = h // group
+    q_start = tl.load(q_start_ptr + b)
+    kv_len = tl.load(kv_len_ptr + b)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_pos = q_start + offs_m
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * sqb + offs_m[:, None] * sqt + h * sqh + offs_d[None, :],
+                mask=offs_m[:, None] < T_q, other=0.0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    # Keys past the block's last position are masked for every row of the block.
+    hi = tl.minimum(kv_len, q_start + (pid_m + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kmask = offs_n < kv_len
+        k = tl.load(K + b * skb + offs_n[None, :] * sks + kvh * skh + offs_d[:, None], mask=kmask[None, :], other=0.0)
+        s = _mm(q, k, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), IEEE) * qk_scale
+        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & kmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with no visible key yet keeps m = -inf: shift by 0 there.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - shift)
+        p = tl.exp2(s - shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(V + b * svb + offs_n[:, None] * svs + kvh * svh + offs_d[None, :], mask=kmask[:, None], other=0.0)
+        acc = _mm(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    # A query at a position >= kv_len is padding: zeros.
+    out = tl.where(q_pos[:, None] < kv_len, out, 0.0)
+    tl.store(Out + b * sob + offs_m[:, None] * sot + h * soh + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=offs_m[:, None] < T_q)
+    if STORE_LSE:
+        tl.store(LSE + bh.to(tl.int64) * T_q + offs_m, m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)),
+                 mask=offs_m < T_q)
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, len_ptr,
+    sqb, sqt, sqh, skb, sks, skh, n_q_heads, n_kv_heads, T, group, qk_scale, sm_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
+):
+    # q, dO share q's strides; k, v, dK, dV share k's (all made contiguous by the launcher).
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = (bhk // n_kv_heads).to(tl.int64)
+    kvh = bhk % n_kv_heads
+    seq_len = tl.load(len_ptr + b)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    nmask = offs_n < seq_len
+    kv_off = b * skb + offs_n[:, None] * sks + kvh * skh + offs_d[None, :]
+    k = tl.load(K + kv_off, mask=nmask[:, None], other=0.0)
+    v = tl.load(V + kv_off, mask=nmask[:, None], other=0.0)
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
+    for g in range(0, group):
+        h = kvh * group + g
+        row_base = (b * n_q_heads + h) * T
+        for start_m in range(lo, seq_len, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            mmask = offs_m < seq_len
+            q_off = b * sqb + offs_m[:, None] * sqt + h * sqh + offs_d[None, :]
+            q = tl.load(Q + q_off, mask=mmask[:, None], other=0.0)
+            do = tl.load(DO + q_off, mask=mmask[:, None], other=0.0)
+            lse = tl.load(LSE + row_base + offs_m, mask=mmask, other=0.0)
+            delta = tl.load(DELTA + row_base + offs_m, mask=mmask, other=0.0)
+            s_t = _mm(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), IEEE) * qk_scale
+            valid = (offs_m[None, :] >= offs_n[:, None]) & mmask[None, :] & nmask[:, None]
+            p_t = tl.where(valid, tl.exp2(s_t - lse[None, :]), 0.0)
+            dv = _mm(p_t.to(do.dtype), do, dv, IEEE)
+            dp_t = _mm(v, tl.trans(do), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), IEEE)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = _mm(ds_t.to(q.dtype), q, dk, IEEE)
+    # Padding rows (past seq_len, up to T) get exact zeros.
+    tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=offs_n[:, None] < T)
+    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < T)
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, len_ptr,
+    sqb, sqt, sqh, skb, sks, skh, n_q_heads, T, group, qk_scale, sm_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // n_q_heads).to(tl.int64)
+    h = bh % n_q_heads
+    kvh = h // group
+    seq_len = tl.load(len_ptr + b)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mmask = offs_m < seq_len
+    q_off = b * sqb + offs_m[:, None] * sqt + h * sqh + offs_d[None, :]
+    q = tl.load(Q + q_off, mask=mmask[:, None], other=0.0)
+    do = tl.load(DO + q_off, mask=mmask[:, None], other=0.0)
+    row_base = bh.to(tl.int64) * T
+    lse = tl.load(LSE + row_base + offs_m, mask=mmask, other=0.0)
+    delta = tl.load(DELTA + row_base + offs_m, mask=mmask, other=0.0)
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    hi = tl.minimum(seq_len, (pid_m + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        nmask = offs_n < seq_len
+        kv_off = b * skb + offs_n[:, None] * sks + kvh * skh + offs_d[None, :]
+        k = tl.load(K + kv_off, mask=nmask[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=nmask[:, None], other=0.0)
+        s = _mm(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), IEEE) * qk_scale
+        valid = (offs_n[None, :] <= offs_m[:, None]) & nmask[None, :] & mmask[:, None]
+        p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
+        dp = _mm(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), IEEE)
+        ds = p * (dp - delta[:, None])
+        dq = _mm(ds.to(k.dtype), k, dq, IEEE)
+    tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=offs_m[:, None] < T)
+
+
+def attention_config(head_dim: int) -> dict:
+    """One config for training, prefill and decode (a function of the head dim only)."""
+    if interpreting():
+        return {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}
+    return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2 if head_dim > 64 else 3}
+
+
+def tile_config() -> dict:
+    return {"head_dim_128": attention_config(128), "head_dim_64": attention_config(64)}
+
+
+def _check(op: str, q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float(op, name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{op}: `{name}` must be [batch, seq, heads, head_dim], got shape {tuple(t.shape)}")
+    check_same(op, {"q": q, "k": k, "v": v})
+    bq, _, hq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != bq or k.shape[3] != d:
+        raise ValueError(f"{op}: k and v must be [{bq}, S, Hkv, {d}] and equal; got {tuple(k.shape)}, {tuple(v.shape)}")
+    if hq % k.shape[2]:
+        raise ValueError(f"{op}: query heads ({hq}) must be a multiple of key/value heads ({k.shape[2]})")
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"{op}: head_dim must be a power of two >= 16, got {d}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{op}: `{name}` must be contiguous in head_dim (stride 1); call .contiguous() on it")
+
+
+def _lengths(op: str, name: str, lens, batch: int, upper: int, device) -> torch.Tensor:
+    if lens is None:
+        return torch.full((batch,), upper, dtype=torch.int32, device=device)
+    if not isinstance(lens, torch.Tensor) or lens.dtype not in (torch.int32, torch.int64) or lens.shape != (batch,):
+        raise ValueError(f"{op}: `{name}` must be an int tensor of shape ({batch},)")
+    if lens.device.type == "cpu" and lens.numel() and (int(lens.min()) < 0 or int(lens.max()) > upper):
+        raise ValueError(f"{op}: `{name}` must lie in [0, {upper}], got [{int(lens.min())}, {int(lens.max())}]")
+    return lens.to(device=device, dtype=torch.int32)
+
+
+def _forward(q, k, v, q_start, kv_len, store_lse: bool):
+    b, t, hq, d = q.shape
+    cfg = attention_config(d)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((b * hq, t), device=q.device, dtype=torch.float32) if store_lse else out
+    if b and t:
+        grid = (triton.cdiv(t, cfg["block_m"]), b * hq)
+        _attn_fwd_kernel[grid](
+            q, k, v, out, lse, q_start, kv_len,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            hq, t, hq // k.shape[2], _LOG2E / math.sqrt(d),
+            BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD_DIM=d,
+            IEEE=interpreting() or q.dtype == torch.float32, STORE_LSE=store_lse,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    return out, lse
+
+
+class AttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, seq_lens):
+        check_device("attention", q)
+        b, t = q.shape[:2]
+        q_start = torch.zeros(b, dtype=torch.int32, device=q.device)
+        out, lse = _forward(q, k, v, q_start, seq_lens, store_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse, seq_lens)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, seq_lens = ctx.saved_tensors
+        b, t, hq, d = q.shape
+        hkv = k.shape[2]
+        cfg = attention_config(d)
+        q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
+        delta = (dout.float() * out.float()).sum(-1).permute(0, 2, 1).reshape(b * hq, t).contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        common = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD_DIM=d,
+                      IEEE=interpreting() or q.dtype == torch.float32,
+                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        qk_scale, sm_scale = _LOG2E / math.sqrt(d), 1.0 / math.sqrt(d)
+        if b and t:
+            _attn_bwd_dkdv_kernel[(triton.cdiv(t, cfg["block_n"]), b * hkv)](
+                q, k, v, dout, lse, delta, dk, dv, seq_lens,
+                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                hq, hkv, t, hq // hkv, qk_scale, sm_scale, **common,
+            )
+            _attn_bwd_dq_kernel[(triton.cdiv(t, cfg["block_m"]), b * hq)](
+                q, k, v, dout, lse, delta, dq, seq_lens,
+                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                hq, t, hq // hkv, qk_scale, sm_scale, **common,
+            )
+        return dq, dk, dv, None
+
+
+def attention_invariant(q, k, v, seq_lens=None):
+    _check("attention", q, k, v)
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"attention: q and k/v must have one sequence length, got {q.shape[1]} and {k.shape[1]}")
+    lens = _lengths("attention", "seq_lens", seq_lens, q.shape[0], q.shape[1], q.device)
+    return AttentionFn.apply(q, k, v, lens)
+
+
+def _masks(q_start, kv_len, t_q: int, s: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, 1, Tq, S] key j visible to query i, [B, Tq, 1, 1] query i is not padding)."""
+    pos = q_start.long()[:, None] + torch.arange(t_q, device=device)[None, :]
+    keys = torch.arange(s, device=device)
+    kv_len = kv_len.long()
+    visible = (keys[None, None, :] <= pos[:, :, None]) & (keys[None, None, :] < kv_len[:, None, None])
+    return visible[:, None], (pos < kv_len[:, None])[:, :, None, None]
+
+
+def _sdpa(q, k, v, q_start, kv_len):
+    """PyTorch SDPA on [B, T, H, D] tensors, with the invariant kernel's padding rule."""
+    visible, real = _masks(q_start, kv_len, q.shape[1], k.shape[1], q.device)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=visible, enable_gqa=q.shape[2] != k.shape[2])
+    return (out.transpose(1, 2).nan_to_num(0.0) * real).to(q.dtype)
+
+
+def attention_standard(q, k, v, seq_lens=None):
+    """PyTorch SDPA (flash attention when there is no padding, a masked kernel otherwise)."""
+    _check("attention", q, k, v)
+    b, t = q.shape[:2]
+    if seq_lens is None:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, enable_gqa=q.shape[2] != k.shape[2])
+        return out.transpose(1, 2)
+    lens = _lengths("attention", "seq_lens", seq_lens, b, t, q.device)
+    return _sdpa(q, k, v, torch.zeros_like(lens), lens)
+
+
+def attention(q, k, v, seq_lens=None):
+    """Causal self-attention over a right-padded batch [B, T, H, D], by the kernel the mode picks."""
+    if get_mode("attention") == "standard":
+        return attention_standard(q, k, v, seq_lens)
+    return attention_invariant(q, k, v, seq_lens)
+
+
+def attention_with_cache(q, k_cache, v_cache, q_start, kv_len):
+    """Queries [B, Tq, Hq, D] at positions q_start[b] + i against the cache's first kv_len[b] keys.
+
+    The step's own K/V must already be in the cache. Forward only (generation).
+    """
+    _check("attention_with_cache", q, k_cache, v_cache)
+    b, t = q.shape[:2]
+    s = k_cache.shape[1]
+    q_start = _lengths("attention_with_cache", "q_start", q_start, b, s, q.device)
+    kv_len = _lengths("attention_with_cache", "kv_len", kv_len, b, s, q.device)
+    if get_mode("attention") == "standard":
+        return _sdpa(q, k_cache, v_cache, q_start, kv_len)
+    check_device("attention_with_cache", q)
+    return _forward(q, k_cache, v_cache, q_start, kv_len, store_lse=False)[0]
+
+
+def attention_reference(q, k, v, seq_lens=None):
+    """fp64 reference."""
+    b, t, hq, d = q.shape
+    lens = torch.full((b,), t) if seq_lens is None else seq_lens.cpu()
+    visible, real = (m.to(q.device) for m in _masks(torch.zeros_like(lens), lens, t, t, "cpu"))
+    rep = hq // k.shape[2]
+    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
+    kd, vd = kd.repeat_interleave(rep, 1), vd.repeat_interleave(rep, 1)
+    s = (qd @ kd.transpose(-1, -2)) / math.sqrt(d)
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
+    return (p @ vd).transpose(1, 2) * real
