@@ -221,3 +221,52 @@ def test_configs():
         dataclasses.replace(TINY, num_key_value_heads=3)
     with pytest.raises(ValueError, match="must be positive"):
         dataclasses.replace(TINY, hidden_size=0)
+
+
+def test_sharded_checkpoint_from_transformers(tmp_path):
+    torch.manual_seed(16)
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY.to_dict())).eval()
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    ours = load_pretrained(tmp_path / "sharded", dtype=torch.float32)
+    ids = _ids(1, 8, TINY.vocab_size, seed=17)
+    with torch.no_grad():
+        assert rel_err(ours(ids), hf(ids).logits) < 1e-5
+    (tmp_path / "sharded" / sorted(p.name for p in (tmp_path / "sharded").glob("model-*.safetensors"))[0]).unlink()
+    with pytest.raises(CheckpointError, match="listed in the index is missing"):
+        load_pretrained(tmp_path / "sharded")
+
+
+def test_tokenizer_travels_with_the_checkpoint(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from workbench.models import load_tokenizer
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["12 + 34 = 46", "7 * 8 = 56", "the answer is 42"] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"]))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    save_pretrained(build("tiny", seed=18), tmp_path / "ckpt", tokenizer=fast)
+    again = load_tokenizer(tmp_path / "ckpt")
+    assert again("12 + 34 = 46")["input_ids"] == fast("12 + 34 = 46")["input_ids"]
+    with pytest.raises(CheckpointError, match="no tokenizer could be loaded"):
+        load_tokenizer(tmp_path / "elsewhere")
+
+
+def test_hub_id_offline_says_what_to_do():
+    with pytest.raises(CheckpointError, match="could not be fetched from the hub"):
+        load_pretrained("Qwen/Qwen3-0.6B")
+
+
+def test_one_cast_path_rounds_to_nearest_even():
+    from workbench.bf16 import round_to_bf16
+    from workbench.models import copy_weights
+
+    model = build("tiny", dtype=torch.bfloat16, seed=None)
+    masters = {k: torch.randn(v.shape) * 3 for k, v in model.state_dict().items()}
+    copy_weights(masters, model)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.view(torch.int16), round_to_bf16(masters[name]).view(torch.int16)), name
+    with pytest.raises(KeyError, match="missing"):
+        copy_weights({k: v for k, v in masters.items() if "norm" not in k}, model)
