@@ -17,32 +17,20 @@ see bench/timing.py).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
 import torch
 import torch.nn.functional as F
-import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import copy_gbs, gpu_ms  # noqa: E402
+from timing import copy_gbs, emit, gpu_ms, header, with_grad  # noqa: E402
 
-from workbench.env import git_sha  # noqa: E402
 from workbench.kernels import REGISTRY  # noqa: E402
 
 SHAPES = [(2048, 4096), (2048, 2048), (2048, 12288), (6144, 2048), (2048, 151936)]
 MS = [1, 8, 32, 128, 512, 2048, 8192]
 BACKWARD_MS = (8, 128, 2048, 8192)
-
-
-def _with_grad(fn, args, grad_idx):
-    """A call running forward and backward (autograd's backward runs on the forward's stream,
-    so both sit inside the CUDA graph)."""
-    args = [a.detach().requires_grad_(True) if i in grad_idx else a for i, a in enumerate(args)]
-    g = torch.randn_like(fn(*args))
-    grads = [args[i] for i in grad_idx]
-    return lambda: torch.autograd.grad(fn(*args), grads, g)
 
 
 def linear_rows(quick: bool):
@@ -56,7 +44,7 @@ def linear_rows(quick: bool):
                 def call():
                     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
-                    return _with_grad(fn, [x, w], (0, 1)) if grad else (lambda: fn(x, w))
+                    return with_grad(fn, [x, w], (0, 1)) if grad else (lambda: fn(x, w))
                 return call
 
             flop = 2 * m * n * k
@@ -95,7 +83,7 @@ def rowwise_rows():
             def make_for(fn):
                 def call():
                     args = op.make_inputs(m, "real", torch.Generator().manual_seed(0), "cuda", torch.bfloat16)
-                    return _with_grad(fn, list(args), op.grad_args) if grad else (lambda: fn(*args))
+                    return with_grad(fn, list(args), op.grad_args) if grad else (lambda: fn(*args))
                 return call
 
             rows.append((name, label, shape, nbytes, gpu_ms(make_for(op.invariant), nbytes),
@@ -112,8 +100,7 @@ def main() -> None:
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
     lines = [
-        f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}; "
-        f"{datetime.date.today().isoformat()}; git {git_sha()}",
+        header(),
         "",
         "| pass | K | N | M | invariant TFLOP/s | cuBLAS TFLOP/s | ratio |",
         "|---|---|---|---|---|---|---|",
@@ -133,11 +120,7 @@ def main() -> None:
     for name, p, shape, nbytes, ti, ts in rowwise_rows():
         gi, gs = nbytes / ti / 1e6, nbytes / ts / 1e6
         lines.append(f"| {name} | {p} | {shape} | {gi:.0f} | {gi / copy:.2f} | {gs:.0f} | {gs / copy:.2f} |")
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    emit(lines, a.out)
 
 
 if __name__ == "__main__":

@@ -12,19 +12,16 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
-import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import gpu_ms  # noqa: E402
+from timing import emit, gpu_ms, header  # noqa: E402
 
-from workbench.env import git_sha  # noqa: E402
 from workbench.kernels import REGISTRY, mode, token_logprobs  # noqa: E402
 from workbench.models import build  # noqa: E402
 
@@ -85,8 +82,7 @@ def main() -> None:
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_model.py needs a CUDA GPU")
-    lines = [f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}; "
-             f"{datetime.date.today().isoformat()}; git {git_sha()}", ""]
+    lines = [header(), ""]
     model = build("1.7B", device="cuda", seed=0)
     ids = torch.randint(0, model.config.vocab_size, (8, 1025), device="cuda")
     tokens = ids[:, :-1].numel()
@@ -104,11 +100,7 @@ def main() -> None:
               "|---|---|---|---|---|"]
     for label, t, ti, ts in attention_rows():
         lines.append(f"| {label} | {t} | {ti:.3f} | {ts:.3f} | {ts / ti:.2f} |")
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    emit(lines, a.out)
 
 
 if __name__ == "__main__":

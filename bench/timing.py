@@ -73,3 +73,31 @@ def copy_gbs() -> tuple[float, float]:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return 4 * n / kernel_ms / 1e6, 4 * n / statistics.median(times) / 1e6
+
+
+def with_grad(fn, args, grad_idx):
+    """A call running forward and backward of fn(*args) (autograd's backward runs on the forward's
+    stream, so both must sit inside the CUDA graph)."""
+    args = [a.detach().requires_grad_(True) if i in grad_idx else a for i, a in enumerate(args)]
+    g = torch.randn_like(fn(*args))
+    grads = [args[i] for i in grad_idx]
+    return lambda: torch.autograd.grad(fn(*args), grads, g)
+
+
+def header() -> str:
+    """The first line of every benchmark table: device, versions, date, commit."""
+    import datetime
+
+    from workbench.env import git_sha
+
+    return (f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}; "
+            f"{datetime.date.today().isoformat()}; git {git_sha()}")
+
+
+def emit(lines: list[str], out: str | None) -> None:
+    """Print the tables, and write them to `out` when given."""
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")

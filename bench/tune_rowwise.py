@@ -15,7 +15,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import copy_gbs, gpu_ms  # noqa: E402
+from timing import copy_gbs, gpu_ms, with_grad  # noqa: E402
 
 from workbench.kernels import logprobs, rmsnorm  # noqa: E402
 from workbench.kernels.registry import REGISTRY  # noqa: E402
@@ -23,12 +23,6 @@ from workbench.kernels.registry import REGISTRY  # noqa: E402
 
 def _args(name, rows):
     return REGISTRY[name].make_inputs(rows, "real", torch.Generator().manual_seed(0), "cuda", torch.bfloat16)
-
-
-def _fwd_bwd(fn, args, grad_idx):
-    args = [a.detach().requires_grad_(True) if i in grad_idx else a for i, a in enumerate(args)]
-    g = torch.randn_like(fn(*args))
-    return lambda: torch.autograd.grad(fn(*args), [args[i] for i in grad_idx], g)
 
 
 def main() -> None:
@@ -45,14 +39,14 @@ def main() -> None:
     for block, warps in itertools.product((1024, 2048, 4096), (4, 8)):
         logprobs._GPU_CONFIG = dict(base, backward_block_v=block, backward_num_warps=warps)
         nbytes = 4096 * 151936 * 2 * 3
-        ms = gpu_ms(lambda: _fwd_bwd(REGISTRY["token_logprobs"].invariant, list(_args("token_logprobs", 4096)), (0,)),
+        ms = gpu_ms(lambda: with_grad(REGISTRY["token_logprobs"].invariant, list(_args("token_logprobs", 4096)), (0,)),
                     nbytes)
         print(f"logprobs fwd+bwd block={block} warps={warps}: {nbytes / ms / 1e6 / copy:.2f} of copy")
     logprobs._GPU_CONFIG = base
     for rows_per_prog, tile in ((8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (16, 8), (32, 4), (32, 8)):
         rmsnorm._GPU_BACKWARD = {"rows": rows_per_prog, "tile_rows": tile}
         nbytes = 8192 * 2048 * 2 * 5
-        ms = gpu_ms(lambda: _fwd_bwd(REGISTRY["rms_norm"].invariant, list(_args("rms_norm", 8192)), (0, 1)), nbytes)
+        ms = gpu_ms(lambda: with_grad(REGISTRY["rms_norm"].invariant, list(_args("rms_norm", 8192)), (0, 1)), nbytes)
         print(f"rms_norm fwd+bwd rows/program={rows_per_prog} tile={tile}: {nbytes / ms / 1e6 / copy:.2f} of copy")
 
 if __name__ == "__main__":
