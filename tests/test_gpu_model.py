@@ -58,6 +58,13 @@ def test_gpu_attention_negative_control_standard_decode_differs():
     assert not dec_ok, "SDPA gave decode == training at every position tried: the control shows nothing"
 
 
+def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b|, inf where either holds a NaN (Python's max would skip a NaN)."""
+    if torch.isnan(a).any() or torch.isnan(b).any():
+        return float("inf")
+    return (a - b).abs().max().item()
+
+
 def _model_triangle(model, lens, prefill: int, steps: int):
     """Training logits vs prefill + `steps` decode steps, per sequence; returns the max |difference| per stage."""
     b, t = len(lens), max(lens)
@@ -71,13 +78,12 @@ def _model_triangle(model, lens, prefill: int, steps: int):
         cache.v.fill_(float("nan"))
         first = torch.clamp(seq, max=prefill)
         pre = model(ids[:, :prefill], seq_lens=first, cache=cache, start=torch.zeros_like(seq)).float()
-        diffs = [max((pre[i, : min(n, prefill)] - train[i, : min(n, prefill)]).abs().max().item()
-                     for i, n in enumerate(lens))]
+        diffs = [max(_maxdiff(pre[i, : min(n, prefill)], train[i, : min(n, prefill)]) for i, n in enumerate(lens))]
         for s in range(prefill, prefill + steps):
             step = model(ids[:, s : s + 1], seq_lens=torch.ones_like(seq), cache=cache,
                          start=torch.full_like(seq, s)).float()
             live = [i for i, n in enumerate(lens) if s < n]
-            diffs.append(max((step[i, 0] - train[i, s]).abs().max().item() for i in live))
+            diffs.append(max(_maxdiff(step[i, 0], train[i, s]) for i in live))
     return diffs
 
 

@@ -86,3 +86,50 @@ def test_masked_vocabulary_and_temperature():
     x = logits.clone().requires_grad_(True)
     (token_logprobs(x, tokens) + entropy(x)).sum().backward()
     assert torch.isfinite(x.grad).all() and (x.grad[:, 300:] == 0).all()
+
+
+def test_strided_weight_and_in_place_outputs():
+    """A strided RMSNorm weight gives the right answer; log-prob outputs may be modified in place."""
+    x, wbig = rand(5, 8), rand(16)
+    ref = rms_norm(x, wbig[::2].contiguous())
+    assert torch.equal(rms_norm(x, wbig[::2]), ref)
+    logits = rand(3, 40).requires_grad_(True)
+    lp = token_logprobs(logits, torch.tensor([1, 2, 3]))
+    lp.mul_(2)
+    lp.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+
+
+def test_silu_mul_up_gradient_uses_the_forward_rounding():
+    g, u = rand(4, 300, dtype=torch.bfloat16), rand(4, 300, dtype=torch.bfloat16)
+    g.requires_grad_(True)
+    u.requires_grad_(True)
+    out = silu_mul(g, u)
+    dout = torch.ones_like(out)
+    out.backward(dout)
+    s = (g.detach().float() / (1 + torch.exp(-g.detach().float()))).bfloat16().float()
+    assert torch.allclose(u.grad.float(), s, rtol=0, atol=2 ** -7 * s.abs().max().item())
+
+
+def test_nested_overrides_merge():
+    from workbench.kernels import get_mode, mode
+
+    with mode("invariant", linear="standard"), mode(rms_norm="standard"):
+        assert get_mode("linear") == "standard" and get_mode("rms_norm") == "standard"
+        assert get_mode("silu_mul") == "invariant"
+    with mode("invariant", linear="standard"), mode("standard"):
+        assert get_mode("linear") == "standard" and get_mode("rms_norm") == "standard"
+
+
+def test_attention_length_and_head_errors():
+    from workbench.kernels import attention, attention_with_cache
+
+    q, k = rand(2, 5, 2, 16), rand(2, 5, 1, 16)
+    with pytest.raises(ValueError, match=r"seq_lens` must lie in \[0, 5\]"):
+        attention(q, k, k, torch.tensor([5, 6]))
+    with pytest.raises(ValueError, match="must be a multiple"):
+        attention(rand(2, 5, 3, 16), k.repeat(1, 1, 2, 1), k.repeat(1, 1, 2, 1))
+    with pytest.raises(ValueError, match="power of two"):
+        attention(rand(2, 5, 2, 12), rand(2, 5, 1, 12), rand(2, 5, 1, 12))
+    with pytest.raises(ValueError, match=r"kv_len` must lie in \[0, 5\]"):
+        attention_with_cache(q[:, :1], k, k, torch.tensor([0, 1]), torch.tensor([1, 9]))

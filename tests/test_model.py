@@ -270,3 +270,9 @@ def test_one_cast_path_rounds_to_nearest_even():
         assert torch.equal(p.view(torch.int16), round_to_bf16(masters[name]).view(torch.int16)), name
     with pytest.raises(KeyError, match="missing"):
         copy_weights({k: v for k, v in masters.items() if "norm" not in k}, model)
+
+
+def test_start_positions_need_a_cache():
+    model = build("tiny", seed=19)
+    with pytest.raises(ValueError, match="need a KV cache"):
+        model(_ids(1, 3, TINY.vocab_size, seed=20), start=torch.tensor([2]))

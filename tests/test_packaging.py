@@ -29,7 +29,7 @@ def test_every_dependency_is_pinned_exactly():
     pins = _pins()
     missing = [r for r in reqs if _name(r) not in pins]
     assert not missing, f"constraints.txt lacks pins for {missing}"
-    assert pins["torch"] == "2.13.0", "CI's torch must be the CPU wheel 2.13.0 (an unpinned torch pulls CUDA)"
+    assert pins["torch"] == "2.13.0", "CI's torch is 2.13.0, the CPU wheel this project's machines hold on disk"
 
 
 def test_environment_yml_installs_from_the_same_pins():

@@ -7,7 +7,7 @@ interpreter before any kernel is decorated.
 from . import _common  # noqa: F401  (must come first)
 from .registry import REGISTRY, Op  # before the op functions below shadow their modules' names
 from .attention import attention, attention_with_cache
-from .logprobs import entropy, token_logprobs, token_logprobs_and_entropy
+from .logprobs import entropy, logsumexp, token_logprobs, token_logprobs_and_entropy
 from .matmul import linear, matmul_config
 from .mode import MODES, current_state, get_mode, mode, set_mode
 from .rmsnorm import rms_norm
@@ -25,6 +25,7 @@ __all__ = [
     "entropy",
     "get_mode",
     "linear",
+    "logsumexp",
     "matmul_config",
     "mode",
     "rms_norm",

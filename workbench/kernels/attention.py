@@ -21,7 +21,8 @@ Numerics contract (mode `invariant`):
   so a query at position t gets the same bits in a training forward, a prefill
   or a decode step, whatever the batch, the other sequences or the padding.
 - No split-KV, no atomics. Masked K/V loads return 0, so stale cache memory can
-  never bring a NaN in. Padding queries (position >= kv_len) give zeros and
+  never bring a NaN in. Lengths are clamped to the buffers on the GPU (and
+  checked, with an error, for CPU tensors). Padding queries (position >= kv_len) give zeros and
   pass no gradient.
 - Backward (training only): FlashAttention-2 style, recomputing p from the
   saved base-2 log-sum-exp; dK and dV accumulate over query blocks, and over
@@ -56,7 +57,7 @@ def _mm(a, b, acc, IEEE: tl.constexpr):
 def _attn_fwd_kernel(
     Q, K, V, Out, LSE, q_start_ptr, kv_len_ptr,
     sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
-    n_q_heads, T_q, group, qk_scale,
+    n_q_heads, T_q, S_kv, group, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
@@ -65,8 +66,9 @@ def _attn_fwd_kernel(
     b = (bh // n_q_heads).to(tl.int64)
     h = bh % n_q_heads
     kvh = h // group
-    q_start = tl.load(q_start_ptr + b)
-    kv_len = tl.load(kv_len_ptr + b)
+    # Lengths are clamped to the buffers (the host checks them only for CPU tensors, to stay sync-free).
+    q_start = tl.maximum(tl.load(q_start_ptr + b), 0)
+    kv_len = tl.minimum(tl.maximum(tl.load(kv_len_ptr + b), 0), S_kv)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q_pos = q_start + offs_m
     offs_d = tl.arange(0, HEAD_DIM)
@@ -113,7 +115,7 @@ def _attn_bwd_dkdv_kernel(
     bhk = tl.program_id(1)
     b = (bhk // n_kv_heads).to(tl.int64)
     kvh = bhk % n_kv_heads
-    seq_len = tl.load(len_ptr + b)
+    seq_len = tl.minimum(tl.maximum(tl.load(len_ptr + b), 0), T)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     nmask = offs_n < seq_len
@@ -157,7 +159,7 @@ def _attn_bwd_dq_kernel(
     b = (bh // n_q_heads).to(tl.int64)
     h = bh % n_q_heads
     kvh = h // group
-    seq_len = tl.load(len_ptr + b)
+    seq_len = tl.minimum(tl.maximum(tl.load(len_ptr + b), 0), T)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     mmask = offs_m < seq_len
@@ -202,6 +204,8 @@ def _check(op: str, q, k, v) -> None:
             raise ValueError(f"{op}: `{name}` must be [batch, seq, heads, head_dim], got shape {tuple(t.shape)}")
     check_same(op, {"q": q, "k": k, "v": v})
     bq, _, hq, d = q.shape
+    if k.shape[2] == 0:
+        raise ValueError(f"{op}: k and v have no heads")
     if k.shape != v.shape or k.shape[0] != bq or k.shape[3] != d:
         raise ValueError(f"{op}: k and v must be [{bq}, S, Hkv, {d}] and equal; got {tuple(k.shape)}, {tuple(v.shape)}")
     if hq % k.shape[2]:
@@ -234,7 +238,7 @@ def _forward(q, k, v, q_start, kv_len, store_lse: bool):
             q, k, v, out, lse, q_start, kv_len,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            hq, t, hq // k.shape[2], _LOG2E / math.sqrt(d),
+            hq, t, k.shape[1], hq // k.shape[2], _LOG2E / math.sqrt(d),
             BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD_DIM=d,
             IEEE=interpreting() or q.dtype == torch.float32, STORE_LSE=store_lse,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

@@ -152,6 +152,26 @@ def _check(logits: torch.Tensor, tokens: torch.Tensor | None, temperature: float
         raise ValueError(f"token_logprobs: temperature must be a positive number, got {temperature!r}")
 
 
+def _stats(x2: torch.Tensor, tok: torch.Tensor, temperature: float, with_entropy: bool) -> torch.Tensor:
+    """[4, rows] fp32: log-prob, entropy (or NaN), lse2, E[x2] (the last two in base 2)."""
+    r, v = x2.shape
+    cfg = _config()
+    n_chunks = triton.cdiv(v, cfg["chunk_v"])
+    part = torch.empty((r, n_chunks, 3), device=x2.device, dtype=torch.float32)
+    out = torch.empty((4, r), device=x2.device, dtype=torch.float32)
+    scale = _LOG2E / float(temperature)
+    if r > 0:
+        _lse_partials_kernel[(r, n_chunks)](
+            x2, part, x2.stride(0), v, scale, n_chunks, CHUNK_V=cfg["chunk_v"], WITH_ENTROPY=with_entropy,
+            num_warps=cfg["forward_num_warps"],
+        )
+        _lse_combine_kernel[(r,)](
+            x2, tok, part, out, x2.stride(0), v, scale, r, n_chunks,
+            BLOCK_C=next_power_of_2(n_chunks), WITH_ENTROPY=with_entropy, num_warps=1,
+        )
+    return out
+
+
 class LogProbsFn(torch.autograd.Function):
     """(logits, tokens, T, with_entropy) -> (token log-probs, entropy or NaN), fp32 of logits.shape[:-1]."""
 
@@ -159,29 +179,15 @@ class LogProbsFn(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool):
         check_device("token_logprobs", logits)
         x2 = rows_view("token_logprobs", "logits", logits)
-        r, v = x2.shape
-        tok = tokens.reshape(r).contiguous()
-        cfg = _config()
-        n_chunks = triton.cdiv(v, cfg["chunk_v"])
-        part = torch.empty((r, n_chunks, 3), device=logits.device, dtype=torch.float32)
-        out = torch.empty((4, r), device=logits.device, dtype=torch.float32)
-        inv_t = 1.0 / float(temperature)
-        scale = inv_t * _LOG2E
-        if r > 0:
-            _lse_partials_kernel[(r, n_chunks)](
-                x2, part, x2.stride(0), v, scale, n_chunks, CHUNK_V=cfg["chunk_v"], WITH_ENTROPY=with_entropy,
-                num_warps=cfg["forward_num_warps"],
-            )
-            _lse_combine_kernel[(r,)](
-                x2, tok, part, out, x2.stride(0), v, scale, r, n_chunks,
-                BLOCK_C=next_power_of_2(n_chunks), WITH_ENTROPY=with_entropy, num_warps=1,
-            )
+        tok = tokens.reshape(x2.shape[0]).contiguous()
+        out = _stats(x2, tok, temperature, with_entropy)
         ctx.save_for_backward(x2, tok, out)
-        ctx.scale, ctx.inv_t, ctx.with_entropy = scale, inv_t, with_entropy
+        ctx.scale, ctx.inv_t, ctx.with_entropy = _LOG2E / float(temperature), 1.0 / float(temperature), with_entropy
         ctx.shape = logits.shape
         ctx.mark_non_differentiable(tokens)
         lead = logits.shape[:-1]
-        return out[0].view(lead), out[1].view(lead)
+        # Copies: callers may modify the outputs in place; `out` is saved for the backward.
+        return out[0].reshape(lead).clone(), out[1].reshape(lead).clone()
 
     @staticmethod
     def backward(ctx, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None):
@@ -220,6 +226,18 @@ def token_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, tempe
     if get_mode("token_logprobs") == "standard":
         return logprobs_and_entropy_standard(logits, tokens, temperature)
     return logprobs_and_entropy_invariant(logits, tokens, temperature)
+
+
+def logsumexp(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """fp32 log(sum(exp(logits / T))) per row, no gradient; the same bits the log-prob kernel uses
+    (invariant mode), or torch.logsumexp (standard mode). Mode of `token_logprobs`."""
+    _check(logits, None, temperature)
+    if get_mode("token_logprobs") == "standard":
+        return torch.logsumexp(logits.float() / temperature, dim=-1)
+    check_device("logsumexp", logits)
+    x2 = rows_view("logsumexp", "logits", logits.detach())
+    out = _stats(x2, torch.zeros(x2.shape[0], dtype=torch.int64, device=x2.device), temperature, False)
+    return (out[2] * math.log(2.0)).view(logits.shape[:-1])
 
 
 def _zero_tokens(logits: torch.Tensor) -> torch.Tensor:

@@ -80,8 +80,9 @@ def _matmul_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Out-of-range rows/columns wrap onto valid memory instead of being masked:
     # they feed only output elements that are never stored.
-    rows = offs_m % M
-    cols = offs_n % N
+    # int64: a logits product can exceed 2^31 elements.
+    rows = (offs_m % M).to(tl.int64)
+    cols = (offs_n % N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
@@ -101,7 +102,7 @@ def _matmul_kernel(
         b_ptrs += BLOCK_K * stride_bk
 
     c = acc.to(c_ptr.dtype.element_ty)
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn
     tl.store(c_ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
@@ -172,7 +173,7 @@ _FP32 = MatmulConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=2)
 
 
 def matmul_config(m: int, dtype: torch.dtype) -> MatmulConfig:
-    """The tile config for a product with `m` rows. Only the M-side tiles may depend on m."""
+    """The tile config for a product with `m` rows (a fixed table; every entry gives the same bits)."""
     if interpreting():
         return _INTERPRETER
     if dtype == torch.float32:
@@ -214,7 +215,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = Non
     """
     m, k = a.shape
     k2, n = b.shape
-    assert k == k2, (a.shape, b.shape)
+    if k != k2 or a.dtype != b.dtype:
+        raise ValueError(f"matmul: a {tuple(a.shape)} {a.dtype} and b {tuple(b.shape)} {b.dtype} do not multiply")
     c = torch.empty((m, n), device=a.device, dtype=out_dtype or a.dtype)
     if m == 0 or n == 0:
         return c

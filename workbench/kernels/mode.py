@@ -50,7 +50,10 @@ def _check_mode(name: str, where: str) -> str:
 def _make_state(name: str | None, overrides: Mapping[str, str]) -> ModeState:
     from .registry import REGISTRY
 
-    default = _check_mode(name, "the default") if name is not None else _STATE.get().default
+    current = _STATE.get()
+    if name is None:  # keep the current default and overrides, add these
+        overrides = {**current.overrides, **overrides}
+    default = _check_mode(name, "the default") if name is not None else current.default
     for op, op_mode in overrides.items():
         if op not in REGISTRY:
             raise ValueError(f"unknown op {op!r} in a mode override; known ops: {sorted(REGISTRY)}")
@@ -60,7 +63,8 @@ def _make_state(name: str | None, overrides: Mapping[str, str]) -> ModeState:
 
 @contextlib.contextmanager
 def mode(name: str | None = None, **overrides: str) -> Iterator[ModeState]:
-    """Run a block in mode `name` (None keeps the current default), with per-op overrides."""
+    """Run a block in mode `name` with these per-op overrides; with no name, keep the current
+    default and overrides and add these."""
     token = _STATE.set(_make_state(name, overrides))
     try:
         yield _STATE.get()

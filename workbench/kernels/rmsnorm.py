@@ -14,8 +14,9 @@ Numerics contract (mode `invariant`), with Hugging Face's rounding points:
 - Backward, in fp32 with the cast treated as the identity: g = dy * w,
   dx = rstd * (g - n * mean(g * n)) (bit-identical per row, whatever the batch);
   dw = sum over rows of dy * round(n), each program summing a fixed block of
-  rows (a tree over each tile of rows, the tiles in order), then the blocks
-  summed in order: deterministic run to run.
+  rows (a tree over each tile of rows, the tiles in order), then the
+  programs' partial sums added by one fp32 torch reduction: deterministic run
+  to run (dw is a sum over the batch, so it is not batch invariant).
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ class RMSNormFn(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         check_device("rms_norm", x)
         x2 = rows_view("rms_norm", "x", x)
+        weight = weight.contiguous()  # the kernels read it with unit stride
         m, n = x2.shape
         y = torch.empty((m, n), device=x.device, dtype=x.dtype)
         rstd = torch.empty((m,), device=x.device, dtype=torch.float32)

@@ -51,7 +51,8 @@ def _silu_mul_bwd_kernel(
     u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(do_ptr + row * stride_do + cols, mask=mask, other=0.0).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-g))
-    s = (g * sig).to(dg_ptr.dtype.element_ty).to(tl.float32)
+    # s exactly as the forward computed it (d_up = dout * round(s)).
+    s = (g / (1.0 + tl.exp(-g))).to(dg_ptr.dtype.element_ty).to(tl.float32)
     dg = do * u * sig * (1.0 + g * (1.0 - sig))
     tl.store(dg_ptr + row * stride_dg + cols, dg.to(dg_ptr.dtype.element_ty), mask=mask)
     tl.store(du_ptr + row * stride_du + cols, (do * s).to(du_ptr.dtype.element_ty), mask=mask)

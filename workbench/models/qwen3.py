@@ -205,6 +205,8 @@ class Qwen3ForCausalLM(nn.Module):
         """Final-norm hidden states [B, T, H]; see `forward`."""
         b, t = input_ids.shape                                              # input_ids [B, T]
         dev = input_ids.device
+        if start is not None and cache is None:
+            raise ValueError("start positions need a KV cache (a forward without one starts at position 0)")
         if seq_lens is None:
             seq_lens = torch.full((b,), t, device=dev, dtype=torch.int32)
         if start is None:

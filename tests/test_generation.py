@@ -1,0 +1,161 @@
+"""The embedded generator on CPU (tiny model, interpreter): the parity triangle bitwise, sampling, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from workbench.generation import (
+    SamplingParams,
+    format_report,
+    generate,
+    keep_mask,
+    parity_summary,
+    parity_table,
+    trainer_logprobs,
+    uniforms,
+)
+from workbench.kernels import mode
+from workbench.models import build
+
+PARAMS = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, max_new_tokens=5, seed=3)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build("tiny", dtype=torch.bfloat16, seed=1)
+
+
+def _prompts(lengths, seed=0, vocab=512):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def run(model):
+    prompts = _prompts([5, 9, 3, 7])
+    return prompts, generate(model, prompts, PARAMS)
+
+
+def test_trainer_recomputes_the_generator_logprobs_bitwise(model, run):
+    prompts, out = run
+    tokens = [c.tokens for c in out.completions]
+    raw = trainer_logprobs(model, prompts, tokens)
+    table = parity_table([c.logprobs for c in out.completions], raw, tokens)
+    assert parity_summary(table)["bitwise_identical"], format_report(table)
+    sampled = trainer_logprobs(model, prompts, tokens, PARAMS)
+    for t, c in zip(sampled, out.completions):
+        assert torch.equal(t, c.sampled_logprobs)
+        assert (c.sampled_logprobs >= c.logprobs).all(), "truncation renormalises: never less likely"
+
+
+def test_trainer_logprobs_do_not_depend_on_the_batch(model, run):
+    prompts, out = run
+    tokens = [c.tokens for c in out.completions]
+    batch = trainer_logprobs(model, prompts, tokens)
+    alone = trainer_logprobs(model, prompts[1:2], tokens[1:2])
+    others = trainer_logprobs(model, [prompts[1]] + _prompts([11, 2], seed=5), [tokens[1], [1, 2, 3], [4]])
+    assert torch.equal(alone[0], batch[1]) and torch.equal(others[0], batch[1])
+
+
+def test_a_request_alone_and_among_others_gets_the_same_tokens_and_logprobs(model, run):
+    prompts, out = run
+    needle = out.completions[2]
+    alone = generate(model, [prompts[2]], PARAMS, request_ids=[2]).completions[0]
+    crowd_prompts = _prompts([4, 12, 6], seed=9)
+    crowd = generate(model, crowd_prompts[:2] + [prompts[2]] + crowd_prompts[2:], PARAMS,
+                     request_ids=[10, 11, 2, 12]).completions[2]
+    for other in (alone, crowd):
+        assert other.tokens == needle.tokens
+        assert torch.equal(other.logprobs, needle.logprobs)
+        assert torch.equal(other.sampled_logprobs, needle.sampled_logprobs)
+
+
+def test_same_seed_same_output_other_seed_other_output(model, run):
+    prompts, out = run
+    again = generate(model, prompts, PARAMS)
+    assert [c.tokens for c in again.completions] == [c.tokens for c in out.completions]
+    other = generate(model, prompts, dataclasses.replace(PARAMS, seed=4))
+    assert [c.tokens for c in other.completions] != [c.tokens for c in out.completions]
+
+
+def test_stop_tokens_and_compaction_change_no_bits(model):
+    prompts = _prompts([6, 4], seed=2)
+    params = SamplingParams(temperature=0.8, max_new_tokens=4, seed=1)
+    free = generate(model, prompts, params).completions
+    stop_at = free[0].tokens[0]
+    assert stop_at not in free[1].tokens[:1], "pick a seed whose second request does not stop at once"
+    stopped = generate(model, prompts, dataclasses.replace(params, stop_token_ids=(stop_at,))).completions
+    assert stopped[0].tokens == [stop_at] and stopped[0].finish_reason == "stop"
+    assert free[0].finish_reason == "length" and len(free[0].tokens) == 4
+    # Request 0 left the batch after one token (the cache was compacted to request 1 alone).
+    n = len(stopped[1].tokens)
+    assert stopped[1].tokens == free[1].tokens[:n]
+    assert torch.equal(stopped[1].logprobs, free[1].logprobs[:n])
+
+
+def test_greedy_takes_the_argmax(model):
+    prompts = _prompts([5], seed=3)
+    out = generate(model, prompts, SamplingParams(temperature=0, max_new_tokens=3)).completions[0]
+    assert (out.sampled_logprobs == 0).all()
+    logits = model(torch.tensor([prompts[0] + out.tokens]))[0].float()
+    assert out.tokens == logits[len(prompts[0]) - 1 : -1].argmax(-1).tolist()
+
+
+def test_keep_mask_top_k_and_top_p():
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(4)) * 3
+    k = keep_mask(logits, SamplingParams(top_k=17))
+    assert (k.sum(-1) == 17).all()
+    p = SamplingParams(top_p=0.8, temperature=0.7)
+    keep = keep_mask(logits, p)
+    probs = torch.softmax(logits.double() / 0.7, -1)
+    kept = (probs * keep).sum(-1)
+    assert (kept >= 0.8 - 1e-6).all()
+    smallest = torch.where(keep, probs, torch.inf).min(-1).values
+    assert (kept - smallest < 0.8 + 1e-6).all(), "top-p keeps no token it does not need"
+    assert keep_mask(logits, SamplingParams()) is None
+
+
+def test_random_numbers_depend_only_on_seed_request_and_position():
+    u = uniforms(7, torch.tensor([3, 5]), torch.tensor([10, 0]), 1000)
+    assert ((u > 0) & (u < 1)).all() and abs(u.mean().item() - 0.5) < 0.02
+    assert torch.equal(uniforms(7, torch.tensor([5]), torch.tensor([0]), 1000)[0], u[1])
+    assert not torch.equal(uniforms(8, torch.tensor([5]), torch.tensor([0]), 1000)[0], u[1])
+
+
+def test_gumbel_sampling_follows_the_softmax():
+    from workbench.generation import sample
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5, 1.5, -0.5, 0.2]]).repeat(4000, 1)
+    params = SamplingParams(temperature=0.8, seed=2)
+    tokens, _, _ = sample(logits, params, torch.zeros(4000, dtype=torch.long), torch.arange(4000))
+    freq = torch.bincount(tokens, minlength=8).double() / 4000
+    want = torch.softmax(logits[0].double() / 0.8, -1)
+    assert (freq - want).abs().max() < 0.03
+
+
+def test_standard_mode_report_measures_the_mismatch(model):
+    prompts = _prompts([4, 6], seed=6)
+    with mode("standard"):
+        out = generate(model, prompts, PARAMS)
+        tokens = [c.tokens for c in out.completions]
+        table = parity_table([c.logprobs for c in out.completions], trainer_logprobs(model, prompts, tokens), tokens)
+    s = parity_summary(table)
+    assert s["tokens"] == sum(map(len, tokens)) and s["max_abs_diff"] >= 0
+    assert "bitwise identical:" in format_report(table)
+
+
+def test_bad_requests_are_refused(model):
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate(model, [[1, 2], []], PARAMS)
+    with pytest.raises(ValueError, match="outside"):
+        generate(model, [[1, 600]], PARAMS)
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        generate(model, [[1] * 10], dataclasses.replace(PARAMS, max_new_tokens=600))
+    with pytest.raises(ValueError, match="no prompts"):
+        generate(model, [], PARAMS)
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(max_new_tokens=0)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)

@@ -1,0 +1,129 @@
+"""Sampling parameters, per-request random numbers, and the two log-prob definitions.
+
+Randomness: the uniform number for vocabulary entry v at generation position p
+of request r is a 32-bit integer hash of (seed, r, p, v), pure integer
+arithmetic, the same on any device and in any batch. Sampling is Gumbel-max:
+the token is argmax over the kept vocabulary of logits / T - log(-log(u)),
+which draws exactly from softmax(logits / T) restricted to the kept set.
+
+Two distributions, both returned for every sampled token:
+- `raw`: log softmax(logits)[token] at temperature 1, the model's own
+  distribution (what a trainer's forward computes);
+- `sampled`: log of the probability the token had in the distribution actually
+  sampled from: logits / T, cut to the top-k and top-p set, renormalised.
+  Greedy decoding (T = 0) samples with probability 1: 0.
+Both come from `workbench.kernels.token_logprobs`, so a trainer that calls the
+same functions on the same logits gets the same bits (`sampled_logprobs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import logsumexp, token_logprobs
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (1 keeps all)."""
+    top_k: int = 0
+    """Keep the top_k most likely tokens (0 keeps all)."""
+    max_new_tokens: int = 64
+    """Generate at most this many tokens per request."""
+    stop_token_ids: tuple[int, ...] = ()
+    """A request finishes after sampling one of these."""
+    seed: int = 0
+    """Seed of every request's random numbers."""
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 keeps all tokens), got {self.top_k!r}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _fmix32(x):
+    """murmur3's 32-bit finaliser, on Python ints or int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def uniforms(seed: int, request_ids: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] fp32 in (0, 1): u[b, v] = hash(seed, request_ids[b], positions[b], v)."""
+    dev = request_ids.device
+    # The seed's hash is a Python int: no host-to-device copy, so a CUDA graph can hold this.
+    h = _fmix32(_fmix32((seed & _M32) ^ 0x9E3779B9) ^ (request_ids.long() & _M32))
+    h = _fmix32(h ^ (positions.long() & _M32))                                   # [B]
+    v = torch.arange(vocab, device=dev, dtype=torch.int64)
+    bits = _fmix32(h[:, None] ^ _fmix32(v + 0x632BE5AB)[None, :])               # [B, V]
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def keep_mask(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
+    """[B, V] bool of the tokens top-k / top-p keep (None when both keep everything).
+
+    Row by row: ties at the top-k threshold are kept; top-p sorts the tempered
+    probabilities (stable, so ties go by token id) and keeps each token whose
+    preceding mass is below top_p, so the most likely token is always kept.
+    """
+    if params.top_k == 0 and params.top_p >= 1.0:
+        return None
+    x = logits.float()
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if params.top_k:
+        kth = torch.topk(x, min(params.top_k, x.shape[-1]), dim=-1).values[..., -1:]
+        keep &= x >= kth
+    if params.top_p < 1.0:
+        t = params.temperature if params.temperature > 0 else 1.0
+        probs = torch.exp(x / t - logsumexp(logits, t)[..., None]) * keep
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        keep_sorted = before < params.top_p
+        keep &= torch.zeros_like(keep).scatter(-1, order, keep_sorted)
+    return keep
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, request_ids: torch.Tensor,
+           positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [B], raw log-probs [B], sampled log-probs [B]) from next-token logits [B, V]."""
+    keep = keep_mask(logits, params)
+    x = logits.float()
+    if keep is not None:
+        x = x.masked_fill(~keep, float("-inf"))
+    if params.greedy:
+        tokens = torch.argmax(x, dim=-1)
+    else:
+        gumbel = -torch.log(-torch.log(uniforms(params.seed, request_ids, positions, logits.shape[-1])))
+        tokens = torch.argmax(x / params.temperature + gumbel, dim=-1)
+    raw = token_logprobs(logits, tokens)
+    return tokens, raw, sampled_logprobs(logits, tokens, params, keep)
+
+
+def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,
+                     keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Log-probs of `tokens` in the tempered, truncated distribution `params` samples from."""
+    if params.greedy:
+        return torch.zeros(tokens.shape, device=logits.device, dtype=torch.float32)
+    if keep is None:
+        keep = keep_mask(logits, params)
+    masked = logits if keep is None else logits.masked_fill(~keep, float("-inf"))
+    return token_logprobs(masked, tokens, params.temperature)
