@@ -65,10 +65,56 @@ def _next_logits(model: Qwen3ForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
     return linear(hidden, model.lm_head_weight)                                  # [B, V]
 
 
+class DecodeStep:
+    """One decode step for a fixed set of rows: the model on one token per row, then sampling.
+
+    On a GPU the step is captured once as a CUDA graph and replayed (its inputs
+    are copied into static buffers), so a step costs no Python launch overhead.
+    """
+
+    def __init__(self, model: Qwen3ForCausalLM, cache: KVCache, params: SamplingParams, rows: int, graph: bool):
+        dev = model.lm_head_weight.device
+        self.model, self.cache, self.params = model, cache, params
+        self.tok = torch.zeros(rows, device=dev, dtype=torch.long)
+        self.pos = torch.zeros(rows, device=dev, dtype=torch.int32)
+        self.req = torch.zeros(rows, device=dev, dtype=torch.long)
+        self.index = torch.zeros(rows, device=dev, dtype=torch.long)
+        self.ones = torch.ones(rows, device=dev, dtype=torch.int32)
+        self.graph = None
+        if graph:
+            # Warm-up off the capture (compilation, allocator, handles); it writes the very K/V a replay writes.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._body()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self._body()
+
+    def _body(self):
+        hidden = self.model.hidden_states(self.tok[:, None], seq_lens=self.ones, cache=self.cache, start=self.pos)
+        return sample(_next_logits(self.model, hidden[:, 0]), self.params, self.req, self.index)
+
+    def __call__(self, tok, pos, req, index):
+        """(tokens, raw log-probs, sampled log-probs) for the tokens after `tok` at positions `pos`."""
+        self.tok.copy_(tok)
+        self.pos.copy_(pos)
+        self.req.copy_(req)
+        self.index.copy_(index)
+        if self.graph is None:
+            return self._body()
+        self.graph.replay()
+        return self.out
+
+
 @torch.no_grad()
 def generate(model: Qwen3ForCausalLM, prompts: list[list[int]], params: SamplingParams,
-             request_ids: list[int] | None = None) -> GenerationOutput:
-    """Sample a completion for each prompt; request_ids (default 0..B-1) key each request's randomness."""
+             request_ids: list[int] | None = None, cuda_graphs: bool = True) -> GenerationOutput:
+    """Sample a completion for each prompt; request_ids (default 0..B-1) key each request's randomness.
+
+    On a GPU the decode step runs as a CUDA graph unless cuda_graphs=False (same bits either way).
+    """
     cfg = model.config
     _check_prompts(prompts, cfg.vocab_size)
     b = len(prompts)
@@ -93,7 +139,8 @@ def generate(model: Qwen3ForCausalLM, prompts: list[list[int]], params: Sampling
     t0 = time.perf_counter()
     hidden = model.hidden_states(ids, seq_lens=lens, cache=cache, start=torch.zeros_like(lens))  # [B, P, H]
     last = hidden[torch.arange(b, device=dev), lens.long() - 1]                                  # [B, H]
-    logits = _next_logits(model, last)
+    # Randomness is keyed by (seed, request id, index of the new token): not by batch or prompt length.
+    tok, lp, slp = sample(_next_logits(model, last), params, req, torch.zeros_like(req))
     sync()
     t1 = time.perf_counter()
 
@@ -104,11 +151,11 @@ def generate(model: Qwen3ForCausalLM, prompts: list[list[int]], params: Sampling
     done = torch.zeros(b, device=dev, dtype=torch.bool)
     stopped = torch.zeros(b, device=dev, dtype=torch.bool)
     rows = torch.arange(b, device=dev)                          # live rows -> original request index
-    pos = lens.clone()                                          # next position of each live row
+    pos = lens.clone()                                          # position of each live row's newest token
+    graphs = cuda_graphs and dev.type == "cuda"
+    step_fn = None
     steps = 0
     for step in range(params.max_new_tokens):
-        # Randomness is keyed by (seed, request id, index of the new token): not by batch or prompt length.
-        tok, lp, slp = sample(logits, params, req[rows], pos - lens[rows])
         running = ~done[rows]                                   # finished rows ride along until compaction
         tokens[rows, step] = torch.where(running, tok, tokens[rows, step])
         raw[rows, step] = torch.where(running, lp, raw[rows, step])
@@ -128,8 +175,11 @@ def generate(model: Qwen3ForCausalLM, prompts: list[list[int]], params: Sampling
             keep = live.nonzero().squeeze(1)
             rows, pos, tok = rows[keep], pos[keep], tok[keep]
             cache = KVCache(cache.k[:, keep].contiguous(), cache.v[:, keep].contiguous())
-        hidden = model.hidden_states(tok[:, None], seq_lens=torch.ones_like(pos), cache=cache, start=pos)
-        logits = _next_logits(model, hidden[:, 0])
+            step_fn = None
+        if step_fn is None:
+            step_fn = DecodeStep(model, cache, params, rows.numel(), graphs)
+        index = torch.full_like(rows, step + 1)
+        tok, lp, slp = step_fn(tok, pos, req[rows], index)
         pos = pos + 1
     sync()
     t2 = time.perf_counter()
