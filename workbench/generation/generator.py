@@ -80,17 +80,8 @@ class DecodeStep:
         self.req = torch.zeros(rows, device=dev, dtype=torch.long)
         self.index = torch.zeros(rows, device=dev, dtype=torch.long)
         self.ones = torch.ones(rows, device=dev, dtype=torch.int32)
+        self.use_graph = graph
         self.graph = None
-        if graph:
-            # Warm-up off the capture (compilation, allocator, handles); it writes the very K/V a replay writes.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._body()
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.out = self._body()
 
     def _body(self):
         hidden = self.model.hidden_states(self.tok[:, None], seq_lens=self.ones, cache=self.cache, start=self.pos)
@@ -102,8 +93,19 @@ class DecodeStep:
         self.pos.copy_(pos)
         self.req.copy_(req)
         self.index.copy_(index)
-        if self.graph is None:
+        if not self.use_graph:
             return self._body()
+        if self.graph is None:
+            # Warm up (compilation, allocator, handles) on these very inputs: it writes the same K/V
+            # the replay below writes again, so the cache never holds another token's keys.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._body()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self._body()
         self.graph.replay()
         return self.out
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import logsumexp, token_logprobs
+from ..kernels import logsumexp, row_cumsum, token_logprobs
 
 _M32 = 0xFFFFFFFF
 
@@ -81,9 +81,11 @@ def uniforms(seed: int, request_ids: torch.Tensor, positions: torch.Tensor, voca
 def keep_mask(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
     """[B, V] bool of the tokens top-k / top-p keep (None when both keep everything).
 
-    Row by row: ties at the top-k threshold are kept; top-p sorts the tempered
-    probabilities (stable, so ties go by token id) and keeps each token whose
-    preceding mass is below top_p, so the most likely token is always kept.
+    Row by row, the same bits whatever the batch: ties at the top-k threshold
+    are kept; top-p sorts the tempered probabilities (stable, so ties go by
+    token id; a sort only permutes) and keeps each token whose preceding mass,
+    summed by `row_cumsum` in one fixed order, is below top_p, so the most
+    likely token is always kept.
     """
     if params.top_k == 0 and params.top_p >= 1.0:
         return None
@@ -96,7 +98,8 @@ def keep_mask(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | No
         t = params.temperature if params.temperature > 0 else 1.0
         probs = torch.exp(x / t - logsumexp(logits, t)[..., None]) * keep
         sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        # Our own scan: a library cumsum may change algorithm with the batch shape (one row vs many).
+        before = row_cumsum(sorted_p) - sorted_p
         keep_sorted = before < params.top_p
         keep &= torch.zeros_like(keep).scatter(-1, order, keep_sorted)
     return keep

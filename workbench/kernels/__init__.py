@@ -7,6 +7,7 @@ interpreter before any kernel is decorated.
 from . import _common  # noqa: F401  (must come first)
 from .registry import REGISTRY, Op  # before the op functions below shadow their modules' names
 from .attention import attention, attention_with_cache
+from .cumsum import row_cumsum
 from .logprobs import entropy, logsumexp, token_logprobs, token_logprobs_and_entropy
 from .matmul import linear, matmul_config
 from .mode import MODES, current_state, get_mode, mode, set_mode
@@ -30,6 +31,7 @@ __all__ = [
     "mode",
     "rms_norm",
     "rope_cos_sin",
+    "row_cumsum",
     "set_mode",
     "silu_mul",
     "token_logprobs",
