@@ -1,0 +1,113 @@
+"""The GRPO-family losses against hand-computed numbers."""
+
+import math
+
+import pytest
+import torch
+
+from workbench.rl.losses import (
+    LossConfig,
+    aggregate,
+    get_loss,
+    group_advantages,
+    importance_weights,
+    kl_estimate,
+    sequence_ppo_loss,
+    token_ppo_loss,
+)
+
+LN = math.log
+
+
+def test_group_advantages():
+    r = torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 1])
+    a = group_advantages(r, 4)
+    s = 0.5 / math.sqrt(1 / 3)  # sample std of (1, 0, 0, 1) is sqrt(1/3)
+    assert torch.allclose(a, torch.tensor([s, -s, -s, s, 0, 0, 0, 0]), atol=1e-5)
+    assert torch.equal(group_advantages(r, 4, scale=False), torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]))
+    with pytest.raises(ValueError, match="group_size must be at least 2"):
+        group_advantages(r, 1)
+    with pytest.raises(ValueError, match="multiple of group_size=3"):
+        group_advantages(r, 3)
+
+
+def test_aggregations():
+    x = torch.tensor([[1.0, 2, 3], [4, 5, 99]])
+    m = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    assert aggregate(x, m, "token-mean").item() == 3.0
+    assert aggregate(x, m, "seq-mean-token-mean").item() == 3.25
+    assert aggregate(x, m, "seq-mean-token-sum-norm", norm=3).item() == 2.5
+    with pytest.raises(ValueError, match="unknown aggregation"):
+        aggregate(x, m, "mean")
+    with pytest.raises(ValueError, match="positive constant"):
+        aggregate(x, m, "seq-mean-token-sum-norm")
+
+
+def test_kl_estimators():
+    logp, ref = torch.tensor([LN(0.5)]), torch.tensor([LN(0.25)])
+    assert kl_estimate(logp, ref, "k1").item() == pytest.approx(LN(2))
+    assert kl_estimate(logp, ref, "k2").item() == pytest.approx(0.5 * LN(2) ** 2)
+    assert kl_estimate(logp, ref, "k3").item() == pytest.approx(0.5 - 1 + LN(2))
+    assert kl_estimate(logp, logp, "k3").item() == 0.0
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        kl_estimate(logp, ref, "k4")
+
+
+def _batch():
+    old = torch.zeros(2, 2)
+    logp = torch.log(torch.tensor([[1.5, 0.5], [1.5, 0.5]]))
+    adv = torch.tensor([1.0, -1.0])
+    return logp, old, adv, torch.ones(2, 2)
+
+
+def test_grpo_and_dapo_clipping():
+    logp, old, adv, mask = _batch()
+    # seq 0 (A=+1): ratio 1.5 -> clipped at 1.2 -> -1.2; ratio 0.5 -> -0.5.
+    # seq 1 (A=-1): ratio 1.5 -> 1.5 (pessimistic branch); ratio 0.5 -> clipped at 0.8 -> 0.8.
+    loss, stats = token_ppo_loss(logp, old, adv, mask, LossConfig(0.2, 0.2, "seq-mean-token-mean"))
+    assert loss.item() == pytest.approx(((-1.2 - 0.5) / 2 + (1.5 + 0.8) / 2) / 2)
+    assert stats["clip_high"].item() == 0.25 and stats["clip_low"].item() == 0.25
+    assert stats["ratio_mean"].item() == pytest.approx(1.0)
+    dapo = get_loss("dapo")
+    loss, _ = dapo.fn(logp, old, adv, mask, dapo.defaults)
+    assert loss.item() == pytest.approx((-1.28 - 0.5 + 1.5 + 0.8) / 4)
+
+
+def test_on_policy_gradient_is_the_plain_policy_gradient():
+    """At ratio 1 (bitwise parity), d loss / d logp = -A / (B * tokens of the sequence) for GRPO."""
+    old = torch.randn(2, 3)
+    logp = old.clone().requires_grad_(True)
+    adv = torch.tensor([0.7, -1.3])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    grpo = get_loss("grpo")
+    loss, stats = grpo.fn(logp, old, adv, mask, grpo.defaults)
+    loss.backward()
+    want = -adv[:, None] * mask / (2 * mask.sum(1, keepdim=True))
+    assert torch.allclose(logp.grad, want) and stats["ratio_mean"].item() == 1.0
+
+
+def test_gspo_sequence_ratio():
+    logp, old, adv, mask = _batch()
+    ratio = math.sqrt(1.5 * 0.5)  # exp(mean(log 1.5, log 0.5))
+    loss, stats = sequence_ppo_loss(logp, old, adv, mask, get_loss("gspo").defaults)
+    assert stats["ratio_mean"].item() == pytest.approx(ratio)
+    # A=+1: min(0.866, 0.9997) = 0.866; A=-1: min(-0.866, -0.9997) = -0.9997.
+    assert loss.item() == pytest.approx((-ratio + (1 - 3e-4)) / 2, rel=1e-5)
+
+
+def test_importance_weights():
+    old = torch.log(torch.tensor([[0.5, 0.5]]))
+    beh = torch.log(torch.tensor([[0.25, 0.5]]))
+    m = torch.ones(1, 2)
+    assert torch.allclose(importance_weights(old, beh, m, "token", "truncate", 1.5), torch.tensor([[1.5, 1.0]]))
+    assert torch.equal(importance_weights(old, beh, m, "token", "mask", 1.5), torch.tensor([[0.0, 1.0]]))
+    assert torch.allclose(importance_weights(old, beh, m, "sequence", "truncate", 3.0), torch.tensor([[2.0, 2.0]]))
+    assert torch.equal(importance_weights(old, beh, m, "sequence", "mask", 1.5), torch.tensor([[0.0, 0.0]]))
+    assert torch.equal(importance_weights(old, old, m, "sequence", "mask", 1.5), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="cap must be > 1"):
+        importance_weights(old, beh, m, "token", "truncate", 1.0)
+
+
+def test_unknown_loss():
+    with pytest.raises(ValueError, match="unknown loss 'ppo2'"):
+        get_loss("ppo2")
