@@ -17,7 +17,25 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="batch variance of a matmul: standard vs invariant, on this machine")
     add_arguments(demo, BatchVarianceConfig)
 
+    from .rl.policy import PolicyConfig
+
+    policy = sub.add_parser("train-policy", help="train the small starting policy on arithmetic and save it")
+    add_arguments(policy, PolicyConfig)
+    policy.add_argument("--out", default="runs/policy", help="checkpoint folder (default: runs/policy)")
+
     args = parser.parse_args(argv)
+    if args.command == "train-policy":
+        from .rl.policy import train_policy
+
+        try:
+            cfg = from_namespace(PolicyConfig, args)
+        except ValueError as e:
+            policy.error(str(e))
+        _, _, table = train_policy(cfg, args.out)
+        acc = table[table.metric == "accuracy"]
+        print(acc[["step", "value"]].rename(columns={"value": "greedy accuracy"}).to_string(index=False))
+        print(f"saved to {args.out}")
+        return 0
     if args.command == "demo":
         from .demo import batch_variance, resolve_device, summarize
 

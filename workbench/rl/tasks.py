@@ -106,7 +106,7 @@ class GSM8K:
 class Arithmetic:
     """Synthetic arithmetic: 'a op b op c ...' with integer answers, generated from (seed, index).
 
-    difficulty d: d + 1 operands of up to d + 1 digits, operators + - * (usual precedence).
+    difficulty d: d + 1 operands of up to d digits, operators + - * (usual precedence).
     """
 
     name = "arithmetic"
@@ -118,7 +118,7 @@ class Arithmetic:
 
     def problem(self, index: int) -> Problem:
         rng = random.Random(f"{self.seed}:{self.difficulty}:{index}")
-        hi = 10 ** (self.difficulty + 1) - 1
+        hi = 10**self.difficulty - 1
         terms = [str(rng.randint(0, hi))]
         for _ in range(self.difficulty):
             terms += [rng.choice("+-*"), str(rng.randint(0, hi))]

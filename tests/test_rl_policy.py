@@ -1,0 +1,45 @@
+"""The self-trained starting policy: a tokenizer, supervised training, a checkpoint that loads back."""
+
+import pytest
+import torch
+
+from workbench.__main__ import main
+from workbench.models import load_pretrained, load_tokenizer
+from workbench.rl.policy import PolicyConfig, train_policy, train_tokenizer
+from workbench.rl.tasks import Arithmetic
+
+
+def test_digit_level_tokenizer():
+    tok = train_tokenizer(Arithmetic(seed=0, difficulty=2))
+    ids = tok("12+34*5=170")["input_ids"]
+    assert len(ids) == len("12+34*5=170"), "one token per character"
+    assert tok.decode(ids) == "12+34*5=170" and tok.eos_token_id is not None
+
+
+def test_train_policy_learns_and_saves(tmp_path):
+    cfg = PolicyConfig(max_steps=60, eval_every=30, eval_problems=16, target_accuracy=(0.99, 1.0))
+    model, tok, table = train_policy(cfg, tmp_path / "policy")
+    assert set(table.columns) == {"step", "metric", "value", "variant", "seed"}
+    loss = table[table.metric == "loss"].value
+    assert loss.iloc[-5:].mean() < 0.7 * loss.iloc[:5].mean()
+    acc = table[table.metric == "accuracy"].value
+    assert len(acc) == 2 and ((acc >= 0) & (acc <= 1)).all()
+    again = load_pretrained(tmp_path / "policy", dtype=torch.bfloat16)
+    assert again.config == model.config
+    assert load_tokenizer(tmp_path / "policy")("7*8=")["input_ids"] == tok("7*8=")["input_ids"]
+    ids = torch.tensor([tok("7*8=56")["input_ids"]])
+    with torch.no_grad():
+        assert (again(ids).float() - model(ids)).abs().max() < 0.1  # bf16 copy of the fp32 weights
+
+
+def test_bad_policy_configs():
+    with pytest.raises(ValueError, match="lr must be a positive number"):
+        PolicyConfig(lr=0)
+    with pytest.raises(ValueError, match="lr must be a positive number"):
+        PolicyConfig(lr=float("nan"))
+    with pytest.raises(ValueError, match="unknown policy size"):
+        PolicyConfig(size="huge")
+    with pytest.raises(ValueError, match="target_accuracy"):
+        PolicyConfig(target_accuracy=(0.6, 0.1))
+    with pytest.raises(SystemExit):
+        main(["train-policy", "--lr", "-1"])
