@@ -23,7 +23,24 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(policy, PolicyConfig)
     policy.add_argument("--out", default="runs/policy", help="checkpoint folder (default: runs/policy)")
 
+    from .rl.trainer import TrainConfig
+
+    trainer = sub.add_parser("train", help="GRPO-family training with a parity check every step")
+    add_arguments(trainer, TrainConfig)
+
     args = parser.parse_args(argv)
+    if args.command == "train":
+        from .rl.trainer import train
+
+        try:
+            cfg = from_namespace(TrainConfig, args)
+        except ValueError as e:
+            trainer.error(str(e))
+        table = train(cfg)
+        last = table[table.step == table.step.max()].set_index("metric")["value"]
+        print(last.to_string())
+        print(f"metrics: {cfg.out_dir}/metrics.csv")
+        return 0
     if args.command == "train-policy":
         from .rl.policy import train_policy
 

@@ -115,22 +115,28 @@ def _clipped_pg(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig):
     return loss, low, high
 
 
-def token_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig):
-    """PPO-clip on per-token ratios (GRPO, Dr.GRPO, DAPO): returns (loss, stats)."""
+def token_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None):
+    """PPO-clip on per-token ratios (GRPO, Dr.GRPO, DAPO): returns (loss, stats).
+    `weights` [B, T] (off-policy corrections) multiply the per-token loss."""
     ratio = torch.exp(logp - old_logp)
     loss, low, high = _clipped_pg(ratio, adv[:, None].expand_as(ratio), cfg)
+    if weights is not None:
+        loss = loss * weights
     m = mask.bool()
     n = m.sum().clamp_min(1)
     stats = {"ratio_mean": (ratio * m).sum() / n, "clip_low": (low & m).sum() / n, "clip_high": (high & m).sum() / n}
     return aggregate(loss, mask, cfg.aggregation, cfg.norm), stats
 
 
-def sequence_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig):
-    """GSPO: one ratio per sequence, exp(mean over its tokens of logp - old_logp), clipped per sequence."""
+def sequence_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None):
+    """GSPO: one ratio per sequence, exp(mean over its tokens of logp - old_logp), clipped per sequence.
+    `weights` [B, T] multiply each sequence's loss by their first column (sequence-level weights)."""
     m = mask.to(logp.dtype)
     log_ratio = ((logp - old_logp) * m).sum(1) / m.sum(1).clamp_min(1.0)
     ratio = torch.exp(log_ratio)
     loss, low, high = _clipped_pg(ratio, adv, cfg)
+    if weights is not None:
+        loss = loss * weights[:, 0]
     stats = {"ratio_mean": ratio.mean(), "clip_low": low.float().mean(), "clip_high": high.float().mean()}
     return loss.mean(), stats
 
@@ -138,7 +144,7 @@ def sequence_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig):
 @dataclass(frozen=True)
 class LossSpec:
     fn: Callable
-    """(logp, old_logp, advantages, mask, LossConfig) -> (loss, stats)."""
+    """(logp, old_logp, advantages, mask, LossConfig, weights=None) -> (loss, stats)."""
     scale_advantages: bool
     """Divide advantages by the group's standard deviation."""
     defaults: LossConfig
