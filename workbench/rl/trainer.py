@@ -74,6 +74,8 @@ class TrainConfig:
     """Write a resumable checkpoint every this many steps (and at the end)."""
     resume: bool = False
     """Continue from the latest checkpoint in out_dir."""
+    device: str = "auto"
+    """'cpu', 'cuda' or 'auto' (cuda when there is one)."""
 
     def __post_init__(self):
         get_loss(self.loss)
@@ -106,12 +108,12 @@ def weights_checksum(model) -> str:
     return h.hexdigest()
 
 
-def _starting_policy(cfg: TrainConfig, out: Path):
+def _starting_policy(cfg: TrainConfig, out: Path, device: str):
     if cfg.policy:
-        return load_pretrained(cfg.policy, dtype=torch.float32), load_tokenizer(cfg.policy)
+        return load_pretrained(cfg.policy, dtype=torch.float32, device=device), load_tokenizer(cfg.policy)
     from .policy import PolicyConfig, train_policy
 
-    model, tok, _ = train_policy(PolicyConfig(seed=cfg.seed, difficulty=cfg.difficulty, device="cpu"), out / "policy")
+    model, tok, _ = train_policy(PolicyConfig(seed=cfg.seed, difficulty=cfg.difficulty, device=device), out / "policy")
     return model, tok
 
 
@@ -157,7 +159,7 @@ def _load_checkpoint(out: Path, masters: dict, opt) -> tuple[int, pd.DataFrame]:
         for k, v in masters.items():
             v.copy_(saved[k])
     state = json.loads((ck / "state.json").read_text())
-    tensors = load_file(ck / "optimizer.safetensors")
+    tensors = load_file(ck / "optimizer.safetensors")  # load_state_dict moves them to the parameters' device
     opt_state = {"param_groups": state["param_groups"], "state": {}}
     for key, v in tensors.items():
         i, name = key.split(".", 1)
@@ -170,12 +172,15 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
     """Run GRPO-family training; returns the long metrics table (also written to out_dir/metrics.csv)."""
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    from ..demo import resolve_device
+
+    device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
-    master_model, tok = _starting_policy(cfg, out)
+    master_model, tok = _starting_policy(cfg, out, device)
     masters = {k: v.detach().clone().float() for k, v in master_model.state_dict().items()}
-    model = build(master_model.config, dtype=torch.bfloat16, seed=None)
+    model = build(master_model.config, device=device, dtype=torch.bfloat16, seed=None)
     copy_weights(masters, model)
-    gen_model = model if cfg.sync == "shared" else build(model.config, dtype=torch.bfloat16, seed=None)
+    gen_model = model if cfg.sync == "shared" else build(model.config, device=device, dtype=torch.bfloat16, seed=None)
     params = [masters[k] for k in sorted(masters)]
     for p in params:
         p.requires_grad_(True)
@@ -204,7 +209,7 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
                 from ..models import save_pretrained
 
                 save_pretrained(model, out / "sync")
-                gen_model = load_pretrained(out / "sync", dtype=torch.bfloat16)
+                gen_model = load_pretrained(out / "sync", dtype=torch.bfloat16, device=device)
             if cfg.sync != "shared" and weights_checksum(gen_model) != weights_checksum(model):
                 raise RuntimeError(f"step {step}: generator weights differ from the trainer's after the sync")
             t_sync = time.perf_counter()
@@ -218,20 +223,21 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
 
             completions = [c.tokens for c in gen.completions]
             texts = [tok.decode(c, skip_special_tokens=True) for c in completions]
-            rewards = torch.tensor([task.reward(t, problems[i // cfg.group_size]) for i, t in enumerate(texts)])
+            rewards = torch.tensor([task.reward(t, problems[i // cfg.group_size]) for i, t in enumerate(texts)],
+                                   device=device)
             adv = group_advantages(rewards, cfg.group_size, scale=spec.scale_advantages)
 
-            ids, lens, mask = _completion_batch(tok, prompts, completions)
+            ids, lens, mask = (t.to(device) for t in _completion_batch(tok, prompts, completions))
             logits = model(ids, seq_lens=lens)
             # Position t scores the token at t + 1 (the last position's target is a dummy, masked).
             logp = sampled_logprobs(logits, torch.roll(ids, -1, dims=1), sampling)[:, :-1]   # [B, T-1]
             behavior = torch.zeros_like(mask)
             for i, c in enumerate(gen.completions):
                 start = len(prompts[i]) - 1
-                behavior[i, start : start + len(c.tokens)] = c.sampled_logprobs
+                behavior[i, start : start + len(c.tokens)] = c.sampled_logprobs.to(device)
             old = logp.detach()
             table = parity_table([c.sampled_logprobs for c in gen.completions],
-                                 [old[i, len(prompts[i]) - 1 : len(prompts[i]) - 1 + len(c.tokens)]
+                                 [old[i, len(prompts[i]) - 1 : len(prompts[i]) - 1 + len(c.tokens)].cpu()
                                   for i, c in enumerate(gen.completions)], completions)
             parity = parity_summary(table)
             if cfg.kernel_mode == "invariant" and not parity["bitwise_identical"]:
