@@ -12,7 +12,8 @@ from .rl.trainer import TrainConfig
 
 
 def _demo(cfg: BatchVarianceConfig, args) -> int:
-    from .demo import batch_variance, resolve_device, summarize
+    from .demo import batch_variance, summarize
+    from .env import resolve_device
 
     print(f"workbench demo on {resolve_device(cfg.device)}: row 0 of x[:M] @ W.T vs row 0 at M = 1 "
           f"(K={cfg.k}, N={cfg.n})", flush=True)

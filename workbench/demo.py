@@ -13,6 +13,7 @@ import pandas as pd
 import torch
 
 from . import bf16
+from .env import resolve_device
 from .kernels import REGISTRY
 
 
@@ -41,14 +42,6 @@ class BatchVarianceConfig:
                 raise ValueError(f"dtypes may be 'bfloat16' or 'float32', got {d!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device='cuda' was asked for, but torch sees no CUDA GPU here")
-    return device
 
 
 def batch_variance(cfg: BatchVarianceConfig) -> pd.DataFrame:

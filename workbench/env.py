@@ -12,6 +12,14 @@ from pathlib import Path
 import torch
 
 
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' was asked for, but torch sees no CUDA GPU here")
+    return device
+
+
 def git_sha(cwd: str | Path | None = None) -> str:
     """The checkout's commit (with '-dirty' if it has uncommitted changes), or 'unknown'.
 

@@ -10,7 +10,7 @@ result). The decode step itself has no data-dependent Python branch.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -39,7 +39,6 @@ class GenerationOutput:
     prefill_s: float
     decode_s: float
     steps: int
-    timings: dict = field(default_factory=dict)
 
     @property
     def new_tokens(self) -> int:
@@ -153,7 +152,7 @@ def generate(model: Qwen3ForCausalLM, prompts: list[list[int]], params: Sampling
     done = torch.zeros(b, device=dev, dtype=torch.bool)
     stopped = torch.zeros(b, device=dev, dtype=torch.bool)
     rows = torch.arange(b, device=dev)                          # live rows -> original request index
-    pos = lens.clone()                                          # position of each live row's newest token
+    pos = lens.clone()                                          # position where each live row's `tok` goes
     graphs = cuda_graphs and dev.type == "cuda"
     step_fn = None
     steps = 0

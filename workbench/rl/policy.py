@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from ..env import resolve_device
 from ..generation import SamplingParams, generate
 from ..kernels import mode
 from ..models import Qwen3Config, build, copy_weights, save_pretrained
@@ -117,8 +118,6 @@ def train_policy(cfg: PolicyConfig, out_dir: str | Path | None = None):
 
     With `out_dir`, the bf16 model and its tokenizer are saved there as a Hugging Face checkpoint.
     """
-    from ..demo import resolve_device
-
     device = resolve_device(cfg.device)
     task = Arithmetic(seed=cfg.seed, difficulty=cfg.difficulty)
     held_out = Arithmetic(seed=cfg.seed + 10_000, difficulty=cfg.difficulty).problems(cfg.eval_problems)

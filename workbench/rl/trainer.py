@@ -25,10 +25,12 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..env import resolve_device
 from ..generation import SamplingParams, generate, parity_summary, parity_table, sampled_logprobs
 from ..kernels import mode
-from ..models import build, copy_weights, load_pretrained, load_tokenizer
+from ..models import build, copy_weights, load_pretrained, load_tokenizer, save_pretrained
 from .losses import AGGREGATIONS, LossConfig, get_loss, group_advantages, importance_weights
+from .policy import PolicyConfig, train_policy
 from .tasks import Arithmetic
 
 
@@ -111,8 +113,6 @@ def weights_checksum(model) -> str:
 def _starting_policy(cfg: TrainConfig, out: Path, device: str):
     if cfg.policy:
         return load_pretrained(cfg.policy, dtype=torch.float32, device=device), load_tokenizer(cfg.policy)
-    from .policy import PolicyConfig, train_policy
-
     model, tok, _ = train_policy(PolicyConfig(seed=cfg.seed, difficulty=cfg.difficulty, device=device), out / "policy")
     return model, tok
 
@@ -172,8 +172,6 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
     """Run GRPO-family training; returns the long metrics table (also written to out_dir/metrics.csv)."""
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    from ..demo import resolve_device
-
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     master_model, tok = _starting_policy(cfg, out, device)
@@ -206,8 +204,6 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
             if cfg.sync == "copy":
                 copy_weights({k: v.detach() for k, v in model.state_dict().items()}, gen_model)
             elif cfg.sync == "checkpoint":
-                from ..models import save_pretrained
-
                 save_pretrained(model, out / "sync")
                 gen_model = load_pretrained(out / "sync", dtype=torch.bfloat16, device=device)
             if cfg.sync != "shared" and weights_checksum(gen_model) != weights_checksum(model):
