@@ -72,3 +72,8 @@ def test_bad_training_inputs(policy, tmp_path):
         train(_cfg(str(tmp_path / "missing-policy"), tmp_path / "x"))
     with pytest.raises(SystemExit):
         main(["train", "--group-size", "1"])
+
+
+def test_cli_reports_a_missing_policy_without_a_traceback(tmp_path, capsys):
+    assert main(["train", "--policy", str(tmp_path / "nowhere"), "--out-dir", str(tmp_path / "o")]) == 2
+    assert "no checkpoint directory" in capsys.readouterr().err

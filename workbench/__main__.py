@@ -68,7 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = from_namespace(cls, args)
     except ValueError as e:
         parsers[args.command].error(str(e))
-    return fn(cfg, args)
+    try:
+        return fn(cfg, args)
+    except (ValueError, FileNotFoundError, FloatingPointError, RuntimeError) as e:
+        # Bad checkpoints, missing resume points, NaN losses, parity breaks: a message, not a traceback.
+        print(f"python -m workbench {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
