@@ -8,7 +8,7 @@ import sys
 from .config import add_arguments, from_namespace
 from .demo import BatchVarianceConfig
 from .rl.policy import PolicyConfig
-from .rl.trainer import TrainConfig
+from .rl.trainer import ParityError, TrainConfig
 
 
 def _demo(cfg: BatchVarianceConfig, args) -> int:
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         parsers[args.command].error(str(e))
     try:
         return fn(cfg, args)
-    except (ValueError, FileNotFoundError, FloatingPointError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError, FloatingPointError, ParityError) as e:
         # Bad checkpoints, missing resume points, NaN losses, parity breaks: a message, not a traceback.
         print(f"python -m workbench {args.command}: error: {e}", file=sys.stderr)
         return 2

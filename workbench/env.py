@@ -19,7 +19,7 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device='cuda' was asked for, but torch sees no CUDA GPU here")
+        raise ValueError("device='cuda' was asked for, but torch sees no CUDA GPU here; use 'cpu' or 'auto'")
     return device
 
 
