@@ -77,3 +77,9 @@ def test_bad_training_inputs(policy, tmp_path):
 def test_cli_reports_a_missing_policy_without_a_traceback(tmp_path, capsys):
     assert main(["train", "--policy", str(tmp_path / "nowhere"), "--out-dir", str(tmp_path / "o")]) == 2
     assert "no checkpoint directory" in capsys.readouterr().err
+
+
+def test_resume_refuses_another_config(policy, tmp_path):
+    train(_cfg(policy, tmp_path, steps=1))
+    with pytest.raises(ValueError, match="config differs from the checkpoint's in .*lr"):
+        train(_cfg(policy, tmp_path, steps=2, resume=True, lr=1e-2))

@@ -150,10 +150,20 @@ def _save_checkpoint(out: Path, step: int, masters: dict, opt, metrics: pd.DataF
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _load_checkpoint(out: Path, masters: dict, opt) -> tuple[int, pd.DataFrame]:
+# Fields a resumed run may change; any other difference would silently make another run.
+_RESUMABLE_CHANGES = {"steps", "resume", "checkpoint_every", "device", "out_dir"}
+
+
+def _load_checkpoint(out: Path, masters: dict, opt, cfg: TrainConfig) -> tuple[int, pd.DataFrame]:
     ck = out / "checkpoint"
     if not (ck / "state.json").exists():
         raise FileNotFoundError(f"resume: no checkpoint in {ck}; run without resume first")
+    saved_cfg = json.loads((ck / "state.json").read_text())["config"]
+    changed = {k: (saved_cfg.get(k), v) for k, v in asdict(cfg).items()
+               if k not in _RESUMABLE_CHANGES and saved_cfg.get(k) != (list(v) if isinstance(v, tuple) else v)}
+    if changed:
+        raise ValueError(f"resume: the config differs from the checkpoint's in {changed} (saved, now); "
+                         "resume with the same settings or start a new out_dir")
     saved = load_file(ck / "masters.safetensors")
     with torch.no_grad():
         for k, v in masters.items():
@@ -190,7 +200,7 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
     rows: list[dict] = []
     start_step = 0
     if cfg.resume:
-        start_step, previous = _load_checkpoint(out, masters, opt)
+        start_step, previous = _load_checkpoint(out, masters, opt, cfg)
         rows = previous.to_dict("records")
         copy_weights(masters, model)
 
