@@ -10,11 +10,25 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import math
 import textwrap
 import typing
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+def check_positive(name: str, value) -> None:
+    """A finite number > 0, or a ValueError that names the field."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+def check_at_least_one(obj, *names: str) -> None:
+    """Integer fields that must be >= 1."""
+    for name in names:
+        if getattr(obj, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(obj, name)}")
 
 
 def field_docs(cls: type) -> dict[str, str]:

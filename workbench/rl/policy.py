@@ -8,7 +8,6 @@ a tiny model learns arithmetic far more easily when every number is spelled digi
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from ..config import check_at_least_one, check_positive
 from ..env import resolve_device
 from ..generation import SamplingParams, generate
 from ..kernels import mode
@@ -60,14 +60,11 @@ class PolicyConfig:
     def __post_init__(self):
         if self.size not in POLICY_SIZES:
             raise ValueError(f"unknown policy size {self.size!r}; choose one of {sorted(POLICY_SIZES)}")
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+        check_positive("lr", self.lr)
         if len(self.target_accuracy) != 2 or not 0 <= self.target_accuracy[0] < self.target_accuracy[1] <= 1:
             raise ValueError("target_accuracy must be (low, high) with 0 <= low < high <= 1, "
                              f"got {self.target_accuracy}")
-        for name in ("max_steps", "batch_size", "eval_every", "eval_problems"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_at_least_one(self, "max_steps", "batch_size", "eval_every", "eval_problems")
 
 
 def train_tokenizer(task: Arithmetic):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 import time
@@ -25,6 +24,7 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..config import check_at_least_one, check_positive
 from ..env import resolve_device
 from ..generation import SamplingParams, generate, parity_summary, parity_table, sampled_logprobs
 from ..kernels import mode
@@ -86,13 +86,10 @@ class TrainConfig:
         if self.group_size < 2:
             raise ValueError(f"group_size must be at least 2 (GRPO compares samples of one prompt), "
                              f"got {self.group_size}")
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+        check_positive("lr", self.lr)
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 for RL sampling, got {self.temperature!r}")
-        for name in ("steps", "prompts_per_step", "max_new_tokens", "checkpoint_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_at_least_one(self, "steps", "prompts_per_step", "max_new_tokens", "checkpoint_every")
         if self.parity not in ("error", "warn"):
             raise ValueError(f"parity must be 'error' or 'warn', got {self.parity!r}")
         if self.correction not in ("none", "tis-token", "tis-sequence", "mask-token", "mask-sequence"):
