@@ -83,3 +83,17 @@ def test_resume_refuses_another_config(policy, tmp_path):
     train(_cfg(policy, tmp_path, steps=1))
     with pytest.raises(ValueError, match="config differs from the checkpoint's in .*lr"):
         train(_cfg(policy, tmp_path, steps=2, resume=True, lr=1e-2))
+
+
+@pytest.mark.parametrize("in_reward", [False, True])
+def test_kl_to_the_frozen_start_is_zero_then_grows(policy, tmp_path, in_reward):
+    table = train(_cfg(policy, tmp_path, steps=4, kl_coef=0.1, kl_in_reward=in_reward))
+    kl = table[table.metric == "kl"].set_index("step")["value"]
+    moved = table[table.metric == "weight_delta_l2"].set_index("step")["value"].cumsum()
+    assert kl[1] == 0.0, "the policy is the reference at the first step"
+    later = [s for s in (2, 3, 4) if moved[s - 1] > 0]
+    assert later and all(kl[s] > 0 for s in later), "once the weights moved, the KL to the start is positive"
+    with pytest.raises(ValueError, match="kl_coef must be"):
+        TrainConfig(kl_coef=-1.0)
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        TrainConfig(kl_estimator="k9")

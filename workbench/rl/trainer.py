@@ -4,7 +4,8 @@ Each step: prompts -> a group of completions per prompt (the embedded generator)
 group advantages -> the trainer's recomputation of the sampled tokens' log-probs, checked
 against the generator's (the parity check) -> one policy update on fp32 master weights ->
 the one fp32 -> bf16 cast into the model both sides use -> a checksum that the generator's
-weights are the trainer's. Synchronous (policy lag 0).
+weights are the trainer's. Synchronous (policy lag 0). An optional KL to the frozen starting
+policy (k1/k2/k3) goes into the loss or the reward.
 
 In `invariant` mode any log-prob difference stops the run (parity="error"); in `standard` mode
 the mismatch is measured and logged. Metrics are a long table (step, metric, value, variant, seed).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
@@ -23,13 +25,14 @@ from pathlib import Path
 import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
 
 from ..config import check_at_least_one, check_positive
 from ..env import resolve_device
 from ..generation import SamplingParams, generate, parity_summary, parity_table, sampled_logprobs
 from ..kernels import mode
 from ..models import build, copy_weights, load_pretrained, load_tokenizer, save_pretrained
-from .losses import AGGREGATIONS, LossConfig, get_loss, group_advantages, importance_weights
+from .losses import AGGREGATIONS, LossConfig, aggregate, get_loss, group_advantages, importance_weights, kl_estimate
 from .policy import PolicyConfig, train_policy
 from .tasks import Arithmetic
 
@@ -70,6 +73,12 @@ class TrainConfig:
     """Off-policy correction: none, tis-token, tis-sequence, mask-token, mask-sequence."""
     correction_cap: float = 2.0
     """Cap C of the correction (truncate at C, or mask outside [1/C, C])."""
+    kl_coef: float = 0.0
+    """Weight of the KL to the frozen starting policy (0: no reference model at all)."""
+    kl_estimator: str = "k3"
+    """k1, k2 or k3 (see losses.kl_estimate)."""
+    kl_in_reward: bool = False
+    """Subtract the KL from each sequence's reward instead of adding it to the loss."""
     sync: str = "shared"
     """Weight sync into the generator: shared (same bf16 model), copy, or checkpoint (through disk)."""
     checkpoint_every: int = 5
@@ -78,6 +87,8 @@ class TrainConfig:
     """Continue from the latest checkpoint in out_dir."""
     device: str = "auto"
     """'cpu', 'cuda' or 'auto' (cuda when there is one)."""
+    progress: bool = True
+    """A progress bar on the terminal (reward, parity) while training."""
 
     def __post_init__(self):
         get_loss(self.loss)
@@ -94,6 +105,10 @@ class TrainConfig:
             raise ValueError(f"parity must be 'error' or 'warn', got {self.parity!r}")
         if self.correction not in ("none", "tis-token", "tis-sequence", "mask-token", "mask-sequence"):
             raise ValueError(f"unknown correction {self.correction!r}")
+        if self.kl_coef < 0 or not math.isfinite(self.kl_coef):
+            raise ValueError(f"kl_coef must be a finite number >= 0, got {self.kl_coef!r}")
+        if self.kl_estimator not in ("k1", "k2", "k3"):
+            raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; choose k1, k2 or k3")
         if self.sync not in ("shared", "copy", "checkpoint"):
             raise ValueError(f"sync must be 'shared', 'copy' or 'checkpoint', got {self.sync!r}")
 
@@ -148,7 +163,7 @@ def _save_checkpoint(out: Path, step: int, masters: dict, opt, metrics: pd.DataF
 
 
 # Fields a resumed run may change; any other difference would silently make another run.
-_RESUMABLE_CHANGES = {"steps", "resume", "checkpoint_every", "device", "out_dir"}
+_RESUMABLE_CHANGES = {"steps", "resume", "checkpoint_every", "device", "out_dir", "progress"}
 
 
 def _load_checkpoint(out: Path, masters: dict, opt, cfg: TrainConfig) -> tuple[int, pd.DataFrame]:
@@ -186,6 +201,10 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
     model = build(master_model.config, device=device, dtype=torch.bfloat16, seed=None)
     copy_weights(masters, model)
     gen_model = model if cfg.sync == "shared" else build(model.config, device=device, dtype=torch.bfloat16, seed=None)
+    reference = None
+    if cfg.kl_coef > 0:
+        reference = build(model.config, device=device, dtype=torch.bfloat16, seed=None)
+        copy_weights(masters, reference)
     params = [masters[k] for k in sorted(masters)]
     for p in params:
         p.requires_grad_(True)
@@ -204,6 +223,7 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
     def log(step, metric, value):
         rows.append({"step": step, "metric": metric, "value": float(value), "variant": variant, "seed": cfg.seed})
 
+    bar = tqdm(total=cfg.steps, initial=start_step, disable=not cfg.progress, desc=f"train ({cfg.kernel_mode})")
     with mode(cfg.kernel_mode):
         for step in range(start_step + 1, cfg.steps + 1):
             t0 = time.perf_counter()
@@ -228,12 +248,20 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
             texts = [tok.decode(c, skip_special_tokens=True) for c in completions]
             rewards = torch.tensor([task.reward(t, problems[i // cfg.group_size]) for i, t in enumerate(texts)],
                                    device=device)
-            adv = group_advantages(rewards, cfg.group_size, scale=spec.scale_advantages)
 
             ids, lens, mask = (t.to(device) for t in _completion_batch(tok, prompts, completions))
+            targets = torch.roll(ids, -1, dims=1)
             logits = model(ids, seq_lens=lens)
             # Position t scores the token at t + 1 (the last position's target is a dummy, masked).
-            logp = sampled_logprobs(logits, torch.roll(ids, -1, dims=1), sampling)[:, :-1]   # [B, T-1]
+            logp = sampled_logprobs(logits, targets, sampling)[:, :-1]                       # [B, T-1]
+            kl = None
+            if reference is not None:
+                with torch.no_grad():
+                    ref_logp = sampled_logprobs(reference(ids, seq_lens=lens), targets, sampling)[:, :-1]
+                kl = kl_estimate(logp, ref_logp, cfg.kl_estimator) * mask
+                log(step, "kl", kl.detach().sum() / mask.sum())
+            shaped = rewards - cfg.kl_coef * kl.detach().sum(1) if kl is not None and cfg.kl_in_reward else rewards
+            adv = group_advantages(shaped, cfg.group_size, scale=spec.scale_advantages)
             behavior = torch.zeros_like(mask)
             for i, c in enumerate(gen.completions):
                 start = len(prompts[i]) - 1
@@ -259,6 +287,8 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
                 log(step, "is_weight_mean", (weights * mask).sum() / mask.sum())
             loss, stats = spec.fn(logp, old, adv, mask, LossConfig(loss_cfg.eps_low, loss_cfg.eps_high,
                                                                    loss_cfg.aggregation, norm), weights)
+            if kl is not None and not cfg.kl_in_reward:
+                loss = loss + cfg.kl_coef * aggregate(kl, mask, loss_cfg.aggregation, norm)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"step {step}: the loss is {loss.item()}; the last good checkpoint is in "
                                          f"{out / 'checkpoint'}")
@@ -294,9 +324,12 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
             log(step, "time_generate", t_gen - t_sync)
             log(step, "time_train", t_train - t_gen)
             log(step, "tokens_per_s", sum(map(len, completions)) / (t_train - t0))
+            bar.set_postfix(reward=f"{rewards.mean().item():.3f}", differing=parity["tokens_differing"])
+            bar.update(1)
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 _save_checkpoint(out, step, {k: v.detach() for k, v in masters.items()}, opt,
                                  pd.DataFrame(rows), cfg)
+    bar.close()
     metrics = pd.DataFrame(rows)
     metrics.to_csv(out / "metrics.csv", index=False)
     return metrics
