@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.rl.tasks import GSM8K, Arithmetic, extract_answer, normalize_number
+from workbench.rl.tasks import GSM8K, Arithmetic, extract_answer, make_task, normalize_number
 
 GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
@@ -32,12 +32,22 @@ def test_normalize_number():
 @pytest.mark.skipif(not GSM8K_DIR.exists(), reason="the shared GSM8K copy is not beside this checkout")
 def test_gsm8k_from_the_local_copy():
     task = GSM8K(GSM8K_DIR, "test")
-    assert len(task.problems) == 1319
+    assert len(task) == 1319
     train = GSM8K(GSM8K_DIR / "train.jsonl")
-    first = train.problems[0]
+    first = train.items[0]
     assert first.answer == "72" and "Natalia" in first.prompt
     assert task.reward("... #### 72", first) == 1.0 and task.reward("The answer is 71.", first) == 0.0
     assert task.reward("The answer is 72.", first, mode="strict") == 0.0
+    assert task.scores("The answer is 72.", first) == {"strict": 0.0, "lenient": 1.0}
+    stream = train.problems(len(train) + 3)
+    assert stream[-3:] == stream[:3], "the training stream wraps around"
+    assert stream[:50] != train.items[:50] and stream[:50] == GSM8K(GSM8K_DIR, seed=0).problems(50)
+    assert train.eval_problems(2) == task.items[:2]
+    with pytest.raises(ValueError, match="needs a source"):
+        make_task("gsm8k")
+    with pytest.raises(ValueError, match="unknown task"):
+        make_task("chess")
+    assert make_task("gsm8k", source=str(GSM8K_DIR)).problems(1)[0].answer
 
 
 def test_gsm8k_bad_sources(tmp_path):

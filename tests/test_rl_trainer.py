@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -17,7 +18,8 @@ from workbench.rl.trainer import TrainConfig, train
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     out = tmp_path_factory.mktemp("policy")
-    train_policy(PolicyConfig(max_steps=30, eval_every=30, eval_problems=8, device="cpu"), out)
+    # Trained until greedy accuracy leaves room for RL, so groups have reward variance and weights move.
+    train_policy(PolicyConfig(eval_every=25, eval_problems=16, device="cpu"), out)
     return str(out)
 
 
@@ -33,6 +35,99 @@ def test_invariant_step_has_exact_parity(policy, tmp_path):
     assert value["parity_tokens_differing"] == 0 and value["parity_max_abs_diff"] == 0
     assert value["ratio_mean"] == 1.0, "on-policy: the PPO ratio is exactly 1"
     assert set(table.columns) == {"step", "metric", "value", "variant", "seed"}
+    assert value["entropy"] > 0 and value["policy_lag"] == 0 and 0 <= value["accuracy_exact"] <= 1
+    layers = [m for m in value.index if m.startswith("weight_rel_change/layer_")]
+    assert layers == ["weight_rel_change/layer_00", "weight_rel_change/layer_01"]
+    assert all(value[m] >= 0 for m in layers) and value["weight_delta_l2/embed"] >= 0
+
+
+def test_one_step_lag_keeps_parity_against_the_weights_that_sampled(policy, tmp_path):
+    cfg = _cfg(policy, tmp_path / "inv", kernel_mode="invariant", steps=2, prompts_per_step=2, group_size=2,
+               max_new_tokens=2, policy_lag=1, sync="copy", kl_coef=0.1, kl_to="sampler")
+    by = train(cfg).pivot(index="step", columns="metric", values="value")
+    assert list(by["policy_lag"]) == [0, 1]
+    assert (by["parity_tokens_differing"] == 0).all(), "the lagged generator still matches the trainer bitwise"
+    assert by["kl"][1] == 0.0, "KL to the sampler is exactly 0 when generator = trainer"
+    # Standard mode, 4 steps: the first update lands at step 2 (step 1's groups have no reward
+    # variance), so step 3 samples with older weights than it trains.
+    cfg = dataclasses.replace(cfg, out_dir=str(tmp_path / "std"), kernel_mode="standard", steps=4,
+                              prompts_per_step=3, group_size=3, max_new_tokens=3)
+    by = train(cfg).pivot(index="step", columns="metric", values="value")
+    assert list(by["policy_lag"]) == [0, 1, 1, 1]
+    assert by["weight_delta_l2"][2] > 0 and by["ratio_mean"][3] != 1.0 and by["kl"][3] > 0
+    with pytest.raises(ValueError, match="policy_lag=1 .* use sync='copy'"):
+        TrainConfig(policy_lag=1)
+
+
+def test_lagged_resume_is_bitwise(policy, tmp_path):
+    kw = dict(policy_lag=1, sync="copy", lr=1e-2)
+    full = train(_cfg(policy, tmp_path / "a", **kw))
+    train(_cfg(policy, tmp_path / "b", steps=2, **kw))
+    resumed = train(_cfg(policy, tmp_path / "b", resume=True, **kw))
+    timing = full.metric.str.startswith("time_") | (full.metric == "tokens_per_s")
+    pd.testing.assert_frame_equal(full[~timing].reset_index(drop=True), resumed[~timing].reset_index(drop=True))
+
+
+def test_tensorboard_gets_the_same_numbers(policy, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    table = train(_cfg(policy, tmp_path, steps=2, tensorboard=True))
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    logged = [e.value for e in events.Scalars("reward_mean")]
+    assert logged == pytest.approx(list(table[table.metric == "reward_mean"].value))
+    assert "weight_rel_change/layer_01" in events.Tags()["scalars"]
+
+
+def test_a_nan_loss_stops_and_keeps_the_last_good_checkpoint(policy, tmp_path, monkeypatch):
+    from workbench.rl import trainer
+
+    real = trainer.get_loss("grpo")
+    calls = []
+
+    def nan_from_step_2(logp, *args):
+        calls.append(1)
+        loss, stats = real.fn(logp, *args)
+        return loss * (float("nan") if len(calls) >= 2 else 1.0), stats
+
+    def poisoned(name):
+        return dataclasses.replace(real, fn=nan_from_step_2)
+
+    monkeypatch.setattr(trainer, "get_loss", poisoned)
+    with pytest.raises(FloatingPointError, match=r"step 2: the loss is nan; the last good checkpoint \(step 1\)"):
+        train(_cfg(policy, tmp_path))
+    assert set(pd.read_csv(tmp_path / "metrics.csv").step) == {1}, "the metrics so far are written"
+    state = (tmp_path / "checkpoint" / "state.json").read_text()
+    assert '"step": 1' in state
+
+
+def test_gsm8k_trains_from_a_checkpoint_with_its_tokenizer(tmp_path):
+    gsm8k = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+    if not gsm8k.exists():
+        pytest.skip("the shared GSM8K copy is not beside this checkout")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from workbench.models import Qwen3Config, build, save_pretrained
+    from workbench.rl.tasks import GSM8K
+
+    text = [p.prompt + " #### " + p.answer for p in GSM8K(gsm8k).items[:300]]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(text, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<unk>"],
+                                                      show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<unk>")
+    model = build(Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                              max_position_embeddings=512), device="cpu", dtype=torch.bfloat16, seed=0)
+    save_pretrained(model, tmp_path / "ckpt", tokenizer=tok)
+    cfg = _cfg(str(tmp_path / "ckpt"), tmp_path / "run", task="gsm8k", task_source=str(gsm8k), steps=1)
+    metrics = set(train(cfg).metric)
+    assert {"accuracy_strict", "accuracy_lenient", "reward_mean"} <= metrics
+    with pytest.raises(ValueError, match="needs task_source"):
+        TrainConfig(task="gsm8k")
+    with pytest.raises(ValueError, match="needs a starting checkpoint"):
+        train(_cfg("", tmp_path / "none", task="gsm8k", task_source=str(gsm8k)))
 
 
 def test_same_seed_same_metrics_and_resume_is_bitwise(policy, tmp_path):

@@ -79,7 +79,7 @@ def _rms_norm_bwd_kernel(
 
 # Backward: rows per program and rows per tile (chosen by bench/tune_rowwise.py).
 _GPU_BACKWARD = {"rows": 8, "tile_rows": 2}
-_INTERPRETER_BACKWARD = {"rows": 4, "tile_rows": 2}
+_INTERPRETER_BACKWARD = {"rows": 64, "tile_rows": 16}
 
 
 def _num_warps(block_n: int) -> int:

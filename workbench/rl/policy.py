@@ -117,7 +117,7 @@ def train_policy(cfg: PolicyConfig, out_dir: str | Path | None = None):
     """
     device = resolve_device(cfg.device)
     task = Arithmetic(seed=cfg.seed, difficulty=cfg.difficulty)
-    held_out = Arithmetic(seed=cfg.seed + 10_000, difficulty=cfg.difficulty).problems(cfg.eval_problems)
+    held_out = task.eval_problems(cfg.eval_problems)
     tokenizer = train_tokenizer(task)
     longest = max(len(p.prompt) + len(p.answer) for p in task.problems(512)) + 2
     model_cfg = Qwen3Config(vocab_size=len(tokenizer), max_position_embeddings=2 * longest,

@@ -1,5 +1,9 @@
 """Tasks: prompts, a reference answer, and a reward. GSM8K from a local JSONL (or a hub id where
 there is a network), and a synthetic arithmetic task generated from a seed (the offline default).
+
+Every task has the same small interface: `problems(n, start)` (the training stream, deterministic
+in the seed), `eval_problems(n)` (a held-out split), `reward(completion, problem)` (the RL reward)
+and `scores(completion, problem)` (every way of scoring it, reported side by side).
 """
 
 from __future__ import annotations
@@ -56,15 +60,33 @@ PROMPT_TEMPLATE = "Question: {question}\nAnswer step by step, then give the fina
 
 
 class GSM8K:
-    """GSM8K (MIT licence): problems from `{split}.jsonl` in a local folder (or a file), or a hub id."""
+    """GSM8K (MIT licence): problems from `{split}.jsonl` in a local folder (or a file), or a hub id.
+
+    The training stream walks the split in an order shuffled by the seed, wrapping around; the
+    evaluation split is `test` (read lazily, from the same folder or hub id).
+    """
 
     name = "gsm8k"
 
-    def __init__(self, source: str | Path, split: str = "train"):
-        self.split = split
+    def __init__(self, source: str | Path, split: str = "train", seed: int = 0):
+        self.source, self.split, self.seed = source, split, seed
         rows = self._read(source, split)
-        self.problems = [Problem(PROMPT_TEMPLATE.format(question=r["question"]), self._reference(r, i))
-                         for i, r in enumerate(rows)]
+        self.items = [Problem(PROMPT_TEMPLATE.format(question=r["question"]), self._reference(r, i))
+                      for i, r in enumerate(rows)]
+        if not self.items:
+            raise ValueError(f"GSM8K: the {split} split at {source} has no problems")
+        self._order = list(range(len(self.items)))
+        random.Random(seed).shuffle(self._order)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def problems(self, n: int, start: int = 0) -> list[Problem]:
+        return [self.items[self._order[i % len(self.items)]] for i in range(start, start + n)]
+
+    def eval_problems(self, n: int) -> list[Problem]:
+        source = self.source if not Path(self.source).is_file() else Path(self.source).with_name("test.jsonl")
+        return GSM8K(source, "test").items[:n]
 
     @staticmethod
     def _read(source, split: str) -> list[dict]:
@@ -102,6 +124,9 @@ class GSM8K:
     def reward(self, completion: str, problem: Problem, mode: str = "lenient") -> float:
         return float(extract_answer(completion, mode) == problem.answer)
 
+    def scores(self, completion: str, problem: Problem) -> dict[str, float]:
+        return {m: self.reward(completion, problem, m) for m in ("strict", "lenient")}
+
 
 class Arithmetic:
     """Synthetic arithmetic: 'a op b op c ...' with integer answers, generated from (seed, index).
@@ -128,10 +153,32 @@ class Arithmetic:
     def problems(self, n: int, start: int = 0) -> list[Problem]:
         return [self.problem(i) for i in range(start, start + n)]
 
+    def eval_problems(self, n: int) -> list[Problem]:
+        """Held out: problems of another seed."""
+        return Arithmetic(seed=self.seed + 10_000, difficulty=self.difficulty).problems(n)
+
     def reward(self, completion: str, problem: Problem) -> float:
         """Exact match: the completion's leading number (after spaces) equals the answer."""
         m = re.match(r"\s*(-?\d+)", completion)
         return float(m is not None and normalize_number(m.group(1)) == problem.answer)
+
+    def scores(self, completion: str, problem: Problem) -> dict[str, float]:
+        return {"exact": self.reward(completion, problem)}
+
+
+TASKS = ("arithmetic", "gsm8k")
+
+
+def make_task(name: str, seed: int = 0, difficulty: int = 1, source: str = ""):
+    """A task by name: 'arithmetic' (needs nothing) or 'gsm8k' (needs `source`)."""
+    if name == "arithmetic":
+        return Arithmetic(seed=seed, difficulty=difficulty)
+    if name == "gsm8k":
+        if not source:
+            raise ValueError("task 'gsm8k' needs a source: a folder holding train.jsonl/test.jsonl, a file, "
+                             "or a hub id such as openai/gsm8k")
+        return GSM8K(source, "train", seed=seed)
+    raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
 
 
 def _evaluate(terms: list[str]) -> int:

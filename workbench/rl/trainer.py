@@ -1,14 +1,19 @@
 """GRPO-family training with the generator and trainer on one model and one set of kernels.
 
-Each step: prompts -> a group of completions per prompt (the embedded generator) -> rewards ->
-group advantages -> the trainer's recomputation of the sampled tokens' log-probs, checked
-against the generator's (the parity check) -> one policy update on fp32 master weights ->
-the one fp32 -> bf16 cast into the model both sides use -> a checksum that the generator's
-weights are the trainer's. Synchronous (policy lag 0). An optional KL to the frozen starting
-policy (k1/k2/k3) goes into the loss or the reward.
+Each step: sync (the generator gets the trainer's bf16 weights, checked by checksum) -> prompts
+-> a group of completions per prompt (the embedded generator) -> rewards -> group advantages ->
+the trainer's recomputation of the sampled tokens' log-probs, checked against the generator's
+(the parity check) -> one policy update on fp32 master weights -> the one fp32 -> bf16 cast.
+
+Synchronous by default (policy lag 0). With `policy_lag=1` the generator samples with the weights
+of one update before the trainer's, as an asynchronous pipeline would; the steps still run one
+after another (the lag is reproduced exactly, the overlap is not). The parity check then compares
+the generator with the trainer's kernels run on the generator's weights, and those recomputed
+log-probs are the PPO ratio's "old" policy.
 
 In `invariant` mode any log-prob difference stops the run (parity="error"); in `standard` mode
-the mismatch is measured and logged. Metrics are a long table (step, metric, value, variant, seed).
+the mismatch is measured and logged. Metrics are a long table (step, metric, value, variant,
+seed), also sent to TensorBoard when asked.
 """
 
 from __future__ import annotations
@@ -30,11 +35,11 @@ from tqdm.auto import tqdm
 from ..config import check_at_least_one, check_positive
 from ..env import resolve_device
 from ..generation import SamplingParams, generate, parity_summary, parity_table, sampled_logprobs
-from ..kernels import mode
+from ..kernels import entropy, mode
 from ..models import build, copy_weights, load_pretrained, load_tokenizer, save_pretrained
 from .losses import AGGREGATIONS, LossConfig, aggregate, get_loss, group_advantages, importance_weights, kl_estimate
 from .policy import PolicyConfig, train_policy
-from .tasks import Arithmetic
+from .tasks import TASKS, make_task
 
 
 class ParityError(RuntimeError):
@@ -49,11 +54,17 @@ class TrainConfig:
     """Where metrics and checkpoints go."""
     kernel_mode: str = "invariant"
     """'invariant' (bitwise generator = trainer) or 'standard' (the mismatched control)."""
+    task: str = "arithmetic"
+    """'arithmetic' (synthetic, offline) or 'gsm8k' (needs task_source)."""
+    task_source: str = ""
+    """GSM8K only: a folder holding train.jsonl and test.jsonl, a JSONL file, or a hub id."""
+    difficulty: int = 1
+    """Arithmetic difficulty."""
     loss: str = "grpo"
     """grpo, dr_grpo, dapo or gspo."""
-    steps: int = 10
+    steps: int = 3
     """Policy updates."""
-    prompts_per_step: int = 4
+    prompts_per_step: int = 2
     """Prompts sampled per step."""
     group_size: int = 4
     """Completions per prompt."""
@@ -63,8 +74,6 @@ class TrainConfig:
     """Sampling temperature (> 0)."""
     lr: float = 1e-3
     """AdamW learning rate on the fp32 master weights."""
-    difficulty: int = 1
-    """Arithmetic difficulty."""
     seed: int = 0
     """Seed of the data order, the sampling and the starting policy."""
     parity: str = "error"
@@ -74,17 +83,23 @@ class TrainConfig:
     correction_cap: float = 2.0
     """Cap C of the correction (truncate at C, or mask outside [1/C, C])."""
     kl_coef: float = 0.0
-    """Weight of the KL to the frozen starting policy (0: no reference model at all)."""
+    """Weight of the KL penalty (0: none, and no reference model is built)."""
+    kl_to: str = "reference"
+    """What the KL is measured to: 'reference' (the frozen starting policy) or 'sampler' (the generator)."""
     kl_estimator: str = "k3"
     """k1, k2 or k3 (see losses.kl_estimate)."""
     kl_in_reward: bool = False
     """Subtract the KL from each sequence's reward instead of adding it to the loss."""
     sync: str = "shared"
     """Weight sync into the generator: shared (same bf16 model), copy, or checkpoint (through disk)."""
+    policy_lag: int = 0
+    """0: synchronous; 1: the generator samples with the weights one update behind (needs sync='copy')."""
     checkpoint_every: int = 5
     """Write a resumable checkpoint every this many steps (and at the end)."""
     resume: bool = False
     """Continue from the latest checkpoint in out_dir."""
+    tensorboard: bool = False
+    """Also write every metric to TensorBoard event files in out_dir/tensorboard."""
     device: str = "auto"
     """'cpu', 'cuda' or 'auto' (cuda when there is one)."""
     progress: bool = True
@@ -94,38 +109,116 @@ class TrainConfig:
         get_loss(self.loss)
         if self.kernel_mode not in ("invariant", "standard"):
             raise ValueError(f"kernel_mode must be 'invariant' or 'standard', got {self.kernel_mode!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; choose one of {', '.join(TASKS)}")
+        if self.task == "gsm8k" and not self.task_source:
+            raise ValueError("task 'gsm8k' needs task_source: a folder holding train.jsonl/test.jsonl, "
+                             "a file, or a hub id")
         if self.group_size < 2:
             raise ValueError(f"group_size must be at least 2 (GRPO compares samples of one prompt), "
                              f"got {self.group_size}")
         check_positive("lr", self.lr)
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 for RL sampling, got {self.temperature!r}")
-        check_at_least_one(self, "steps", "prompts_per_step", "max_new_tokens", "checkpoint_every")
+        check_at_least_one(self, "steps", "prompts_per_step", "max_new_tokens", "checkpoint_every", "difficulty")
         if self.parity not in ("error", "warn"):
             raise ValueError(f"parity must be 'error' or 'warn', got {self.parity!r}")
         if self.correction not in ("none", "tis-token", "tis-sequence", "mask-token", "mask-sequence"):
             raise ValueError(f"unknown correction {self.correction!r}")
         if self.kl_coef < 0 or not math.isfinite(self.kl_coef):
             raise ValueError(f"kl_coef must be a finite number >= 0, got {self.kl_coef!r}")
+        if self.kl_to not in ("reference", "sampler"):
+            raise ValueError(f"kl_to must be 'reference' or 'sampler', got {self.kl_to!r}")
         if self.kl_estimator not in ("k1", "k2", "k3"):
             raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; choose k1, k2 or k3")
         if self.sync not in ("shared", "copy", "checkpoint"):
             raise ValueError(f"sync must be 'shared', 'copy' or 'checkpoint', got {self.sync!r}")
+        if self.policy_lag not in (0, 1):
+            raise ValueError(f"policy_lag must be 0 (synchronous) or 1 (one step behind), got {self.policy_lag}")
+        if self.policy_lag and self.sync != "copy":
+            raise ValueError("policy_lag=1 keeps the generator's weights apart from the trainer's: use sync='copy'")
 
 
-def weights_checksum(model) -> str:
-    """sha256 over every parameter's bytes, in name order."""
+def weights_checksum(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's bytes, in name order."""
     h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
+    for name, p in sorted(state.items()):
         h.update(name.encode())
         h.update(p.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
+def layer_group(name: str) -> str:
+    """'model.layers.3.mlp.up_proj.weight' -> 'layer_03'; embeddings, final norm and head by name."""
+    parts = name.split(".")
+    if parts[:2] == ["model", "layers"]:
+        return f"layer_{int(parts[2]):02d}"
+    return {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm",
+            "lm_head.weight": "lm_head"}.get(name, name)
+
+
+def weight_delta_metrics(before: dict, after: dict) -> dict[str, float]:
+    """L2 norm of the update and its size relative to the weights, in total and per layer."""
+    sq_delta: dict[str, float] = {}
+    sq_before: dict[str, float] = {}
+    for k, new in after.items():
+        g = layer_group(k)
+        sq_delta[g] = sq_delta.get(g, 0.0) + float(((new - before[k]).double() ** 2).sum())
+        sq_before[g] = sq_before.get(g, 0.0) + float((before[k].double() ** 2).sum())
+    out = {"weight_delta_l2": math.sqrt(sum(sq_delta.values())),
+           "weight_rel_change": math.sqrt(sum(sq_delta.values()) / max(sum(sq_before.values()), 1e-300))}
+    for g in sorted(sq_delta):
+        out[f"weight_delta_l2/{g}"] = math.sqrt(sq_delta[g])
+        out[f"weight_rel_change/{g}"] = math.sqrt(sq_delta[g] / max(sq_before[g], 1e-300))
+    return out
+
+
+class _Metrics:
+    """The long table being built, and optionally a TensorBoard writer fed the same numbers."""
+
+    def __init__(self, rows: list[dict], cfg: TrainConfig, out: Path):
+        self.rows, self.variant, self.seed = rows, cfg.kernel_mode, cfg.seed
+        self.writer = None
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ValueError("tensorboard=True needs the tensorboard package: pip install tensorboard") from None
+            self.writer = SummaryWriter(str(out / "tensorboard"))
+
+    def __call__(self, step: int, metric: str, value) -> None:
+        value = float(value)
+        self.rows.append({"step": step, "metric": metric, "value": value, "variant": self.variant,
+                          "seed": self.seed})
+        if self.writer is not None:
+            self.writer.add_scalar(metric, value, step)
+
+    def table(self) -> pd.DataFrame:
+        return pd.DataFrame(self.rows, columns=["step", "metric", "value", "variant", "seed"])
+
+    def close(self, out: Path) -> pd.DataFrame:
+        if self.writer is not None:
+            self.writer.close()
+        table = self.table()
+        table.to_csv(out / "metrics.csv", index=False)
+        return table
+
+
+def _last_good(out: Path) -> str:
+    state = out / "checkpoint" / "state.json"
+    if not state.exists():
+        return "no checkpoint was written yet"
+    return f"the last good checkpoint (step {json.loads(state.read_text())['step']}) is in {out / 'checkpoint'}"
+
+
 def _starting_policy(cfg: TrainConfig, out: Path, device: str):
     if cfg.policy:
         return load_pretrained(cfg.policy, dtype=torch.float32, device=device), load_tokenizer(cfg.policy)
-    model, tok, _ = train_policy(PolicyConfig(seed=cfg.seed, difficulty=cfg.difficulty, device=device), out / "policy")
+    if cfg.task != "arithmetic":
+        raise ValueError(f"task {cfg.task!r} needs a starting checkpoint (policy=...); the self-trained policy "
+                         "only knows arithmetic")
+    policy_cfg = PolicyConfig(seed=cfg.seed, difficulty=cfg.difficulty, device=device)
+    model, tok, _ = train_policy(policy_cfg, out / "policy")
     return model, tok
 
 
@@ -141,7 +234,8 @@ def _completion_batch(tokenizer, prompts, completions):
     return ids, torch.tensor([len(s) for s in seqs], dtype=torch.int32), mask
 
 
-def _save_checkpoint(out: Path, step: int, masters: dict, opt, metrics: pd.DataFrame, cfg: TrainConfig) -> None:
+def _save_checkpoint(out: Path, step: int, masters: dict, opt, metrics: pd.DataFrame, cfg: TrainConfig,
+                     lagged: tuple[int, dict] | None) -> None:
     """Atomic: written to a temporary folder, then renamed over `checkpoint/` (a crash keeps the old one)."""
     tmp = out / f".checkpoint-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -150,7 +244,10 @@ def _save_checkpoint(out: Path, step: int, masters: dict, opt, metrics: pd.DataF
     state = opt.state_dict()
     tensors = {f"{i}.{k}": v for i, s in state["state"].items() for k, v in s.items() if torch.is_tensor(v)}
     save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "optimizer.safetensors")
+    if lagged is not None:
+        save_file({k: v.contiguous() for k, v in lagged[1].items()}, tmp / "generator.safetensors")
     (tmp / "state.json").write_text(json.dumps({"step": step, "config": asdict(cfg),
+                                                "generator_version": None if lagged is None else lagged[0],
                                                 "param_groups": state["param_groups"]}, indent=1))
     metrics.to_csv(tmp / "metrics.csv", index=False)
     final = out / "checkpoint"
@@ -163,14 +260,16 @@ def _save_checkpoint(out: Path, step: int, masters: dict, opt, metrics: pd.DataF
 
 
 # Fields a resumed run may change; any other difference would silently make another run.
-_RESUMABLE_CHANGES = {"steps", "resume", "checkpoint_every", "device", "out_dir", "progress"}
+_RESUMABLE_CHANGES = {"steps", "resume", "checkpoint_every", "device", "out_dir", "progress", "tensorboard"}
 
 
-def _load_checkpoint(out: Path, masters: dict, opt, cfg: TrainConfig) -> tuple[int, pd.DataFrame]:
+def _load_checkpoint(out: Path, masters: dict, opt, cfg: TrainConfig, device: str):
+    """Restores masters and optimizer in place; returns (step, metrics so far, lagged generator weights)."""
     ck = out / "checkpoint"
     if not (ck / "state.json").exists():
         raise FileNotFoundError(f"resume: no checkpoint in {ck}; run without resume first")
-    saved_cfg = json.loads((ck / "state.json").read_text())["config"]
+    state = json.loads((ck / "state.json").read_text())
+    saved_cfg = state["config"]
     changed = {k: (saved_cfg.get(k), v) for k, v in asdict(cfg).items()
                if k not in _RESUMABLE_CHANGES and saved_cfg.get(k) != (list(v) if isinstance(v, tuple) else v)}
     if changed:
@@ -180,156 +279,229 @@ def _load_checkpoint(out: Path, masters: dict, opt, cfg: TrainConfig) -> tuple[i
     with torch.no_grad():
         for k, v in masters.items():
             v.copy_(saved[k])
-    state = json.loads((ck / "state.json").read_text())
     tensors = load_file(ck / "optimizer.safetensors")  # load_state_dict moves them to the parameters' device
     opt_state = {"param_groups": state["param_groups"], "state": {}}
     for key, v in tensors.items():
         i, name = key.split(".", 1)
         opt_state["state"].setdefault(int(i), {})[name] = v
     opt.load_state_dict(opt_state)
-    return state["step"], pd.read_csv(ck / "metrics.csv")
+    lagged = None
+    if state.get("generator_version") is not None:
+        lagged = (state["generator_version"], load_file(ck / "generator.safetensors", device=device))
+    return state["step"], pd.read_csv(ck / "metrics.csv"), lagged
+
+
+def _sync(cfg: TrainConfig, model, gen_model, history: list, version: int, out: Path, device: str):
+    """Bring the generator to the weights it samples with at this step; returns (generator, its version).
+
+    `history` holds (version, bf16 weights) the trainer published, oldest first (policy lag only).
+    """
+    if cfg.sync == "shared":
+        return model, version
+    current = dict(model.state_dict())
+    gen_version, source = version, current
+    if cfg.policy_lag:
+        history.append((version, {k: v.detach().clone() for k, v in current.items()}))
+        del history[: -(cfg.policy_lag + 1)]
+        gen_version, source = history[0]
+    if cfg.sync == "copy":
+        copy_weights(source, gen_model)
+    else:
+        save_pretrained(model, out / "sync")
+        gen_model = load_pretrained(out / "sync", dtype=torch.bfloat16, device=device)
+    if weights_checksum(gen_model.state_dict()) != weights_checksum(source):
+        raise RuntimeError(f"the generator's weights differ from the trainer's version {gen_version} after the "
+                           f"sync ({cfg.sync}); the sync path is broken")
+    return gen_model, gen_version
 
 
 def train(cfg: TrainConfig) -> pd.DataFrame:
-    """Run GRPO-family training; returns the long metrics table (also written to out_dir/metrics.csv)."""
+    """Run GRPO-family training; returns the long metrics table (also written to out_dir/metrics.csv).
+
+    On a failure (parity break, NaN loss) the metrics so far are still written before the error.
+    """
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
+    task = make_task(cfg.task, seed=cfg.seed, difficulty=cfg.difficulty, source=cfg.task_source)
     master_model, tok = _starting_policy(cfg, out, device)
     masters = {k: v.detach().clone().float() for k, v in master_model.state_dict().items()}
     model = build(master_model.config, device=device, dtype=torch.bfloat16, seed=None)
     copy_weights(masters, model)
     gen_model = model if cfg.sync == "shared" else build(model.config, device=device, dtype=torch.bfloat16, seed=None)
     reference = None
-    if cfg.kl_coef > 0:
+    if cfg.kl_coef > 0 and cfg.kl_to == "reference":
         reference = build(model.config, device=device, dtype=torch.bfloat16, seed=None)
         copy_weights(masters, reference)
     params = [masters[k] for k in sorted(masters)]
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    rows: list[dict] = []
+    start_step, history = 0, []
+    if cfg.resume:
+        start_step, previous, lagged = _load_checkpoint(out, masters, opt, cfg, device)
+        rows = previous.to_dict("records")
+        history = [lagged] if lagged is not None else []
+        copy_weights(masters, model)
+    run = _Run(cfg, out, device, task, tok, model, gen_model, reference, masters, params, opt, history,
+               _Metrics(rows, cfg, out))
+    log = run.log
+    bar = tqdm(total=cfg.steps, initial=start_step, disable=not cfg.progress, desc=f"train ({cfg.kernel_mode})")
+    try:
+        with mode(cfg.kernel_mode):
+            for step in range(start_step + 1, cfg.steps + 1):
+                reward, differing = _step(run, step)
+                bar.set_postfix(reward=f"{reward:.3f}", differing=differing)
+                bar.update(1)
+                if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                    lagged = run.history[-1] if cfg.policy_lag and run.history else None
+                    _save_checkpoint(out, step, {k: v.detach() for k, v in masters.items()}, opt, log.table(), cfg,
+                                     lagged)
+    finally:
+        bar.close()
+        table = log.close(out)
+    return table
+
+
+@dataclass
+class _Run:
+    """What a training step works on."""
+
+    cfg: TrainConfig
+    out: Path
+    device: str
+    task: object
+    tok: object
+    model: torch.nn.Module
+    """The trainer's bf16 model (the cast of the masters)."""
+    gen_model: torch.nn.Module
+    """The generator's bf16 model (the trainer's own in sync='shared')."""
+    reference: torch.nn.Module | None
+    masters: dict
+    params: list
+    opt: torch.optim.Optimizer
+    history: list
+    log: _Metrics
+
+
+def _step(run: _Run, step: int) -> tuple[float, int]:
+    """One sync -> generate -> score -> parity check -> update; metrics go to run.log.
+
+    Returns (mean reward, tokens differing) for the progress bar.
+    """
+    cfg, out, device, task, tok, model = run.cfg, run.out, run.device, run.task, run.tok, run.model
+    masters, log = run.masters, run.log
     spec = get_loss(cfg.loss)
     loss_cfg: LossConfig = spec.defaults
-    task = Arithmetic(seed=cfg.seed, difficulty=cfg.difficulty)
-    variant = cfg.kernel_mode
-    rows: list[dict] = []
-    start_step = 0
-    if cfg.resume:
-        start_step, previous = _load_checkpoint(out, masters, opt, cfg)
-        rows = previous.to_dict("records")
-        copy_weights(masters, model)
+    version = step - 1  # updates applied so far
+    t0 = time.perf_counter()
+    run.gen_model, gen_version = _sync(cfg, model, run.gen_model, run.history, version, out, device)
+    gen_model = run.gen_model
+    t_sync = time.perf_counter()
 
-    def log(step, metric, value):
-        rows.append({"step": step, "metric": metric, "value": float(value), "variant": variant, "seed": cfg.seed})
+    problems = task.problems(cfg.prompts_per_step, start=step * cfg.prompts_per_step)
+    prompts = [tok(p.prompt)["input_ids"] for p in problems for _ in range(cfg.group_size)]
+    sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                              stop_token_ids=(tok.eos_token_id,), seed=cfg.seed * 1_000_003 + step)
+    gen = generate(gen_model, prompts, sampling, request_ids=list(range(len(prompts))))
+    t_gen = time.perf_counter()
 
-    bar = tqdm(total=cfg.steps, initial=start_step, disable=not cfg.progress, desc=f"train ({cfg.kernel_mode})")
-    with mode(cfg.kernel_mode):
-        for step in range(start_step + 1, cfg.steps + 1):
-            t0 = time.perf_counter()
-            # Sync: the generator gets the trainer's bf16 weights, checked by checksum.
-            if cfg.sync == "copy":
-                copy_weights({k: v.detach() for k, v in model.state_dict().items()}, gen_model)
-            elif cfg.sync == "checkpoint":
-                save_pretrained(model, out / "sync")
-                gen_model = load_pretrained(out / "sync", dtype=torch.bfloat16, device=device)
-            if cfg.sync != "shared" and weights_checksum(gen_model) != weights_checksum(model):
-                raise RuntimeError(f"step {step}: generator weights differ from the trainer's after the sync")
-            t_sync = time.perf_counter()
+    completions = [c.tokens for c in gen.completions]
+    texts = [tok.decode(c, skip_special_tokens=True) for c in completions]
+    scores = [task.scores(t, problems[i // cfg.group_size]) for i, t in enumerate(texts)]
+    rewards = torch.tensor([task.reward(t, problems[i // cfg.group_size]) for i, t in enumerate(texts)],
+                           device=device)
 
-            problems = task.problems(cfg.prompts_per_step, start=step * cfg.prompts_per_step)
-            prompts = [tok(p.prompt)["input_ids"] for p in problems for _ in range(cfg.group_size)]
-            sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                                      stop_token_ids=(tok.eos_token_id,), seed=cfg.seed * 1_000_003 + step)
-            gen = generate(gen_model, prompts, sampling, request_ids=list(range(len(prompts))))
-            t_gen = time.perf_counter()
+    ids, lens, mask = (t.to(device) for t in _completion_batch(tok, prompts, completions))
+    targets = torch.roll(ids, -1, dims=1)
+    logits = model(ids, seq_lens=lens)
+    # Position t scores the token at t + 1 (the last position's target is a dummy, masked).
+    logp = sampled_logprobs(logits, targets, sampling)[:, :-1]                          # [B, T-1]
+    if gen_version == version:
+        old = logp.detach()
+    else:
+        with torch.no_grad():  # the trainer's kernels on the weights the generator sampled with
+            old = sampled_logprobs(gen_model(ids, seq_lens=lens), targets, sampling)[:, :-1]
+    behavior = torch.zeros_like(mask)
+    for i, c in enumerate(gen.completions):
+        start = len(prompts[i]) - 1
+        behavior[i, start : start + len(c.tokens)] = c.sampled_logprobs.to(device)
+    table = parity_table([c.sampled_logprobs for c in gen.completions],
+                         [old[i, len(prompts[i]) - 1 : len(prompts[i]) - 1 + len(c.tokens)].cpu()
+                          for i, c in enumerate(gen.completions)], completions)
+    parity = parity_summary(table)
+    if cfg.kernel_mode == "invariant" and not parity["bitwise_identical"]:
+        msg = (f"step {step}: generator and trainer log-probs differ on {parity['tokens_differing']} of "
+               f"{parity['tokens']} tokens (max |diff| {parity['max_abs_diff']:.3g}) in invariant mode")
+        if cfg.parity == "error":
+            raise ParityError(f"{msg}; {_last_good(out)}. Check that no op runs in standard mode "
+                              "(mode overrides) and that the generator and trainer share the weights.")
+        print("warning:", msg)
 
-            completions = [c.tokens for c in gen.completions]
-            texts = [tok.decode(c, skip_special_tokens=True) for c in completions]
-            rewards = torch.tensor([task.reward(t, problems[i // cfg.group_size]) for i, t in enumerate(texts)],
-                                   device=device)
-
-            ids, lens, mask = (t.to(device) for t in _completion_batch(tok, prompts, completions))
-            targets = torch.roll(ids, -1, dims=1)
-            logits = model(ids, seq_lens=lens)
-            # Position t scores the token at t + 1 (the last position's target is a dummy, masked).
-            logp = sampled_logprobs(logits, targets, sampling)[:, :-1]                       # [B, T-1]
-            kl = None
-            if reference is not None:
-                with torch.no_grad():
-                    ref_logp = sampled_logprobs(reference(ids, seq_lens=lens), targets, sampling)[:, :-1]
-                kl = kl_estimate(logp, ref_logp, cfg.kl_estimator) * mask
-                log(step, "kl", kl.detach().sum() / mask.sum())
-            shaped = rewards - cfg.kl_coef * kl.detach().sum(1) if kl is not None and cfg.kl_in_reward else rewards
-            adv = group_advantages(shaped, cfg.group_size, scale=spec.scale_advantages)
-            behavior = torch.zeros_like(mask)
-            for i, c in enumerate(gen.completions):
-                start = len(prompts[i]) - 1
-                behavior[i, start : start + len(c.tokens)] = c.sampled_logprobs.to(device)
-            old = logp.detach()
-            table = parity_table([c.sampled_logprobs for c in gen.completions],
-                                 [old[i, len(prompts[i]) - 1 : len(prompts[i]) - 1 + len(c.tokens)].cpu()
-                                  for i, c in enumerate(gen.completions)], completions)
-            parity = parity_summary(table)
-            if cfg.kernel_mode == "invariant" and not parity["bitwise_identical"]:
-                msg = (f"step {step}: generator and trainer log-probs differ on {parity['tokens_differing']} of "
-                       f"{parity['tokens']} tokens (max |diff| {parity['max_abs_diff']:.3g}) in invariant mode")
-                if cfg.parity == "error":
-                    raise ParityError(msg + "; the last good checkpoint is in " + str(out / "checkpoint"))
-                print("warning:", msg)
-
-            norm = cfg.max_new_tokens if loss_cfg.aggregation == AGGREGATIONS[2] else None
-            weights = None
-            if cfg.correction != "none":
-                kind, level = cfg.correction.split("-")
-                weights = importance_weights(old, behavior, mask, level, "truncate" if kind == "tis" else "mask",
-                                             cfg.correction_cap)
-                log(step, "is_weight_mean", (weights * mask).sum() / mask.sum())
-            loss, stats = spec.fn(logp, old, adv, mask, LossConfig(loss_cfg.eps_low, loss_cfg.eps_high,
-                                                                   loss_cfg.aggregation, norm), weights)
-            if kl is not None and not cfg.kl_in_reward:
-                loss = loss + cfg.kl_coef * aggregate(kl, mask, loss_cfg.aggregation, norm)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"step {step}: the loss is {loss.item()}; the last good checkpoint is in "
-                                         f"{out / 'checkpoint'}")
-            model.zero_grad(set_to_none=True)
-            loss.backward()
-            named = dict(model.named_parameters())
-            for k, m in masters.items():
-                m.grad = named[k].grad.float()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
-            before = {k: v.detach().clone() for k, v in masters.items()}
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    kl = None
+    if cfg.kl_coef > 0:
+        if run.reference is not None:
             with torch.no_grad():
-                copy_weights({k: v.detach() for k, v in masters.items()}, model)
-            t_train = time.perf_counter()
+                target = sampled_logprobs(run.reference(ids, seq_lens=lens), targets, sampling)[:, :-1]
+        else:
+            target = behavior
+        kl = kl_estimate(logp, target, cfg.kl_estimator) * mask
+        log(step, "kl", kl.detach().sum() / mask.sum())
+    shaped = rewards - cfg.kl_coef * kl.detach().sum(1) if kl is not None and cfg.kl_in_reward else rewards
+    adv = group_advantages(shaped, cfg.group_size, scale=spec.scale_advantages)
+    norm = cfg.max_new_tokens if loss_cfg.aggregation == AGGREGATIONS[2] else None
+    weights = None
+    if cfg.correction != "none":
+        kind, level = cfg.correction.split("-")
+        weights = importance_weights(old, behavior, mask, level, "truncate" if kind == "tis" else "mask",
+                                     cfg.correction_cap)
+        log(step, "is_weight_mean", (weights * mask).sum() / mask.sum())
+    loss, stats = spec.fn(logp, old, adv, mask, LossConfig(loss_cfg.eps_low, loss_cfg.eps_high,
+                                                           loss_cfg.aggregation, norm), weights)
+    if kl is not None and not cfg.kl_in_reward:
+        loss = loss + cfg.kl_coef * aggregate(kl, mask, loss_cfg.aggregation, norm)
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"step {step}: the loss is {loss.item()}; {_last_good(out)}. "
+                                 "Lower the learning rate or check the rewards.")
+    with torch.no_grad():
+        ent = (entropy(logits.detach(), cfg.temperature)[:, :-1] * mask).sum() / mask.sum()
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    named = dict(model.named_parameters())
+    for k, m in masters.items():
+        m.grad = named[k].grad.float()
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.params, float("inf"))
+    before = {k: v.detach().clone() for k, v in masters.items()}
+    run.opt.step()
+    run.opt.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        copy_weights({k: v.detach() for k, v in masters.items()}, model)
+    t_train = time.perf_counter()
 
-            log(step, "loss", loss.item())
-            log(step, "reward_mean", rewards.mean())
-            log(step, "reward_std", rewards.std())
-            log(step, "accuracy", (rewards > 0).float().mean())
-            for k, v in stats.items():
-                log(step, k, v.item())
-            log(step, "grad_norm", grad_norm.item())
-            log(step, "response_length", sum(map(len, completions)) / len(completions))
-            log(step, "truncation_rate", sum(c.finish_reason == "length" for c in gen.completions) / len(completions))
-            delta = sum(((masters[k] - before[k]) ** 2).sum() for k in masters).sqrt()
-            log(step, "weight_delta_l2", delta.item())
-            log(step, "parity_max_abs_diff", parity["max_abs_diff"])
-            log(step, "parity_mean_abs_diff", parity["mean_abs_diff"])
-            log(step, "parity_tokens_differing", parity["tokens_differing"])
-            log(step, "sampler_trainer_kl", parity["kl"])
-            log(step, "time_sync", t_sync - t0)
-            log(step, "time_generate", t_gen - t_sync)
-            log(step, "time_train", t_train - t_gen)
-            log(step, "tokens_per_s", sum(map(len, completions)) / (t_train - t0))
-            bar.set_postfix(reward=f"{rewards.mean().item():.3f}", differing=parity["tokens_differing"])
-            bar.update(1)
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                _save_checkpoint(out, step, {k: v.detach() for k, v in masters.items()}, opt,
-                                 pd.DataFrame(rows), cfg)
-    bar.close()
-    metrics = pd.DataFrame(rows)
-    metrics.to_csv(out / "metrics.csv", index=False)
-    return metrics
+    log(step, "loss", loss.item())
+    log(step, "reward_mean", rewards.mean())
+    log(step, "reward_std", rewards.std())
+    log(step, "accuracy", (rewards > 0).float().mean())
+    for name in scores[0]:
+        log(step, f"accuracy_{name}", sum(s[name] for s in scores) / len(scores))
+    for k, v in stats.items():
+        log(step, k, v.item())
+    log(step, "entropy", ent)
+    log(step, "grad_norm", grad_norm.item())
+    log(step, "response_length", sum(map(len, completions)) / len(completions))
+    log(step, "truncation_rate", sum(c.finish_reason == "length" for c in gen.completions) / len(completions))
+    for k, v in weight_delta_metrics(before, {k: v.detach() for k, v in masters.items()}).items():
+        log(step, k, v)
+    log(step, "policy_lag", version - gen_version)
+    log(step, "parity_max_abs_diff", parity["max_abs_diff"])
+    log(step, "parity_mean_abs_diff", parity["mean_abs_diff"])
+    log(step, "parity_tokens_differing", parity["tokens_differing"])
+    log(step, "sampler_trainer_kl", parity["kl"])
+    log(step, "time_sync", t_sync - t0)
+    log(step, "time_generate", t_gen - t_sync)
+    log(step, "time_train", t_train - t_gen)
+    log(step, "time_step", t_train - t0)
+    log(step, "tokens_per_s", sum(map(len, completions)) / (t_train - t0))
+    return rewards.mean().item(), parity["tokens_differing"]
