@@ -7,6 +7,7 @@ import sys
 
 from .config import add_arguments, from_namespace
 from .demo import BatchVarianceConfig
+from .rl.experiment import OnOffConfig
 from .rl.policy import PolicyConfig
 from .rl.trainer import ParityError, TrainConfig
 
@@ -45,11 +46,22 @@ def _train(cfg: TrainConfig, args) -> int:
     return 0
 
 
+def _on_off(cfg: OnOffConfig, args) -> int:
+    from .rl.experiment import run_on_off, summarize_on_off
+
+    summary = summarize_on_off(run_on_off(cfg))
+    print(summary.to_string(index=False))
+    print(f"metrics: {cfg.out_dir}/metrics.csv")
+    return 0
+
+
 # name -> (help, config class, function(cfg, args) -> exit code)
 COMMANDS = {
     "demo": ("batch variance of a matmul: standard vs invariant, on this machine", BatchVarianceConfig, _demo),
     "train-policy": ("train the small starting policy on arithmetic and save it", PolicyConfig, _train_policy),
     "train": ("GRPO-family training with a parity check every step", TrainConfig, _train),
+    "on-off": ("the same GRPO runs in invariant and standard mode over seeds, and their summary", OnOffConfig,
+               _on_off),
 }
 
 

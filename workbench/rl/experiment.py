@@ -1,0 +1,148 @@
+"""The ON/OFF experiment: the same GRPO runs with generator = trainer bitwise (`invariant`, ON)
+and with the usual mismatched kernels (`standard`, OFF), over seeds, from one starting policy.
+
+Each run is a `train()` in its own folder under out_dir; the combined long table (every run's
+metrics, `variant` = kernel mode) is out_dir/metrics.csv. A run that finished is read back
+instead of re-run, and one cut short resumes from its checkpoint, so an interrupted experiment
+continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from ..config import check_at_least_one
+from ..env import resolve_device
+from .policy import POLICY_SIZES, PolicyConfig, train_policy
+from .trainer import TrainConfig, train
+
+
+@dataclass(frozen=True)
+class OnOffConfig:
+    policy: str = ""
+    """Starting checkpoint; empty: train one (policy_size, difficulty) into out_dir/policy first."""
+    policy_size: str = "tiny"
+    """Size of the self-trained starting policy: 'tiny' (CPU) or 'small' (GPU)."""
+    out_dir: str = "runs/on-off"
+    """One folder per run below this, and the combined metrics.csv."""
+    modes: tuple[str, ...] = ("invariant", "standard")
+    """Kernel modes to compare."""
+    seeds: tuple[int, ...] = (0,)
+    """Seeds per mode (data order and sampling)."""
+    steps: int = 3
+    """GRPO steps per run."""
+    prompts_per_step: int = 2
+    """Prompts per step."""
+    group_size: int = 4
+    """Completions per prompt."""
+    max_new_tokens: int = 4
+    """Completion length limit."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    loss: str = "grpo"
+    """grpo, dr_grpo, dapo or gspo."""
+    difficulty: int = 1
+    """Arithmetic difficulty (of the starting policy's training and of the RL task)."""
+    policy_steps: int = 400
+    """Supervised steps at most for the self-trained starting policy."""
+    policy_accuracy: tuple[float, float] = (0.1, 0.6)
+    """The self-trained policy's supervised run stops once its greedy accuracy lies in this range."""
+    device: str = "auto"
+    """'cpu', 'cuda' or 'auto'."""
+    progress: bool = True
+    """Progress bars while training."""
+
+    def __post_init__(self):
+        if self.policy_size not in POLICY_SIZES:
+            raise ValueError(f"unknown policy size {self.policy_size!r}; choose one of {sorted(POLICY_SIZES)}")
+        bad = [m for m in self.modes if m not in ("invariant", "standard")]
+        if bad or not self.modes:
+            raise ValueError(f"modes must be a non-empty list of 'invariant' / 'standard', got {list(self.modes)}")
+        if not self.seeds:
+            raise ValueError("seeds must name at least one seed")
+        check_at_least_one(self, "policy_steps")
+        PolicyConfig(size=self.policy_size, target_accuracy=tuple(self.policy_accuracy), device="cpu")
+        self.run_config("invariant", 0)  # the per-run settings are checked by TrainConfig itself
+
+    def run_config(self, kernel_mode: str, seed: int, policy: str = "") -> TrainConfig:
+        return TrainConfig(policy=policy or self.policy, out_dir=str(Path(self.out_dir) / f"{kernel_mode}-seed{seed}"),
+                           kernel_mode=kernel_mode, task="arithmetic", difficulty=self.difficulty, loss=self.loss,
+                           steps=self.steps, prompts_per_step=self.prompts_per_step, group_size=self.group_size,
+                           max_new_tokens=self.max_new_tokens, lr=self.lr, seed=seed, device=self.device,
+                           checkpoint_every=max(1, self.steps // 4), progress=self.progress)
+
+
+def starting_policy(cfg: OnOffConfig) -> str:
+    """The checkpoint every run starts from: cfg.policy, or one trained (once) into out_dir/policy."""
+    if cfg.policy:
+        return cfg.policy
+    folder = Path(cfg.out_dir) / "policy"
+    if not (folder / "model.safetensors").exists():
+        policy_cfg = PolicyConfig(size=cfg.policy_size, difficulty=cfg.difficulty, max_steps=cfg.policy_steps,
+                                  target_accuracy=tuple(cfg.policy_accuracy), device=resolve_device(cfg.device))
+        _, _, table = train_policy(policy_cfg, folder)
+        table.to_csv(folder / "sft_metrics.csv", index=False)
+    return str(folder)
+
+
+def _finished(run: TrainConfig) -> pd.DataFrame | None:
+    state = Path(run.out_dir) / "checkpoint" / "state.json"
+    if state.exists() and json.loads(state.read_text())["step"] >= run.steps:
+        return pd.read_csv(Path(run.out_dir) / "metrics.csv")
+    return None
+
+
+def run_on_off(cfg: OnOffConfig) -> pd.DataFrame:
+    """Every (mode, seed) run; returns the combined long table (also out_dir/metrics.csv)."""
+    policy = starting_policy(cfg)
+    tables = []
+    for seed in cfg.seeds:
+        for kernel_mode in cfg.modes:
+            run = cfg.run_config(kernel_mode, seed, policy)
+            done = _finished(run)
+            if done is None:
+                resume = (Path(run.out_dir) / "checkpoint" / "state.json").exists()
+                done = train(dataclasses.replace(run, resume=resume))
+            tables.append(done)
+    table = pd.concat(tables, ignore_index=True)
+    table.to_csv(Path(cfg.out_dir) / "metrics.csv", index=False)
+    return table
+
+
+def summarize_on_off(table: pd.DataFrame, window: int = 10) -> pd.DataFrame:
+    """Per mode: runs, reward over the first and last `window` steps, parity, and step times.
+
+    Times are medians over steps after the first (which includes kernel compilation).
+    """
+    rows = []
+    for variant, t in table.groupby("variant", sort=False):
+        by = t.pivot_table(index=["seed", "step"], columns="metric", values="value")
+        steps = by.index.get_level_values("step")
+        first, last = by[steps <= steps.min() + window - 1], by[steps >= steps.max() - window + 1]
+        warm = by[steps > steps.min()] if steps.max() > steps.min() else by
+        rows.append({
+            "variant": variant,
+            "runs": by.index.get_level_values("seed").nunique(),
+            "steps": int(steps.max()),
+            "reward_first": first["reward_mean"].mean(),
+            "reward_last": last["reward_mean"].mean(),
+            "reward_gain": last["reward_mean"].mean() - first["reward_mean"].mean(),
+            "steps_with_differing_tokens": int((by["parity_tokens_differing"] > 0).sum()),
+            "tokens_differing_total": int(by["parity_tokens_differing"].sum()),
+            "parity_max_abs_diff": by["parity_max_abs_diff"].max(),
+            "step_s_median": warm["time_step"].median(),
+            "generate_s_median": warm["time_generate"].median(),
+            "train_s_median": warm["time_train"].median(),
+        })
+    out = pd.DataFrame(rows)
+    if {"invariant", "standard"} <= set(out.variant):
+        ratio = (out.set_index("variant").loc["invariant", "step_s_median"]
+                 / out.set_index("variant").loc["standard", "step_s_median"])
+        out["step_time_vs_standard"] = out.step_s_median / out.set_index("variant").loc["standard", "step_s_median"]
+        out.attrs["invariant_step_time_ratio"] = ratio
+    return out
