@@ -16,11 +16,9 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import emit, header
 
-from workbench.rl.experiment import OnOffConfig, run_on_off, summarize_on_off
+from workbench.rl.experiment import FULL, OnOffConfig, run_on_off, summarize_on_off
 
-# The run shape of the recorded experiment (BENCHMARKS.md); a starting policy at 20-50% greedy accuracy.
-SHAPE = {"policy_size": "small", "difficulty": 1, "policy_steps": 2000, "policy_accuracy": (0.2, 0.5),
-         "prompts_per_step": 32, "group_size": 8, "max_new_tokens": 4, "lr": 3e-4}
+SHAPE = {k: v for k, v in FULL.items() if k not in ("steps", "seeds")}
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ import sys
 
 from .config import add_arguments, from_namespace
 from .demo import BatchVarianceConfig
+from .nightly import NightlyConfig
 from .rl.experiment import OnOffConfig
 from .rl.policy import PolicyConfig
 from .rl.trainer import ParityError, TrainConfig
@@ -55,8 +56,19 @@ def _on_off(cfg: OnOffConfig, args) -> int:
     return 0
 
 
+def _nightly(cfg: NightlyConfig, args) -> int:
+    from .nightly import run_nightly
+
+    folder, status, passed = run_nightly(cfg)
+    print((folder / "summary.md").read_text())
+    print(f"run folder: {folder}")
+    return 0 if passed else 1
+
+
 # name -> (help, config class, function(cfg, args) -> exit code)
 COMMANDS = {
+    "nightly": ("run every numbered notebook headless (papermill) into runs/nightly/<date>_<sha>/", NightlyConfig,
+                _nightly),
     "demo": ("batch variance of a matmul: standard vs invariant, on this machine", BatchVarianceConfig, _demo),
     "train-policy": ("train the small starting policy on arithmetic and save it", PolicyConfig, _train_policy),
     "train": ("GRPO-family training with a parity check every step", TrainConfig, _train),

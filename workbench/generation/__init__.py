@@ -1,18 +1,29 @@
 """The embedded generator: batched KV-cache sampling with per-token log-probs, and its parity with the trainer."""
 
 from .generator import Completion, GenerationOutput, generate
-from .parity import format_report, parity_summary, parity_table, trainer_logprobs
+from .parity import (
+    as_parity_table,
+    format_report,
+    parity_summary,
+    parity_table,
+    parity_triangle,
+    random_prompts,
+    trainer_logprobs,
+)
 from .sampling import SamplingParams, keep_mask, sample, sampled_logprobs, uniforms
 
 __all__ = [
     "Completion",
     "GenerationOutput",
     "SamplingParams",
+    "as_parity_table",
     "format_report",
     "generate",
     "keep_mask",
     "parity_summary",
     "parity_table",
+    "parity_triangle",
+    "random_prompts",
     "sample",
     "sampled_logprobs",
     "trainer_logprobs",

@@ -5,6 +5,10 @@ completion, batched and right-padded exactly as a trainer would, and returns
 the log-prob of every completion token. In `invariant` mode it equals the
 generator's log-probs bit for bit; in `standard` mode the report measures by
 how much they differ.
+
+`parity_triangle` adds the third corner: the generator's prefill path (the
+whole sequence through the KV cache at once), so decode = prefill = trainer
+can be checked pair by pair.
 """
 
 from __future__ import annotations
@@ -14,27 +18,35 @@ import torch
 
 from .. import bf16
 from ..kernels import token_logprobs
-from ..models import Qwen3ForCausalLM
+from ..models import KVCache, Qwen3ForCausalLM
+from .generator import generate
 from .sampling import SamplingParams, sampled_logprobs
 
 
 @torch.no_grad()
 def trainer_logprobs(model: Qwen3ForCausalLM, prompts: list[list[int]], completions: list[list[int]],
-                     params: SamplingParams | None = None) -> list[torch.Tensor]:
+                     params: SamplingParams | None = None, path: str = "train") -> list[torch.Tensor]:
     """fp32 log-probs of each completion token from one batched forward over prompt + completion.
 
     With `params`, of the tempered, truncated distribution sampled from (`Completion.sampled_logprobs`);
-    without, of the model's own distribution (`Completion.logprobs`).
+    without, of the model's own distribution (`Completion.logprobs`). `path` 'train' is the training
+    forward; 'prefill' runs the same batch through a fresh KV cache, as the generator's prefill does.
     """
     if len(prompts) != len(completions):
         raise ValueError(f"trainer_logprobs: {len(prompts)} prompts but {len(completions)} completions")
+    if path not in ("train", "prefill"):
+        raise ValueError(f"path must be 'train' or 'prefill', got {path!r}")
     dev = model.lm_head_weight.device
     seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
     lens = torch.tensor([len(s) for s in seqs], device=dev, dtype=torch.int32)
     ids = torch.zeros((len(seqs), int(lens.max())), device=dev, dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.tensor(s, device=dev)
-    logits = model(ids, seq_lens=lens)                              # [B, T, V]
+    if path == "train":
+        logits = model(ids, seq_lens=lens)                          # [B, T, V]
+    else:
+        cache = KVCache.allocate(model.config, len(seqs), ids.shape[1], dev, model.lm_head_weight.dtype)
+        logits = model(ids, seq_lens=lens, cache=cache, start=torch.zeros_like(lens))
     # The token at t + 1 is scored by the logits at t.
     targets = torch.roll(ids, -1, dims=1)
     lp = token_logprobs(logits, targets) if params is None else sampled_logprobs(logits, targets, params)
@@ -86,3 +98,57 @@ def format_report(table: pd.DataFrame, n: int = 20) -> str:
                  f"{s['tokens']}, max |diff| {s['max_abs_diff']:.3g}, mean |diff| {s['mean_abs_diff']:.3g}, "
                  f"KL(sampler||trainer) ~ {s['kl']:.3g}")
     return "\n".join(lines)
+
+
+PATHS = ("decode", "prefill", "train")
+
+
+def random_prompts(n: int, vocab_size: int, min_len: int = 4, max_len: int = 24, seed: int = 0) -> list[list[int]]:
+    """n prompts of random token ids and random lengths in [min_len, max_len] (a ragged batch)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab_size, (t,), generator=g).tolist() for t in lens]
+
+
+def as_parity_table(triangle: pd.DataFrame, a: str = "decode", b: str = "train") -> pd.DataFrame:
+    """Two corners of a `parity_triangle` table in `parity_table`'s layout (for `format_report`)."""
+    out = pd.DataFrame({"seq": triangle.seq, "pos": triangle.pos, "token": triangle.token,
+                        "generator": triangle[a], "trainer": triangle[b],
+                        "generator_hex": triangle[f"{a}_hex"], "trainer_hex": triangle[f"{b}_hex"]})
+    out["diff"] = out.generator - out.trainer
+    out["ulps"] = bf16.ulp_distance(torch.tensor(out.generator.to_numpy(), dtype=torch.float32),
+                                    torch.tensor(out.trainer.to_numpy(), dtype=torch.float32)).tolist()
+    out["equal"] = out.generator_hex == out.trainer_hex
+    return out
+
+
+def parity_triangle(model: Qwen3ForCausalLM, prompts: list[list[int]], params: SamplingParams,
+                    request_ids: list[int] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Generate, then score the same tokens by the prefill path and by the training forward.
+
+    Returns (per-token table with the three model log-probs and their hex, per-pair summary:
+    pair, tokens, tokens differing, max |diff|, bitwise identical).
+    """
+    gen = generate(model, prompts, params, request_ids=request_ids)
+    completions = [c.tokens for c in gen.completions]
+    by_path = {"decode": [c.logprobs for c in gen.completions],
+               "prefill": trainer_logprobs(model, prompts, completions, path="prefill"),
+               "train": trainer_logprobs(model, prompts, completions, path="train")}
+    rows = []
+    for s, toks in enumerate(completions):
+        for i, token in enumerate(toks):
+            row = {"seq": s, "pos": i, "token": token}
+            for name in PATHS:
+                value = by_path[name][s][i : i + 1]
+                row[name] = float(value)
+                row[f"{name}_hex"] = bf16.to_hex(value)[0]
+            rows.append(row)
+    table = pd.DataFrame(rows)
+    pairs = []
+    for a, b in (("decode", "prefill"), ("prefill", "train"), ("decode", "train")):
+        equal = table[f"{a}_hex"] == table[f"{b}_hex"] if len(table) else pd.Series(dtype=bool)
+        diff = (table[a] - table[b]).abs() if len(table) else pd.Series(dtype=float)
+        pairs.append({"pair": f"{a} vs {b}", "tokens": len(table), "tokens_differing": int((~equal).sum()),
+                      "max_abs_diff": float(diff.max()) if len(table) else 0.0,
+                      "bitwise_identical": bool(equal.all())})
+    return table, pd.DataFrame(pairs)

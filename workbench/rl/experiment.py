@@ -146,3 +146,18 @@ def summarize_on_off(table: pd.DataFrame, window: int = 10) -> pd.DataFrame:
         out["step_time_vs_standard"] = out.step_s_median / out.set_index("variant").loc["standard", "step_s_median"]
         out.attrs["invariant_step_time_ratio"] = ratio
     return out
+
+
+# The recorded GPU experiment's shape (BENCHMARKS.md): a starting policy at 20-50% greedy accuracy.
+FULL = {"policy_size": "small", "difficulty": 1, "policy_steps": 2000, "policy_accuracy": (0.2, 0.5),
+        "prompts_per_step": 32, "group_size": 8, "max_new_tokens": 4, "lr": 3e-4, "steps": 100, "seeds": (0, 1, 2)}
+# Seconds on a CPU: the tiny policy, two steps per mode.
+SMOKE = {"policy_size": "tiny", "policy_steps": 100, "steps": 2, "seeds": (0,), "prompts_per_step": 2,
+         "group_size": 4, "max_new_tokens": 4}
+
+
+def preset(smoke: bool, device: str = "auto", out_dir: str = "runs/on-off", policy: str = "",
+           progress: bool = True) -> OnOffConfig:
+    """The notebooks' and the nightly run's ON/OFF config: SMOKE (CPU, seconds) or FULL (a GPU)."""
+    return OnOffConfig(out_dir=out_dir, policy=policy, device=device, progress=progress,
+                       **(SMOKE if smoke else FULL))

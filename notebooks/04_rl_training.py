@@ -1,0 +1,42 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 04 · RL training, ON and OFF
+#
+# The experiment the workbench exists for: the same GRPO runs on the synthetic arithmetic task,
+# once with generator = trainer bitwise (`invariant`, ON) and once with the usual mismatched
+# kernels (`standard`, OFF), over seeds. A small starting policy is trained first when none is
+# given. Every step checks parity; in invariant mode a single differing token stops the run.
+#
+# `smoke`: the tiny policy, two steps per mode (seconds on a CPU). Otherwise: the small policy,
+# 100 steps x 3 seeds per mode (minutes on a GPU). The metrics table goes to
+# `run_dir/metrics/on_off.csv`; notebook 05 plots it.
+
+# %% tags=["parameters"]
+smoke = True
+device = "auto"
+run_dir = "runs/notebooks"
+policy = ""
+
+# %%
+from workbench.rl.experiment import preset, run_on_off, summarize_on_off
+from workbench.tables import save_table
+
+# %%
+cfg = preset(smoke, device=device, out_dir=f"{run_dir}/work/on_off", policy=policy, progress=False)
+cfg
+
+# %%
+metrics = run_on_off(cfg)
+save_table(metrics, run_dir, "on_off")
+
+# %%
+summarize_on_off(metrics)

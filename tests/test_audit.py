@@ -1,0 +1,87 @@
+"""The parity audit on CPU: the kernel audit finds every invariant row bitwise equal, the model-level
+first-divergence report finds nothing in invariant mode and localises a planted difference."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from workbench.audit import audit_summary, divergence_sweep, first_divergence, kernel_audit
+from workbench.generation import SamplingParams, as_parity_table, format_report, parity_triangle, random_prompts
+from workbench.kernels import mode
+from workbench.models import build
+from workbench.plots import audit_heatmap, logprob_diff_histogram, on_off_curves, save_figure
+from workbench.tables import load_table, save_table
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build("tiny", dtype=torch.bfloat16, seed=3)
+
+
+def test_kernel_audit_invariant_rows_are_bitwise_everywhere():
+    table = kernel_audit(batch_sizes=(1, 6, 23), ops=["linear", "rms_norm", "token_logprobs", "attention"], seed=5)
+    inv = table[table["mode"] == "invariant"]
+    assert inv.bitwise_equal.all() and (inv.max_ulp == 0).all()
+    assert set(table.position) == {"first", "middle", "last"}
+    assert (table.err_vs_fp64 < 0.05).all()
+    summary = audit_summary(table)
+    assert len(summary) == 8 and summary[summary["mode"] == "invariant"].bitwise_everywhere.all()
+    assert audit_heatmap(table) is not None
+
+
+def test_first_divergence_is_none_in_invariant_mode_and_finds_a_planted_one(model, monkeypatch):
+    with mode("invariant"):
+        clean = first_divergence(model, seq_len=5, batch=3, seed=1)
+    assert clean.equal.all() and clean.attrs["first"] is None
+    assert clean.name.iloc[-1] == "logits" and "model.layers.1.self_attn.attention" in set(clean.name)
+
+    # Negative control: the decode path's attention scaled by 1.02 (a few bf16 ulps).
+    from workbench.models import qwen3
+
+    real = qwen3.attention_with_cache
+    monkeypatch.setattr(qwen3, "attention_with_cache", lambda *a, **k: real(*a, **k) * 1.02)
+    with mode("invariant"):
+        planted = first_divergence(model, seq_len=5, batch=3, seed=1)
+    assert planted.attrs["first"] == "model.layers.0.self_attn.attention"
+    first = planted[planted.name == planted.attrs["first"]].iloc[0]
+    assert first.layer == 0 and first.op == "attention" and first.max_abs_diff > 0
+    assert planted.set_index("name").loc["model.layers.0.self_attn.q_proj", "equal"], "ops before it still agree"
+
+
+def test_divergence_sweep_one_row_per_setting(model):
+    table = divergence_sweep(model, {"all invariant": {"default": "invariant"},
+                                     "linear standard": {"default": "invariant", "linear": "standard"}},
+                             seq_len=4, batch=2)
+    assert list(table.setting) == ["all invariant", "linear standard"]
+    assert table.iloc[0].ops_differing == 0 and table.iloc[0].first_divergence.startswith("none")
+
+
+def test_parity_triangle_is_bitwise_in_invariant_mode(model):
+    prompts = random_prompts(3, model.config.vocab_size, min_len=2, max_len=7, seed=4)
+    with mode("invariant"):
+        tokens, pairs = parity_triangle(model, prompts, SamplingParams(temperature=1.0, max_new_tokens=3, seed=2))
+    assert pairs.bitwise_identical.all() and (pairs.tokens == len(tokens)).all() and len(tokens) > 0
+    report = format_report(as_parity_table(tokens))
+    assert f"bitwise identical: True, different tokens 0 / {len(tokens)}" in report
+    fig = logprob_diff_histogram({"invariant": tokens})
+    assert fig.axes[0].get_legend() is not None
+
+
+def test_plots_are_drawn_from_tables_and_saved(tmp_path):
+    rows = [{"step": s, "metric": m, "value": float(s * (seed + 1)), "variant": v, "seed": seed}
+            for s in range(1, 6) for m in ("reward_mean", "entropy") for v in ("invariant", "standard")
+            for seed in (0, 1)]
+    table = pd.DataFrame(rows)
+    path = save_table(table, tmp_path, "on_off")
+    assert path == tmp_path / "metrics" / "on_off.csv"
+    again = load_table(tmp_path)
+    fig = on_off_curves(again, smooth=2)
+    assert [ax.get_title() for ax in fig.axes if ax.get_visible()] == ["reward", "entropy (nats)"]
+    written = save_figure(fig, tmp_path / "figures", "on_off")
+    assert all(p.exists() and p.stat().st_size > 1000 for p in written)
+    with pytest.raises(ValueError, match="none of the metrics"):
+        on_off_curves(again, metrics=("nope",))
+    with pytest.raises(FileNotFoundError, match="no table at"):
+        load_table(tmp_path / "elsewhere")

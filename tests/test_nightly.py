@@ -1,0 +1,97 @@
+"""The notebooks and the nightly runner: every notebook executes headless in smoke mode through
+papermill, the run folder holds what it promises, and a failing notebook does not stop the others."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+
+from workbench.__main__ import main
+from workbench.nightly import NightlyConfig, notebook_paths, run_nightly
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
+
+
+def _parameters_cell(path: Path) -> str:
+    text = path.read_text()
+    return text.split('# %% tags=["parameters"]\n', 1)[1].split("# %%", 1)[0]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebooks_are_thin_and_parameterised(path):
+    cell = ast.parse(_parameters_cell(path))
+    names = {t.id for node in cell.body for t in node.targets}
+    assert {"smoke", "device", "run_dir"} <= names
+    assert all(isinstance(node.value, ast.Constant) for node in cell.body), "the parameters cell holds literals only"
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            assert all(a.name != "*" for a in node.names), f"{path.name}: no star imports"
+        assert not isinstance(node, (ast.FunctionDef, ast.ClassDef)), f"{path.name}: logic belongs in the package"
+
+
+def test_smoke_nightly_runs_every_notebook(tmp_path):
+    folder, status, passed = run_nightly(NightlyConfig(scale="smoke", device="cpu", out_root=str(tmp_path),
+                                                       progress=False))
+    assert passed, status.to_string()
+    assert list(status.notebook) == [p.stem for p in NOTEBOOKS]
+    for p in NOTEBOOKS:
+        executed = nbformat.read(folder / "executed" / f"{p.stem}.ipynb", as_version=4)
+        injected = [c for c in executed.cells if "injected-parameters" in c.metadata.get("tags", [])]
+        assert injected and "smoke = True" in injected[0].source
+        assert any(c.get("outputs") for c in executed.cells if c.cell_type == "code")
+        params = yaml.safe_load((folder / "params" / f"{p.stem}.yaml").read_text())
+        assert params["smoke"] is True and params["device"] == "cpu"
+        assert (folder / "logs" / f"{p.stem}.log").exists()
+    env = json.loads((folder / "env.json").read_text())
+    assert {"git_sha", "python", "torch", "triton", "cuda", "gpu", "kernel_configs"} <= set(env)
+    for table in ("batch_variance", "kernel_audit", "divergence", "parity_triangle_pairs", "on_off"):
+        assert (folder / "metrics" / f"{table}.csv").exists(), table
+    for figure in ("kernel_audit", "logprob_differences", "on_off"):
+        assert (folder / "figures" / f"{figure}.svg").exists() and (folder / "figures" / f"{figure}.png").exists()
+    summary = (folder / "summary.md").read_text()
+    assert f"{len(NOTEBOOKS)} of {len(NOTEBOOKS)} ok" in summary and "parity: pass" in summary
+    assert "| invariant |" in summary and "| standard |" in summary, "final rewards per mode"
+    assert summary.count("| pass |") == 4
+
+
+def _notebook(folder: Path, name: str, body: str) -> None:
+    (folder / f"{name}.py").write_text('# %% tags=["parameters"]\nsmoke = True\ndevice = "auto"\n'
+                                       f'run_dir = "."\n\n# %%\n{body}\n')
+
+
+def test_a_failing_notebook_is_reported_and_the_others_still_run(tmp_path, capsys):
+    nbs = tmp_path / "nbs"
+    nbs.mkdir()
+    _notebook(nbs, "01_first", "print('first ran')")
+    _notebook(nbs, "02_broken", "raise ValueError('deliberately broken')")
+    _notebook(nbs, "03_last", "print('last ran')")
+    folder, status, passed = run_nightly(NightlyConfig(scale="smoke", device="cpu", out_root=str(tmp_path / "runs"),
+                                                       notebooks_dir=str(nbs), progress=False))
+    assert not passed
+    assert list(status.status) == ["ok", "failed", "ok"]
+    assert "deliberately broken" in status.error[1]
+    assert "2 of 3 ok (FAILED)" in (folder / "summary.md").read_text()
+    assert (folder / "executed" / "03_last.ipynb").exists()
+    code = main(["nightly", "--scale", "smoke", "--device", "cpu", "--notebooks-dir", str(nbs), "--only", "01", "02",
+                 "--out-root", str(tmp_path / "cli"), "--no-progress"])
+    assert code == 1, "the exit code says not all passed"
+
+
+def test_bad_nightly_inputs(tmp_path):
+    with pytest.raises(ValueError, match="scale must be"):
+        NightlyConfig(scale="huge")
+    with pytest.raises(FileNotFoundError, match="no numbered notebooks"):
+        notebook_paths(tmp_path)
+    with pytest.raises(ValueError, match=r"no notebook \['09'\]"):
+        notebook_paths(ROOT / "notebooks", ("09",))
+    (tmp_path / "01_bare.py").write_text("# %% tags=[\"parameters\"]\nx = 1\n")
+    folder, status, passed = run_nightly(NightlyConfig(scale="smoke", device="cpu", out_root=str(tmp_path / "r"),
+                                                       notebooks_dir=str(tmp_path), progress=False))
+    assert not passed and "lacks ['device', 'run_dir', 'smoke']" in status.error[0]

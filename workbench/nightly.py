@@ -1,0 +1,240 @@
+"""The nightly run: every numbered notebook, headless through papermill, into one dated folder.
+
+`runs/nightly/<date>_<git sha>/` gets:
+- `executed/NN_name.ipynb`: the executed notebooks, never edited afterwards;
+- `params/NN_name.yaml`: the parameters each notebook ran with;
+- `logs/NN_name.log`: the notebook's stdout and stderr;
+- `env.json`: git sha, versions of python / torch / triton / CUDA, the GPU, the kernel configs;
+- `metrics/*.csv`, `figures/*.svg|png`: what the notebooks wrote (their `run_dir` is this folder);
+- `status.csv` and `summary.md`: per notebook ok/failed and its time, the parity checks, and the
+  final rewards per mode.
+
+Notebooks are jupytext "percent" files (`notebooks/NN_name.py`), converted to .ipynb on the fly.
+A failing notebook is recorded and the next one runs; `run_nightly` reports whether all passed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from .env import environment_record, git_sha, resolve_device
+
+
+@dataclass(frozen=True)
+class NightlyConfig:
+    scale: str = "auto"
+    """'smoke' (seconds per notebook, CPU-sized), 'full' (the GPU experiments), or 'auto' (full on a GPU)."""
+    device: str = "auto"
+    """'cpu', 'cuda' or 'auto'."""
+    out_root: str = "runs/nightly"
+    """The dated run folder is created below this."""
+    notebooks_dir: str = "notebooks"
+    """Where the numbered notebooks (NN_name.py, jupytext percent format) are."""
+    only: tuple[str, ...] = ()
+    """Run only these notebooks (numbers such as 01 04, or names); empty: all, in order."""
+    policy: str = ""
+    """A starting checkpoint for the RL notebook (empty: it trains its own)."""
+    cell_timeout: int = 3600
+    """Seconds a single cell may run before it counts as failed."""
+    progress: bool = True
+    """Show papermill's progress bar per notebook."""
+
+    def __post_init__(self):
+        if self.scale not in ("smoke", "full", "auto"):
+            raise ValueError(f"scale must be 'smoke', 'full' or 'auto', got {self.scale!r}")
+        resolve_device(self.device)
+        if self.cell_timeout < 1:
+            raise ValueError(f"cell_timeout must be >= 1, got {self.cell_timeout}")
+
+
+def notebook_paths(folder: str | Path, only: tuple[str, ...] = ()) -> list[Path]:
+    """The numbered notebooks NN_name.py in order, optionally only those named in `only`."""
+    folder = Path(folder)
+    found = sorted(p for p in folder.glob("[0-9][0-9]_*.py"))
+    if not found:
+        raise FileNotFoundError(f"no numbered notebooks (NN_name.py) in {folder}")
+    if only:
+        wanted = set(only)
+        chosen = [p for p in found if p.stem[:2] in wanted or p.stem in wanted]
+        unknown = wanted - {p.stem[:2] for p in chosen} - {p.stem for p in chosen}
+        if unknown:
+            raise ValueError(f"no notebook {sorted(unknown)} in {folder}; there are {[p.stem for p in found]}")
+        found = chosen
+    return found
+
+
+def run_folder(root: str | Path) -> Path:
+    """runs/nightly/<YYYY-MM-DD>_<sha>, with a time suffix when that folder exists already."""
+    base = Path(root) / f"{datetime.date.today().isoformat()}_{git_sha()}"
+    if base.exists():
+        base = base.with_name(base.name + datetime.datetime.now().strftime("_%H%M%S"))
+    return base
+
+
+def _parameters(path: Path, declared: dict, cfg: NightlyConfig, smoke: bool, run_dir: Path) -> dict:
+    offered = {"smoke": smoke, "device": cfg.device, "run_dir": str(run_dir.resolve())}
+    if cfg.policy:
+        offered["policy"] = cfg.policy
+    missing = {"smoke", "device", "run_dir"} - set(declared)
+    if missing:
+        raise ValueError(f"{path.name}: its parameters cell lacks {sorted(missing)}")
+    return {k: v for k, v in offered.items() if k in declared}
+
+
+def run_notebook(path: Path, folder: Path, cfg: NightlyConfig, smoke: bool) -> dict:
+    """Execute one notebook into folder/executed; returns its status row (never raises for the notebook)."""
+    import jupytext
+    import nbformat
+    import papermill
+    import yaml
+
+    name = path.stem
+    start = time.perf_counter()
+    row = {"notebook": name, "status": "ok", "seconds": 0.0, "error": ""}
+    try:
+        nb = jupytext.read(path)
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        source = folder / "work" / "notebooks" / f"{name}.ipynb"
+        source.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, source)
+        params = _parameters(path, papermill.inspect_notebook(str(source)), cfg, smoke, folder)
+        (folder / "params" / f"{name}.yaml").write_text(yaml.safe_dump(params, sort_keys=True))
+        with open(folder / "logs" / f"{name}.log", "w") as log:
+            papermill.execute_notebook(str(source), str(folder / "executed" / f"{name}.ipynb"), parameters=params,
+                                       kernel_name="python3", progress_bar=cfg.progress, stdout_file=log,
+                                       stderr_file=log, execution_timeout=cfg.cell_timeout, cwd=str(Path.cwd()))
+    except Exception as e:  # a failing notebook is recorded; the next one still runs
+        row["status"] = "failed"
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        row["error"] = _first_error(lines) or traceback.format_exception_only(type(e), e)[-1].strip()
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+def _first_error(lines: list[str]) -> str:
+    """The exception line of a papermill error message (ANSI colours removed)."""
+    clean = [re.sub(r"\x1b\[[0-9;]*m", "", ln).strip() for ln in lines]
+    for ln in reversed(clean):
+        if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", ln):
+            return ln[:300]
+    return clean[-1][:300] if clean else ""
+
+
+def parity_checks(folder: Path) -> pd.DataFrame:
+    """The bitwise claims, read from the tables the notebooks wrote (a missing table is 'not run')."""
+    metrics = folder / "metrics"
+    checks = []
+
+    def check(name, file, fn):
+        path = metrics / f"{file}.csv"
+        if not path.exists():
+            checks.append({"check": name, "result": "not run", "detail": f"no metrics/{file}.csv"})
+            return
+        ok, detail = fn(pd.read_csv(path))
+        checks.append({"check": name, "result": "pass" if ok else "FAIL", "detail": detail})
+
+    def audit(t):
+        inv = t[t["mode"] == "invariant"]
+        bad = inv[~inv.bitwise_equal.astype(bool)]
+        std = t[t["mode"] == "standard"]
+        return bad.empty, (f"{len(inv)} invariant cases bitwise equal; standard: "
+                           f"{int((~std.bitwise_equal.astype(bool)).sum())} of {len(std)} cases differ"
+                           if bad.empty else f"{len(bad)} invariant cases differ: {sorted(set(bad.op))}")
+
+    def divergence(t):
+        row = t[t.setting == "all invariant"]
+        ok = not row.empty and int(row.ops_differing.iloc[0]) == 0
+        std = t[t.setting == "all standard"]
+        std_first = std.first_divergence.iloc[0] if not std.empty else "-"
+        return ok, f"invariant: {'no op differs' if ok else 'ops differ'}; standard first divergence: {std_first}"
+
+    def triangle(t):
+        inv = t[t.variant == "invariant"]
+        ok = not inv.empty and bool(inv.bitwise_identical.astype(bool).all())
+        std = t[t.variant == "standard"]
+        return ok, (f"invariant: {int(inv.tokens_differing.sum())} differing; standard: "
+                    f"{int(std.tokens_differing.sum())} differing over {len(std)} pairs")
+
+    def rl(t):
+        par = t[t.metric == "parity_tokens_differing"]
+        inv, std = par[par.variant == "invariant"], par[par.variant == "standard"]
+        ok = not inv.empty and (inv.value == 0).all()
+        return ok, (f"invariant: {int(inv.value.sum())} differing tokens over {len(inv)} steps; standard: "
+                    f"{int(std.value.sum())} over {len(std)} steps")
+
+    check("kernel audit (02): invariant rows bitwise equal in every batch", "kernel_audit", audit)
+    check("first divergence (02): whole model, trainer = decode", "divergence", divergence)
+    check("generator vs trainer (03): decode = prefill = train", "parity_triangle_pairs", triangle)
+    check("RL (04): zero differing tokens every invariant step", "on_off", rl)
+    return pd.DataFrame(checks)
+
+
+def final_rewards(folder: Path, window: int = 10) -> pd.DataFrame | None:
+    path = folder / "metrics" / "on_off.csv"
+    if not path.exists():
+        return None
+    t = pd.read_csv(path)
+    r = t[t.metric == "reward_mean"]
+    last = r[r.step > r.step.max() - window]
+    return (last.groupby("variant").value.agg(["mean", "count"]).reset_index()
+            .rename(columns={"mean": f"reward, last {window} steps (mean over seeds)", "count": "points"}))
+
+
+def summary_markdown(folder: Path, status: pd.DataFrame, env: dict, scale: str) -> str:
+    ok = (status.status == "ok").all()
+    checks = parity_checks(folder)
+    lines = [f"# Nightly run {folder.name}", "",
+             f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}; git {env['git_sha']}; scale {scale}",
+             f"- device: {env['gpu'] or 'CPU'}{' (Triton interpreter)' if env['triton_interpreter'] else ''}; "
+             f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, python {env['python']}",
+             f"- notebooks: {int((status.status == 'ok').sum())} of {len(status)} ok"
+             f"{'' if ok else ' (FAILED)'}; parity: "
+             f"{'pass' if (checks.result != 'FAIL').all() else 'FAIL'}", "",
+             "| notebook | status | seconds | error |", "|---|---|---|---|"]
+    for r in status.itertuples(index=False):
+        lines.append(f"| {r.notebook} | {r.status} | {r.seconds:.1f} | {r.error.replace('|', '/')} |")
+    lines += ["", "| parity check | result | detail |", "|---|---|---|"]
+    for r in checks.itertuples(index=False):
+        lines.append(f"| {r.check} | {r.result} | {r.detail} |")
+    rewards = final_rewards(folder)
+    if rewards is not None:
+        lines += ["", "| mode | " + " | ".join(rewards.columns[1:]) + " |", "|---|---|---|"]
+        for r in rewards.itertuples(index=False):
+            lines.append(f"| {r[0]} | {r[1]:.4f} | {r[2]} |")
+    figures = sorted((folder / "figures").glob("*.png")) if (folder / "figures").exists() else []
+    if figures:
+        lines += ["", "Figures: " + ", ".join(f"figures/{p.name}" for p in figures)]
+    return "\n".join(lines) + "\n"
+
+
+def run_nightly(cfg: NightlyConfig) -> tuple[Path, pd.DataFrame, bool]:
+    """Run the notebooks in order; returns (run folder, status table, all passed)."""
+    paths = notebook_paths(cfg.notebooks_dir, cfg.only)
+    smoke = cfg.scale == "smoke" or (cfg.scale == "auto" and resolve_device(cfg.device) == "cpu")
+    scale = "smoke" if smoke else "full"
+    folder = run_folder(cfg.out_root)
+    for sub in ("executed", "params", "logs", "metrics", "figures"):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+    env = environment_record()
+    (folder / "env.json").write_text(json.dumps(env, indent=1, default=str))
+    print(f"nightly ({scale}, {resolve_device(cfg.device)}): {len(paths)} notebooks -> {folder}", flush=True)
+    rows = []
+    for i, path in enumerate(paths, 1):
+        print(f"[{i}/{len(paths)}] {path.stem} ...", flush=True)
+        row = run_notebook(path, folder, cfg, smoke)
+        print(f"[{i}/{len(paths)}] {path.stem}: {row['status']} in {row['seconds']:.1f} s"
+              + (f" ({row['error']})" if row["error"] else ""), flush=True)
+        rows.append(row)
+    status = pd.DataFrame(rows)
+    status.to_csv(folder / "status.csv", index=False)
+    (folder / "summary.md").write_text(summary_markdown(folder, status, env, scale))
+    passed = bool((status.status == "ok").all()) and bool((parity_checks(folder).result != "FAIL").all())
+    return folder, status, passed
