@@ -25,6 +25,12 @@ def _parameters_cell(path: Path) -> str:
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebooks_are_thin_and_parameterised(path):
+    import jupytext
+
+    notebook = jupytext.read(path)
+    nbformat.validate(notebook)  # what JupyterLab (with jupytext) opens
+    assert not any(c.get("outputs") for c in notebook.cells), "no executed output is committed"
+    assert [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])], "a tagged parameters cell"
     cell = ast.parse(_parameters_cell(path))
     names = {t.id for node in cell.body for t in node.targets}
     assert {"smoke", "device", "run_dir"} <= names

@@ -6,7 +6,9 @@ import argparse
 import sys
 
 from .config import add_arguments, from_namespace
+from .compare import CompareConfig
 from .demo import BatchVarianceConfig
+from .generation.vllm_backend import BackendUnavailable
 from .nightly import NightlyConfig
 from .rl.experiment import OnOffConfig
 from .rl.policy import PolicyConfig
@@ -65,10 +67,22 @@ def _nightly(cfg: NightlyConfig, args) -> int:
     return 0 if passed else 1
 
 
+def _compare(cfg: CompareConfig, args) -> int:
+    from .compare import compare
+    from .generation import format_report, parity_summary
+
+    table = compare(cfg)
+    print(f"{cfg.backend} generator vs trainer ({cfg.kernel_mode} kernels), {len(table)} tokens:")
+    print(format_report(table, n=len(table)))
+    return 0 if parity_summary(table)["bitwise_identical"] or cfg.kernel_mode == "standard" else 1
+
+
 # name -> (help, config class, function(cfg, args) -> exit code)
 COMMANDS = {
     "nightly": ("run every numbered notebook headless (papermill) into runs/nightly/<date>_<sha>/", NightlyConfig,
                 _nightly),
+    "compare": ("generate with a backend (embedded or vllm) and recompute with the trainer, token by token",
+                CompareConfig, _compare),
     "demo": ("batch variance of a matmul: standard vs invariant, on this machine", BatchVarianceConfig, _demo),
     "train-policy": ("train the small starting policy on arithmetic and save it", PolicyConfig, _train_policy),
     "train": ("GRPO-family training with a parity check every step", TrainConfig, _train),
@@ -94,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         parsers[args.command].error(str(e))
     try:
         return fn(cfg, args)
-    except (ValueError, FileNotFoundError, FloatingPointError, ParityError) as e:
+    except (ValueError, FileNotFoundError, FloatingPointError, ParityError, BackendUnavailable) as e:
         # Bad checkpoints, missing resume points, NaN losses, parity breaks: a message, not a traceback.
         print(f"python -m workbench {args.command}: error: {e}", file=sys.stderr)
         return 2

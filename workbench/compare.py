@@ -1,0 +1,108 @@
+"""Generator vs trainer on one prompt, token by token (the seed system's "run_comparison").
+
+Generate N tokens with a backend (the embedded generator, or vLLM), then recompute their
+log-probs with the trainer's forward in the chosen kernel mode, and report per token the id,
+both log-probs in decimal and as fp32 bits in hex, the difference, a mark, and the bitwise
+summary. Both sides score the model's own distribution (temperature 1, no truncation), which is
+what vLLM returns as its log-probs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from .env import resolve_device
+from .generation import SamplingParams, generate, parity_table, trainer_logprobs
+from .kernels import mode
+from .models import build, load_pretrained, load_tokenizer, save_pretrained
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    checkpoint: str = ""
+    """A Hugging Face Qwen3 checkpoint; empty: a tiny random Qwen3 written to out_dir/checkpoint."""
+    prompt: str = "The capital of France is"
+    """Prompt text (needs the checkpoint's tokenizer); ignored when prompt_ids is given."""
+    prompt_ids: tuple[int, ...] = ()
+    """Prompt as token ids (for checkpoints without a tokenizer)."""
+    tokens: int = 16
+    """New tokens to generate."""
+    backend: str = "embedded"
+    """'embedded' (the workbench generator) or 'vllm'."""
+    kernel_mode: str = "invariant"
+    """The trainer's (and the embedded generator's) kernel mode."""
+    temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
+    seed: int = 0
+    """Sampling seed."""
+    batch_invariant: bool = True
+    """vllm backend: run vLLM with VLLM_BATCH_INVARIANT=1."""
+    gpu_memory_utilization: float = 0.3
+    """vllm backend: the share of GPU memory vLLM may take."""
+    out_dir: str = "runs/compare"
+    """Where the random checkpoint (if any) and the table go."""
+    device: str = "auto"
+    """'cpu', 'cuda' or 'auto' (the vllm backend needs 'cuda')."""
+
+    def __post_init__(self):
+        if self.backend not in ("embedded", "vllm"):
+            raise ValueError(f"backend must be 'embedded' or 'vllm', got {self.backend!r}")
+        if self.kernel_mode not in ("invariant", "standard"):
+            raise ValueError(f"kernel_mode must be 'invariant' or 'standard', got {self.kernel_mode!r}")
+        if self.tokens < 1:
+            raise ValueError(f"tokens must be >= 1, got {self.tokens}")
+
+
+def _checkpoint(cfg: CompareConfig, device: str) -> Path:
+    if cfg.checkpoint:
+        return Path(cfg.checkpoint)
+    path = Path(cfg.out_dir) / "checkpoint"
+    save_pretrained(build("tiny", device="cpu", dtype=torch.bfloat16, seed=cfg.seed), path)
+    return path
+
+
+def _prompt(cfg: CompareConfig, path: Path, vocab: int) -> list[int]:
+    if cfg.prompt_ids:
+        ids = [int(t) for t in cfg.prompt_ids]
+    else:
+        try:
+            tok = load_tokenizer(path)
+        except Exception:  # no tokenizer files: say what to pass instead
+            raise ValueError(f"{path} has no tokenizer; pass the prompt as token ids (prompt_ids)") from None
+        ids = tok(cfg.prompt)["input_ids"]
+    if not ids or min(ids) < 0 or max(ids) >= vocab:
+        raise ValueError(f"prompt ids must be a non-empty list in [0, {vocab}), got {ids[:8]}...")
+    return ids
+
+
+def compare(cfg: CompareConfig) -> pd.DataFrame:
+    """The per-token parity table (see `workbench.generation.parity_table`) of backend vs trainer."""
+    if cfg.backend == "vllm":
+        from .generation.vllm_backend import require_vllm
+
+        require_vllm()  # before anything else: say what is missing
+    device = resolve_device("cuda" if cfg.backend == "vllm" else cfg.device)
+    path = _checkpoint(cfg, device)
+    model = load_pretrained(path, dtype=torch.bfloat16, device=device)
+    prompt = _prompt(cfg, path, model.config.vocab_size)
+    params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.tokens, seed=cfg.seed)
+    if cfg.backend == "vllm":
+        from .generation.vllm_backend import VLLMGenerator
+
+        engine = VLLMGenerator(path, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                               batch_invariant=cfg.batch_invariant, seed=cfg.seed)
+        out = engine.generate([prompt], params)
+    else:
+        with mode(cfg.kernel_mode):
+            out = generate(model, [prompt], params)
+    tokens = [c.tokens for c in out.completions]
+    with mode(cfg.kernel_mode):
+        recomputed = trainer_logprobs(model, [prompt], tokens)
+    table = parity_table([c.logprobs for c in out.completions], recomputed, tokens)
+    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    table.to_csv(Path(cfg.out_dir) / "comparison.csv", index=False)
+    return table

@@ -1,0 +1,204 @@
+"""vLLM as an optional rollout backend, with the embedded generator's interface.
+
+`VLLMGenerator(checkpoint)` runs vLLM's offline `LLM` in this process, on this GPU, beside the
+trainer (a configurable share of the GPU memory). In `batch_invariant` mode it sets
+`VLLM_BATCH_INVARIANT=1` before vLLM is imported, as vLLM requires. `generate` returns the same
+`GenerationOutput` as the embedded generator:
+- the tokens, the fp32 log-probs of each sampled token under the model's own distribution
+  (vLLM's raw log-probs), and the finish reasons;
+- per-request seeds derived from (seed, request id), so a request samples the same tokens
+  whatever batch it is in. vLLM's random numbers are not the embedded generator's, so the two
+  backends sample different tokens.
+
+Weight sync without a restart: `load_weights(state)` hands the trainer's bf16 tensors (Hugging
+Face names) to the running model's `load_weights`, which fuses q/k/v and gate/up as it stores
+them. `load_checkpoint(path)` does the same from a safetensors checkpoint on disk, as an
+external engine would. After each sync, `weights_checksum()` hashes vLLM's own parameters, and
+`expected_checksum(state)` hashes the trainer's tensors in vLLM's layout (`to_vllm_layout`), so a
+sync is verified bit for bit.
+
+The workbench imports and works without vLLM; only constructing a `VLLMGenerator` needs it, and
+says what is missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .generator import Completion, GenerationOutput
+from .sampling import SamplingParams
+
+# Releases and the torch their wheels pin (vLLM installs that torch).
+VLLM_TORCH = {"0.26.0": "2.11.0", "0.27": "2.13.0", "0.28": "2.13.0", "0.29": "2.13.0"}
+
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class BackendUnavailable(RuntimeError):
+    """A generator backend was asked for but cannot run here."""
+
+
+def require_vllm():
+    """Import vLLM, or raise BackendUnavailable saying what to install."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise BackendUnavailable(
+            f"the vllm backend needs vLLM, which is not importable here ({e}). Install the release that matches "
+            f"your torch ({torch.__version__}): vLLM 0.26.0 pins torch 2.11.0, 0.27-0.29 pin torch 2.13.0 "
+            "(pip install 'vllm==0.26.0'); on a GPU host without network, ../shared/tools/pack_vllm.sh packs it. "
+            "The embedded generator (backend='embedded') needs nothing more."
+        ) from None
+    if not torch.cuda.is_available():
+        raise BackendUnavailable("the vllm backend runs on a CUDA GPU; this machine has none")
+    return vllm
+
+
+def to_vllm_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face Qwen3 names -> vLLM's: q/k/v fused into qkv_proj, gate/up into gate_up_proj (rows
+    stacked in that order), every other tensor under its own name."""
+    out: dict[str, torch.Tensor] = {}
+    used = set()
+    for name in sorted(state):
+        for fused, parts in _FUSED.items():
+            if name.endswith(f".{parts[0]}.weight"):
+                prefix = name[: -len(f"{parts[0]}.weight")]
+                names = [f"{prefix}{p}.weight" for p in parts]
+                missing = [n for n in names if n not in state]
+                if missing:
+                    raise KeyError(f"to_vllm_layout: {missing} missing beside {name}")
+                out[f"{prefix}{fused}.weight"] = torch.cat([state[n] for n in names], dim=0)
+                used.update(names)
+    for name, t in state.items():
+        if name not in used:
+            out[name] = t
+    return out
+
+
+def from_vllm_layout(state: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """The inverse of `to_vllm_layout`, given each unfused tensor's shape (e.g. from the trainer's model)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        fused = next((f for f in _FUSED if name.endswith(f".{f}.weight")), None)
+        if fused is None:
+            out[name] = t
+            continue
+        prefix = name[: -len(f"{fused}.weight")]
+        names = [f"{prefix}{p}.weight" for p in _FUSED[fused]]
+        for part, n in zip(torch.split(t, [shapes[n][0] for n in names], dim=0), names):
+            out[n] = part
+    return out
+
+
+def checksum(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the tensors' bytes in name order (the trainer's `weights_checksum`, on any layout)."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def request_seed(seed: int, request_id: int) -> int:
+    """A request's own seed: the same request samples the same tokens in any batch."""
+    return (seed * 1_000_003 + request_id) % (2**31 - 1)
+
+
+class VLLMGenerator:
+    """vLLM's offline engine over a Hugging Face checkpoint, in this process."""
+
+    def __init__(self, checkpoint: str | Path, gpu_memory_utilization: float = 0.3, batch_invariant: bool = True,
+                 max_model_len: int = 4096, enforce_eager: bool = False, seed: int = 0):
+        if not Path(checkpoint, "config.json").exists():
+            raise FileNotFoundError(f"vllm backend: no Hugging Face checkpoint (config.json) in {checkpoint}")
+        if not 0 < gpu_memory_utilization < 1:
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1), got {gpu_memory_utilization}")
+        # Both must be set before vLLM is imported: the mode is read at import, and the engine must
+        # run in this process for load_weights to reach the model.
+        os.environ["VLLM_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        vllm = require_vllm()
+        self.batch_invariant = batch_invariant
+        self.seed = seed
+        # Prompts come as token ids; a checkpoint without tokenizer files needs none.
+        self.has_tokenizer = any(Path(checkpoint, f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+        self.llm = vllm.LLM(model=str(checkpoint), dtype="bfloat16", gpu_memory_utilization=gpu_memory_utilization,
+                            max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
+                            enable_prefix_caching=False, skip_tokenizer_init=not self.has_tokenizer)
+        self._vllm = vllm
+
+    def model(self) -> torch.nn.Module:
+        """The running engine's torch model (in-process engine only)."""
+        engine = self.llm.llm_engine
+        for path in ("model_executor.driver_worker.worker.model_runner.model",
+                     "engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model"):
+            obj = engine
+            try:
+                for attr in path.split("."):
+                    obj = getattr(obj, attr)
+                return obj
+            except AttributeError:
+                continue
+        raise BackendUnavailable(f"cannot reach the model inside vLLM {self._vllm.__version__}'s engine; "
+                                 "run with VLLM_ENABLE_V1_MULTIPROCESSING=0")
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 request_ids: list[int] | None = None) -> GenerationOutput:
+        ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
+        sp = [self._vllm.SamplingParams(
+            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
+            max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids), logprobs=0,
+            seed=request_seed(params.seed, r), ignore_eos=not params.stop_token_ids, detokenize=self.has_tokenizer,
+        ) for r in ids]
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        completions = []
+        for r, prompt, out in zip(ids, prompts, outs):
+            c = out.outputs[0]
+            tokens = list(c.token_ids)
+            lp = torch.tensor([c.logprobs[i][t].logprob for i, t in enumerate(tokens)], dtype=torch.float32)
+            # vLLM returns the raw model log-probs; they are the sampled distribution's only at T=1, untruncated.
+            untouched = params.temperature == 1 and params.top_k == 0 and params.top_p == 1
+            completions.append(Completion(request_id=r, prompt=list(prompt), tokens=tokens, logprobs=lp,
+                                          sampled_logprobs=lp.clone() if untouched else torch.full_like(lp, float("nan")),
+                                          finish_reason="stop" if c.finish_reason == "stop" else "length"))
+        return GenerationOutput(completions, prefill_s=0.0, decode_s=seconds, steps=params.max_new_tokens)
+
+    def weights_checksum(self) -> str:
+        """sha256 of vLLM's own parameters (fused layout, tied weights once)."""
+        return checksum(dict(self.model().named_parameters()))
+
+    @staticmethod
+    def expected_checksum(state: dict[str, torch.Tensor], tied: bool) -> str:
+        layout = to_vllm_layout(state)
+        if tied:
+            layout.pop("lm_head.weight", None)
+        return checksum(layout)
+
+    @torch.no_grad()
+    def load_weights(self, state: dict[str, torch.Tensor]) -> float:
+        """In-place sync of the trainer's bf16 tensors (HF names) into the running engine; returns seconds."""
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        self.model().load_weights(iter(state.items()))
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def load_checkpoint(self, path: str | Path) -> float:
+        """Sync through disk: read a safetensors checkpoint and load it in place; returns seconds."""
+        from safetensors.torch import load_file
+
+        t0 = time.perf_counter()
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"vllm backend: no *.safetensors in {path}")
+        for f in files:
+            self.load_weights(load_file(f, device="cuda"))
+        return time.perf_counter() - t0
