@@ -39,7 +39,8 @@ def on_off_curves(table: pd.DataFrame, metrics=ON_OFF_METRICS, smooth: int = 1, 
     """
     metrics = [m for m in metrics if m in set(table.metric)]
     if not metrics:
-        raise ValueError(f"none of the metrics {list(metrics)} is in the table; it has {sorted(set(table.metric))[:12]}")
+        raise ValueError(f"none of the metrics {list(metrics)} is in the table; "
+                         f"it has {sorted(set(table.metric))[:12]}")
     cols = min(3, len(metrics))
     rows = -(-len(metrics) // cols)
     fig = Figure(figsize=(4.2 * cols, 3.0 * rows), layout="constrained")

@@ -166,8 +166,9 @@ class VLLMGenerator:
             lp = torch.tensor([c.logprobs[i][t].logprob for i, t in enumerate(tokens)], dtype=torch.float32)
             # vLLM returns the raw model log-probs; they are the sampled distribution's only at T=1, untruncated.
             untouched = params.temperature == 1 and params.top_k == 0 and params.top_p == 1
+            sampled = lp.clone() if untouched else torch.full_like(lp, float("nan"))
             completions.append(Completion(request_id=r, prompt=list(prompt), tokens=tokens, logprobs=lp,
-                                          sampled_logprobs=lp.clone() if untouched else torch.full_like(lp, float("nan")),
+                                          sampled_logprobs=sampled,
                                           finish_reason="stop" if c.finish_reason == "stop" else "length"))
         return GenerationOutput(completions, prefill_s=0.0, decode_s=seconds, steps=params.max_new_tokens)
 
