@@ -37,9 +37,9 @@ def on_off_curves(table: pd.DataFrame, metrics=ON_OFF_METRICS, smooth: int = 1, 
 
     `smooth` > 1 applies a trailing moving average over steps (per seed) before the band is taken.
     """
-    metrics = [m for m in metrics if m in set(table.metric)]
+    wanted, metrics = metrics, [m for m in metrics if m in set(table.metric)]
     if not metrics:
-        raise ValueError(f"none of the metrics {list(metrics)} is in the table; "
+        raise ValueError(f"none of the metrics {list(wanted)} is in the table; "
                          f"it has {sorted(set(table.metric))[:12]}")
     cols = min(3, len(metrics))
     rows = -(-len(metrics) // cols)
