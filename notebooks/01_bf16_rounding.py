@@ -86,7 +86,8 @@ save_table(variance, run_dir, "batch_variance")
 
 # %% [markdown]
 # ## Explore
-# Type a number to see how it rounds. (Run headless, this shows the table for 0.1.)
+# Type a number to see how it rounds (in JupyterLab; a headless run saves only the widget's
+# description, and the table at the top of this notebook shows the same numbers).
 
 # %%
 bf16_explorer(0.1)

@@ -62,7 +62,7 @@ def test_smoke_nightly_runs_every_notebook(tmp_path):
     for figure in ("kernel_audit", "logprob_differences", "on_off"):
         assert (folder / "figures" / f"{figure}.svg").exists() and (folder / "figures" / f"{figure}.png").exists()
     summary = (folder / "summary.md").read_text()
-    assert f"{len(NOTEBOOKS)} of {len(NOTEBOOKS)} ok" in summary and "parity: pass" in summary
+    assert f"{len(NOTEBOOKS)} of {len(NOTEBOOKS)} ok" in summary and "parity: pass (4 of 4 checks ran)" in summary
     assert "| invariant |" in summary and "| standard |" in summary, "final rewards per mode"
     assert summary.count("| pass |") == 4
 
@@ -83,7 +83,8 @@ def test_a_failing_notebook_is_reported_and_the_others_still_run(tmp_path, capsy
     assert not passed
     assert list(status.status) == ["ok", "failed", "ok"]
     assert "deliberately broken" in status.error[1]
-    assert "2 of 3 ok (FAILED)" in (folder / "summary.md").read_text()
+    summary = (folder / "summary.md").read_text()
+    assert "2 of 3 ok (FAILED)" in summary and "parity: not run (0 of 4 checks ran)" in summary
     assert (folder / "executed" / "03_last.ipynb").exists()
     code = main(["nightly", "--scale", "smoke", "--device", "cpu", "--notebooks-dir", str(nbs), "--only", "01", "02",
                  "--out-root", str(tmp_path / "cli"), "--no-progress"])

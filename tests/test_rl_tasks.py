@@ -42,7 +42,9 @@ def test_gsm8k_from_the_local_copy():
     stream = train.problems(len(train) + 3)
     assert stream[-3:] == stream[:3], "the training stream wraps around"
     assert stream[:50] != train.items[:50] and stream[:50] == GSM8K(GSM8K_DIR, seed=0).problems(50)
-    assert train.eval_problems(2) == task.items[:2]
+    assert GSM8K(GSM8K_DIR).eval_problems(2) == task.items[:2]
+    with pytest.raises(ValueError, match="needs a folder holding test.jsonl"):
+        train.eval_problems(2)
     with pytest.raises(ValueError, match="needs a source"):
         make_task("gsm8k")
     with pytest.raises(ValueError, match="unknown task"):

@@ -96,7 +96,10 @@ def test_a_nan_loss_stops_and_keeps_the_last_good_checkpoint(policy, tmp_path, m
     monkeypatch.setattr(trainer, "get_loss", poisoned)
     with pytest.raises(FloatingPointError, match=r"step 2: the loss is nan; the last good checkpoint \(step 1\)"):
         train(_cfg(policy, tmp_path))
-    assert set(pd.read_csv(tmp_path / "metrics.csv").step) == {1}, "the metrics so far are written"
+    written = pd.read_csv(tmp_path / "metrics.csv")
+    assert set(written.step) == {1, 2}, "the metrics so far are written"
+    assert set(written[written.step == 2].metric) == {"parity_max_abs_diff", "parity_mean_abs_diff",
+                                                      "parity_tokens_differing", "sampler_trainer_kl"}
     state = (tmp_path / "checkpoint" / "state.json").read_text()
     assert '"step": 1' in state
 
@@ -192,3 +195,14 @@ def test_kl_to_the_frozen_start_is_zero_then_grows(policy, tmp_path, in_reward):
         TrainConfig(kl_coef=-1.0)
     with pytest.raises(ValueError, match="unknown KL estimator"):
         TrainConfig(kl_estimator="k9")
+
+
+def test_a_checkpoint_from_before_a_field_existed_still_resumes():
+    from dataclasses import asdict
+
+    from workbench.rl.trainer import config_changes
+
+    cfg = TrainConfig(steps=7)
+    older = {k: v for k, v in asdict(cfg).items() if k not in ("policy_lag", "kl_to", "task")}
+    assert config_changes(older, cfg) == {}
+    assert set(config_changes(older, dataclasses.replace(cfg, policy_lag=1, sync="copy"))) == {"policy_lag", "sync"}

@@ -103,6 +103,8 @@ def first_divergence(model: Qwen3ForCausalLM, seq_len: int = 12, batch: int = 8,
             h.remove()
     trainer_records.append(("logits", trainer_logits))
     gen_records.append(("logits", gen_logits))
+    if len(trainer_records) != len(gen_records):
+        raise RuntimeError(f"the trainer ran {len(trainer_records)} ops but the decode step {len(gen_records)}")
     rows = []
     for (name, t_out), (g_name, g_out) in zip(trainer_records, gen_records):
         if name != g_name:

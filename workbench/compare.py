@@ -28,7 +28,7 @@ class CompareConfig:
     prompt: str = "The capital of France is"
     """Prompt text (needs the checkpoint's tokenizer); ignored when prompt_ids is given."""
     prompt_ids: tuple[int, ...] = ()
-    """Prompt as token ids (for checkpoints without a tokenizer)."""
+    """Prompt as token ids (for checkpoints without a tokenizer; the random checkpoint uses 8 random ids)."""
     tokens: int = 16
     """New tokens to generate."""
     backend: str = "embedded"
@@ -68,12 +68,17 @@ def _checkpoint(cfg: CompareConfig, device: str) -> Path:
 def _prompt(cfg: CompareConfig, path: Path, vocab: int) -> list[int]:
     if cfg.prompt_ids:
         ids = [int(t) for t in cfg.prompt_ids]
+    elif not cfg.checkpoint:
+        ids = torch.randint(0, vocab, (8,), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     else:
+        no_tokenizer = ValueError(f"{path} has no tokenizer; pass the prompt as token ids (prompt_ids)")
         try:
             tok = load_tokenizer(path)
         except Exception:  # no tokenizer files: say what to pass instead
-            raise ValueError(f"{path} has no tokenizer; pass the prompt as token ids (prompt_ids)") from None
+            raise no_tokenizer from None
         ids = tok(cfg.prompt)["input_ids"]
+        if not ids:
+            raise no_tokenizer
     if not ids or min(ids) < 0 or max(ids) >= vocab:
         raise ValueError(f"prompt ids must be a non-empty list in [0, {vocab}), got {ids[:8]}...")
     return ids

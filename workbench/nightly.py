@@ -143,6 +143,8 @@ def parity_checks(folder: Path) -> pd.DataFrame:
 
     def audit(t):
         inv = t[t["mode"] == "invariant"]
+        if inv.empty:
+            return False, "no invariant rows in the table"
         bad = inv[~inv.bitwise_equal.astype(bool)]
         std = t[t["mode"] == "standard"]
         return bad.empty, (f"{len(inv)} invariant cases bitwise equal; standard: "
@@ -158,15 +160,16 @@ def parity_checks(folder: Path) -> pd.DataFrame:
 
     def triangle(t):
         inv = t[t.variant == "invariant"]
-        ok = not inv.empty and bool(inv.bitwise_identical.astype(bool).all())
-        std = t[t.variant == "standard"]
-        return ok, (f"invariant: {int(inv.tokens_differing.sum())} differing; standard: "
-                    f"{int(std.tokens_differing.sum())} differing over {len(std)} pairs")
+        ok = not inv.empty and int(inv.tokens.min()) > 0 and bool(inv.bitwise_identical.astype(bool).all())
+        ends = t[t.pair == "decode vs train"].set_index("variant")
+        detail = "; ".join(f"{v}: {int(r.tokens_differing)} of {int(r.tokens)} tokens differ (decode vs train)"
+                           for v, r in ends.iterrows())
+        return ok, detail
 
     def rl(t):
         par = t[t.metric == "parity_tokens_differing"]
         inv, std = par[par.variant == "invariant"], par[par.variant == "standard"]
-        ok = not inv.empty and (inv.value == 0).all()
+        ok = not inv.empty and bool((inv.value == 0).all())
         return ok, (f"invariant: {int(inv.value.sum())} differing tokens over {len(inv)} steps; standard: "
                     f"{int(std.value.sum())} over {len(std)} steps")
 
@@ -188,16 +191,24 @@ def final_rewards(folder: Path, window: int = 10) -> pd.DataFrame | None:
             .rename(columns={"mean": f"reward, last {window} steps (mean over seeds)", "count": "points"}))
 
 
+def parity_verdict(checks: pd.DataFrame) -> str:
+    """'FAIL' if any check failed, 'pass' if some passed and none failed, 'not run' if none ran."""
+    if (checks.result == "FAIL").any():
+        return "FAIL"
+    return "pass" if (checks.result == "pass").any() else "not run"
+
+
 def summary_markdown(folder: Path, status: pd.DataFrame, env: dict, scale: str) -> str:
     ok = (status.status == "ok").all()
     checks = parity_checks(folder)
+    ran = int((checks.result != "not run").sum())
     lines = [f"# Nightly run {folder.name}", "",
              f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}; git {env['git_sha']}; scale {scale}",
              f"- device: {env['gpu'] or 'CPU'}{' (Triton interpreter)' if env['triton_interpreter'] else ''}; "
              f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, python {env['python']}",
              f"- notebooks: {int((status.status == 'ok').sum())} of {len(status)} ok"
-             f"{'' if ok else ' (FAILED)'}; parity: "
-             f"{'pass' if (checks.result != 'FAIL').all() else 'FAIL'}", "",
+             f"{'' if ok else ' (FAILED)'}; parity: {parity_verdict(checks)} ({ran} of {len(checks)} checks ran)",
+             "",
              "| notebook | status | seconds | error |", "|---|---|---|---|"]
     for r in status.itertuples(index=False):
         lines.append(f"| {r.notebook} | {r.status} | {r.seconds:.1f} | {r.error.replace('|', '/')} |")

@@ -19,7 +19,7 @@ ON_OFF_METRICS = ("reward_mean", "accuracy", "entropy", "sampler_trainer_kl", "p
                   "parity_max_abs_diff")
 TITLES = {"reward_mean": "reward", "accuracy": "accuracy", "entropy": "entropy (nats)",
           "sampler_trainer_kl": "KL(sampler || trainer)", "parity_tokens_differing": "tokens differing",
-          "parity_max_abs_diff": "max |Δ log-prob|", "kl": "KL to reference"}
+          "parity_max_abs_diff": "max |Δ log-prob|", "kl": "KL penalty (kl_to)"}
 
 
 def save_figure(fig: Figure, folder: str | Path, name: str) -> list[Path]:

@@ -1,5 +1,6 @@
-"""Interactive explorers for the notebooks; each degrades to a plain table when there is no widget
-front end (papermill, a terminal, ipywidgets not installed)."""
+"""Interactive explorers for the notebooks. Without ipywidgets they return a plain table; run
+headless (papermill), the widget is saved as its text description, so the notebooks show the
+same table statically in the cell before."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ def bf16_table(values=(0.1, 1.0, 3.14159, 1000.5, -2.7e-5)) -> pd.DataFrame:
 
 
 def bf16_explorer(value: float = 0.1):
-    """A number box: type a value, see its bf16 rounding and neighbours. Without a widget front end
-    (or without ipywidgets) it returns the table for `value` instead."""
+    """A number box: type a value, see its bf16 rounding and neighbours (ipywidgets); without
+    ipywidgets, the table for `value`."""
     try:
         import ipywidgets
         from IPython.display import display

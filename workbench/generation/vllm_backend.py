@@ -43,20 +43,27 @@ class BackendUnavailable(RuntimeError):
     """A generator backend was asked for but cannot run here."""
 
 
-def require_vllm():
-    """Import vLLM, or raise BackendUnavailable saying what to install."""
+def require_vllm() -> None:
+    """Raise BackendUnavailable, saying what to install, unless vLLM and a GPU are here.
+
+    Looks vLLM up without importing it: its settings (VLLM_BATCH_INVARIANT, ...) must be in the
+    environment before the first import, which `VLLMGenerator` does.
+    """
+    import importlib.util
+
     try:
-        import vllm
-    except ImportError as e:
+        found = importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
         raise BackendUnavailable(
-            f"the vllm backend needs vLLM, which is not importable here ({e}). Install the release that matches "
+            "the vllm backend needs vLLM, which is not installed here. Install the release that matches "
             f"your torch ({torch.__version__}): vLLM 0.26.0 pins torch 2.11.0, 0.27-0.29 pin torch 2.13.0 "
             "(pip install 'vllm==0.26.0'); on a GPU host without network, ../shared/tools/pack_vllm.sh packs it. "
             "The embedded generator (backend='embedded') needs nothing more."
-        ) from None
+        )
     if not torch.cuda.is_available():
         raise BackendUnavailable("the vllm backend runs on a CUDA GPU; this machine has none")
-    return vllm
 
 
 def to_vllm_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -123,7 +130,9 @@ class VLLMGenerator:
         os.environ["VLLM_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-        vllm = require_vllm()
+        require_vllm()
+        import vllm
+
         self.batch_invariant = batch_invariant
         self.seed = seed
         # Prompts come as token ids; a checkpoint without tokenizer files needs none.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -19,7 +19,7 @@ import pandas as pd
 from ..config import check_at_least_one
 from ..env import resolve_device
 from .policy import POLICY_SIZES, PolicyConfig, train_policy
-from .trainer import TrainConfig, train
+from .trainer import TrainConfig, config_changes, train
 
 
 @dataclass(frozen=True)
@@ -78,23 +78,41 @@ class OnOffConfig:
 
 
 def starting_policy(cfg: OnOffConfig) -> str:
-    """The checkpoint every run starts from: cfg.policy, or one trained (once) into out_dir/policy."""
+    """The checkpoint every run starts from: cfg.policy, or one trained (once) into out_dir/policy.
+
+    A policy already there is reused only if it was trained with the same settings.
+    """
     if cfg.policy:
         return cfg.policy
     folder = Path(cfg.out_dir) / "policy"
-    if not (folder / "model.safetensors").exists():
-        policy_cfg = PolicyConfig(size=cfg.policy_size, difficulty=cfg.difficulty, max_steps=cfg.policy_steps,
-                                  target_accuracy=tuple(cfg.policy_accuracy), device=resolve_device(cfg.device))
-        _, _, table = train_policy(policy_cfg, folder)
-        table.to_csv(folder / "sft_metrics.csv", index=False)
+    policy_cfg = PolicyConfig(size=cfg.policy_size, difficulty=cfg.difficulty, max_steps=cfg.policy_steps,
+                              target_accuracy=tuple(cfg.policy_accuracy), device=resolve_device(cfg.device))
+    wanted = {k: v for k, v in asdict(policy_cfg).items() if k != "device"}
+    wanted["target_accuracy"] = list(wanted["target_accuracy"])
+    record = folder / "policy_config.json"
+    if (folder / "model.safetensors").exists():
+        saved = json.loads(record.read_text()) if record.exists() else None
+        if saved != wanted:
+            raise ValueError(f"{folder} holds a starting policy trained with other settings ({saved}, now {wanted}); "
+                             "use another out_dir or pass policy=...")
+        return str(folder)
+    _, _, table = train_policy(policy_cfg, folder)
+    table.to_csv(folder / "sft_metrics.csv", index=False)
+    record.write_text(json.dumps(wanted, indent=1))
     return str(folder)
 
 
 def _finished(run: TrainConfig) -> pd.DataFrame | None:
+    """The metrics of a run already complete in run.out_dir; a run there with other settings is an error."""
     state = Path(run.out_dir) / "checkpoint" / "state.json"
-    if state.exists() and json.loads(state.read_text())["step"] >= run.steps:
-        return pd.read_csv(Path(run.out_dir) / "metrics.csv")
-    return None
+    if not state.exists():
+        return None
+    saved = json.loads(state.read_text())
+    changed = config_changes(saved["config"], run)
+    if changed:
+        raise ValueError(f"{run.out_dir} holds a run with other settings {changed} (saved, now); "
+                         "use another out_dir for the experiment")
+    return pd.read_csv(Path(run.out_dir) / "metrics.csv") if saved["step"] >= run.steps else None
 
 
 def run_on_off(cfg: OnOffConfig) -> pd.DataFrame:
@@ -117,21 +135,23 @@ def run_on_off(cfg: OnOffConfig) -> pd.DataFrame:
 def summarize_on_off(table: pd.DataFrame, window: int = 10) -> pd.DataFrame:
     """Per mode: runs, reward over the first and last `window` steps, parity, and step times.
 
-    Times are medians over steps after the first (which includes kernel compilation).
+    The window shrinks to half the run when the run is shorter than two windows (a run of one step
+    has no gain: NaN). Times are medians over steps after the first (which includes compilation).
     """
     rows = []
     for variant, t in table.groupby("variant", sort=False):
         by = t.pivot_table(index=["seed", "step"], columns="metric", values="value")
         steps = by.index.get_level_values("step")
-        first, last = by[steps <= steps.min() + window - 1], by[steps >= steps.max() - window + 1]
+        w = min(window, (steps.max() - steps.min() + 1) // 2)
+        first, last = by[steps <= steps.min() + w - 1], by[steps >= steps.max() - w + 1]
         warm = by[steps > steps.min()] if steps.max() > steps.min() else by
         rows.append({
             "variant": variant,
             "runs": by.index.get_level_values("seed").nunique(),
             "steps": int(steps.max()),
-            "reward_first": first["reward_mean"].mean(),
-            "reward_last": last["reward_mean"].mean(),
-            "reward_gain": last["reward_mean"].mean() - first["reward_mean"].mean(),
+            "reward_first": first["reward_mean"].mean() if w else float("nan"),
+            "reward_last": last["reward_mean"].mean() if w else float("nan"),
+            "reward_gain": last["reward_mean"].mean() - first["reward_mean"].mean() if w else float("nan"),
             "steps_with_differing_tokens": int((by["parity_tokens_differing"] > 0).sum()),
             "tokens_differing_total": int(by["parity_tokens_differing"].sum()),
             "parity_max_abs_diff": by["parity_max_abs_diff"].max(),

@@ -85,8 +85,11 @@ class GSM8K:
         return [self.items[self._order[i % len(self.items)]] for i in range(start, start + n)]
 
     def eval_problems(self, n: int) -> list[Problem]:
-        source = self.source if not Path(self.source).is_file() else Path(self.source).with_name("test.jsonl")
-        return GSM8K(source, "test").items[:n]
+        """The first n problems of the test split (from the same folder or hub id)."""
+        if Path(self.source).is_file():
+            raise ValueError(f"GSM8K: evaluation reads the test split, which needs a folder holding test.jsonl "
+                             f"(or a hub id), not the file {self.source}")
+        return GSM8K(self.source, "test").items[:n]
 
     @staticmethod
     def _read(source, split: str) -> list[dict]:
@@ -154,7 +157,8 @@ class Arithmetic:
         return [self.problem(i) for i in range(start, start + n)]
 
     def eval_problems(self, n: int) -> list[Problem]:
-        """Held out: problems of another seed."""
+        """Problems of another seed (at difficulty 1 there are only 300 distinct problems, so these overlap
+        the training stream; from difficulty 2 on they are practically unseen)."""
         return Arithmetic(seed=self.seed + 10_000, difficulty=self.difficulty).problems(n)
 
     def reward(self, completion: str, problem: Problem) -> float:

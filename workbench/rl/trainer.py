@@ -12,7 +12,10 @@ the generator with the trainer's kernels run on the generator's weights, and tho
 log-probs are the PPO ratio's "old" policy.
 
 In `invariant` mode any log-prob difference stops the run (parity="error"); in `standard` mode
-the mismatch is measured and logged. Metrics are a long table (step, metric, value, variant,
+the mismatch is measured and logged. `sampler_trainer_kl` and the parity metrics always compare
+kernels on the same weights (the generator's), so they measure the kernel mismatch, never the
+lag. A KL to the sampler at lag 0 in invariant mode is exactly 0 and, with k2 or k3, has zero
+gradient too: it only acts under a lag or a mismatch. Metrics are a long table (step, metric, value, variant,
 seed), also sent to TensorBoard when asked.
 """
 
@@ -62,8 +65,8 @@ class TrainConfig:
     """Arithmetic difficulty."""
     loss: str = "grpo"
     """grpo, dr_grpo, dapo or gspo."""
-    steps: int = 3
-    """Policy updates."""
+    steps: int = 2
+    """Policy updates (the defaults are a CPU smoke run of about 45 s)."""
     prompts_per_step: int = 2
     """Prompts sampled per step."""
     group_size: int = 4
@@ -176,15 +179,23 @@ def weight_delta_metrics(before: dict, after: dict) -> dict[str, float]:
 class _Metrics:
     """The long table being built, and optionally a TensorBoard writer fed the same numbers."""
 
-    def __init__(self, rows: list[dict], cfg: TrainConfig, out: Path):
-        self.rows, self.variant, self.seed = rows, cfg.kernel_mode, cfg.seed
+    def __init__(self, cfg: TrainConfig, out: Path):
+        self.rows: list[dict] = []
+        self.variant, self.seed = cfg.kernel_mode, cfg.seed
         self.writer = None
+        self.out = out
         if cfg.tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                import torch.utils.tensorboard  # noqa: F401
             except ImportError:
                 raise ValueError("tensorboard=True needs the tensorboard package: pip install tensorboard") from None
-            self.writer = SummaryWriter(str(out / "tensorboard"))
+
+    def start(self, cfg: TrainConfig, first_step: int) -> None:
+        """Open TensorBoard; events of steps >= first_step left by an interrupted run are dropped."""
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=first_step)
 
     def __call__(self, step: int, metric: str, value) -> None:
         value = float(value)
@@ -196,11 +207,11 @@ class _Metrics:
     def table(self) -> pd.DataFrame:
         return pd.DataFrame(self.rows, columns=["step", "metric", "value", "variant", "seed"])
 
-    def close(self, out: Path) -> pd.DataFrame:
+    def close(self) -> pd.DataFrame:
         if self.writer is not None:
             self.writer.close()
         table = self.table()
-        table.to_csv(out / "metrics.csv", index=False)
+        table.to_csv(self.out / "metrics.csv", index=False)
         return table
 
 
@@ -263,15 +274,21 @@ def _save_checkpoint(out: Path, step: int, masters: dict, opt, metrics: pd.DataF
 _RESUMABLE_CHANGES = {"steps", "resume", "checkpoint_every", "device", "out_dir", "progress", "tensorboard"}
 
 
+def config_changes(saved: dict, cfg: TrainConfig) -> dict:
+    """{field: (saved, now)} for every field a resumed run may not change. A field the saved config
+    lacks (a checkpoint from before that field existed) counts as its default."""
+    defaults = asdict(TrainConfig())
+    return {k: (saved.get(k, defaults[k]), v) for k, v in asdict(cfg).items()
+            if k not in _RESUMABLE_CHANGES and saved.get(k, defaults[k]) != (list(v) if isinstance(v, tuple) else v)}
+
+
 def _load_checkpoint(out: Path, masters: dict, opt, cfg: TrainConfig, device: str):
     """Restores masters and optimizer in place; returns (step, metrics so far, lagged generator weights)."""
     ck = out / "checkpoint"
     if not (ck / "state.json").exists():
         raise FileNotFoundError(f"resume: no checkpoint in {ck}; run without resume first")
     state = json.loads((ck / "state.json").read_text())
-    saved_cfg = state["config"]
-    changed = {k: (saved_cfg.get(k), v) for k, v in asdict(cfg).items()
-               if k not in _RESUMABLE_CHANGES and saved_cfg.get(k) != (list(v) if isinstance(v, tuple) else v)}
+    changed = config_changes(state["config"], cfg)
     if changed:
         raise ValueError(f"resume: the config differs from the checkpoint's in {changed} (saved, now); "
                          "resume with the same settings or start a new out_dir")
@@ -323,6 +340,7 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.device)
+    log = _Metrics(cfg, out)
     torch.manual_seed(cfg.seed)
     task = make_task(cfg.task, seed=cfg.seed, difficulty=cfg.difficulty, source=cfg.task_source)
     master_model, tok = _starting_policy(cfg, out, device)
@@ -338,16 +356,14 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    rows: list[dict] = []
     start_step, history = 0, []
     if cfg.resume:
         start_step, previous, lagged = _load_checkpoint(out, masters, opt, cfg, device)
-        rows = previous.to_dict("records")
+        log.rows.extend(previous.to_dict("records"))
         history = [lagged] if lagged is not None else []
         copy_weights(masters, model)
-    run = _Run(cfg, out, device, task, tok, model, gen_model, reference, masters, params, opt, history,
-               _Metrics(rows, cfg, out))
-    log = run.log
+    log.start(cfg, start_step + 1)
+    run = _Run(cfg, out, device, task, tok, model, gen_model, reference, masters, params, opt, history, log)
     bar = tqdm(total=cfg.steps, initial=start_step, disable=not cfg.progress, desc=f"train ({cfg.kernel_mode})")
     try:
         with mode(cfg.kernel_mode):
@@ -361,7 +377,7 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
                                      lagged)
     finally:
         bar.close()
-        table = log.close(out)
+        table = log.close()
     return table
 
 
@@ -432,6 +448,11 @@ def _step(run: _Run, step: int) -> tuple[float, int]:
                          [old[i, len(prompts[i]) - 1 : len(prompts[i]) - 1 + len(c.tokens)].cpu()
                           for i, c in enumerate(gen.completions)], completions)
     parity = parity_summary(table)
+    # Logged first, so the step that breaks parity is on record in metrics.csv.
+    log(step, "parity_max_abs_diff", parity["max_abs_diff"])
+    log(step, "parity_mean_abs_diff", parity["mean_abs_diff"])
+    log(step, "parity_tokens_differing", parity["tokens_differing"])
+    log(step, "sampler_trainer_kl", parity["kl"])
     if cfg.kernel_mode == "invariant" and not parity["bitwise_identical"]:
         msg = (f"step {step}: generator and trainer log-probs differ on {parity['tokens_differing']} of "
                f"{parity['tokens']} tokens (max |diff| {parity['max_abs_diff']:.3g}) in invariant mode")
@@ -440,7 +461,7 @@ def _step(run: _Run, step: int) -> tuple[float, int]:
                               "(mode overrides) and that the generator and trainer share the weights.")
         print("warning:", msg)
 
-    kl = None
+    kl, later = None, {}  # `later`: metrics logged once the loss is known to be finite
     if cfg.kl_coef > 0:
         if run.reference is not None:
             with torch.no_grad():
@@ -448,7 +469,7 @@ def _step(run: _Run, step: int) -> tuple[float, int]:
         else:
             target = behavior
         kl = kl_estimate(logp, target, cfg.kl_estimator) * mask
-        log(step, "kl", kl.detach().sum() / mask.sum())
+        later["kl"] = kl.detach().sum() / mask.sum()
     shaped = rewards - cfg.kl_coef * kl.detach().sum(1) if kl is not None and cfg.kl_in_reward else rewards
     adv = group_advantages(shaped, cfg.group_size, scale=spec.scale_advantages)
     norm = cfg.max_new_tokens if loss_cfg.aggregation == AGGREGATIONS[2] else None
@@ -457,7 +478,7 @@ def _step(run: _Run, step: int) -> tuple[float, int]:
         kind, level = cfg.correction.split("-")
         weights = importance_weights(old, behavior, mask, level, "truncate" if kind == "tis" else "mask",
                                      cfg.correction_cap)
-        log(step, "is_weight_mean", (weights * mask).sum() / mask.sum())
+        later["is_weight_mean"] = (weights * mask).sum() / mask.sum()
     loss, stats = spec.fn(logp, old, adv, mask, LossConfig(loss_cfg.eps_low, loss_cfg.eps_high,
                                                            loss_cfg.aggregation, norm), weights)
     if kl is not None and not cfg.kl_in_reward:
@@ -480,6 +501,8 @@ def _step(run: _Run, step: int) -> tuple[float, int]:
         copy_weights({k: v.detach() for k, v in masters.items()}, model)
     t_train = time.perf_counter()
 
+    for name, value in later.items():
+        log(step, name, value)
     log(step, "loss", loss.item())
     log(step, "reward_mean", rewards.mean())
     log(step, "reward_std", rewards.std())
@@ -495,10 +518,6 @@ def _step(run: _Run, step: int) -> tuple[float, int]:
     for k, v in weight_delta_metrics(before, {k: v.detach() for k, v in masters.items()}).items():
         log(step, k, v)
     log(step, "policy_lag", version - gen_version)
-    log(step, "parity_max_abs_diff", parity["max_abs_diff"])
-    log(step, "parity_mean_abs_diff", parity["mean_abs_diff"])
-    log(step, "parity_tokens_differing", parity["tokens_differing"])
-    log(step, "sampler_trainer_kl", parity["kl"])
     log(step, "time_sync", t_sync - t0)
     log(step, "time_generate", t_gen - t_sync)
     log(step, "time_train", t_train - t_gen)
