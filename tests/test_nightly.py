@@ -96,6 +96,8 @@ def test_bad_nightly_inputs(tmp_path):
         NightlyConfig(scale="huge")
     with pytest.raises(FileNotFoundError, match="no numbered notebooks"):
         notebook_paths(tmp_path)
+    with pytest.raises(ValueError, match="scale 'full' .* needs a GPU"):
+        run_nightly(NightlyConfig(scale="full", device="cpu", out_root=str(tmp_path / "full")))
     with pytest.raises(ValueError, match=r"no notebook \['09'\]"):
         notebook_paths(ROOT / "notebooks", ("09",))
     (tmp_path / "01_bare.py").write_text("# %% tags=[\"parameters\"]\nx = 1\n")

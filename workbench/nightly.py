@@ -229,6 +229,9 @@ def summary_markdown(folder: Path, status: pd.DataFrame, env: dict, scale: str) 
 def run_nightly(cfg: NightlyConfig) -> tuple[Path, pd.DataFrame, bool]:
     """Run the notebooks in order; returns (run folder, status table, all passed)."""
     paths = notebook_paths(cfg.notebooks_dir, cfg.only)
+    if cfg.scale == "full" and resolve_device(cfg.device) == "cpu":
+        raise ValueError("scale 'full' runs the Qwen3-1.7B shape and 600 GRPO steps: it needs a GPU (in Triton's "
+                         "CPU interpreter it would take days); use --scale smoke or auto on this machine")
     smoke = cfg.scale == "smoke" or (cfg.scale == "auto" and resolve_device(cfg.device) == "cpu")
     scale = "smoke" if smoke else "full"
     folder = run_folder(cfg.out_root)
