@@ -2,7 +2,8 @@
 # One call on the GPU machine: the `gpu` tests, then the benchmarks, then short tables.
 # Usage (repo root, on a CUDA host with torch + triton + pytest):  bash scripts/gpu_check.sh
 # A tree copied without .git can name its commit: WORKBENCH_GIT_SHA=<sha> bash scripts/gpu_check.sh
-# BENCHES="generate" runs only bench/bench_generate.py (default: kernels model generate).
+# BENCHES="generate" runs only bench/bench_generate.py, BENCHES="" none, BENCHES="rl" the ON/OFF GRPO
+# experiment (default when unset: kernels model generate).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out="${OUT:-runs/gpu_check}"
@@ -12,7 +13,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25
 tests_rc=${PIPESTATUS[0]}
 bench_rc=0
-for b in ${BENCHES:-kernels model generate}; do
+for b in ${BENCHES-kernels model generate}; do
   python3 "bench/bench_$b.py" --out "$out/bench_$b.md" > "$out/bench_$b.log" 2>&1 || bench_rc=1
   cat "$out/bench_$b.md" 2>/dev/null || tail -30 "$out/bench_$b.log"
 done
