@@ -104,3 +104,16 @@ def test_bad_nightly_inputs(tmp_path):
     folder, status, passed = run_nightly(NightlyConfig(scale="smoke", device="cpu", out_root=str(tmp_path / "r"),
                                                        notebooks_dir=str(tmp_path), progress=False))
     assert not passed and "lacks ['device', 'run_dir', 'smoke']" in status.error[0]
+
+
+def test_the_plots_notebook_redraws_any_run(tmp_path):
+    rows = [{"step": s, "metric": "reward_mean", "value": s / 10, "variant": v, "seed": 0}
+            for s in (1, 2, 3) for v in ("invariant", "standard")]
+    import pandas as pd
+
+    pd.DataFrame(rows).to_csv(tmp_path / "old.csv", index=False)
+    folder, status, passed = run_nightly(NightlyConfig(scale="smoke", device="cpu", out_root=str(tmp_path / "r"),
+                                                       only=("05",), metrics=str(tmp_path / "old.csv"),
+                                                       progress=False))
+    assert passed and (folder / "figures" / "on_off.png").exists()
+    assert yaml.safe_load((folder / "params" / "05_on_off_plots.yaml").read_text())["metrics"].endswith("old.csv")

@@ -42,6 +42,8 @@ class NightlyConfig:
     """Run only these notebooks (numbers such as 01 04, or names); empty: all, in order."""
     policy: str = ""
     """A starting checkpoint for the RL notebook (empty: it trains its own)."""
+    metrics: str = ""
+    """A metrics table (or a run folder) for the plots notebook to draw instead of this run's."""
     cell_timeout: int = 3600
     """Seconds a single cell may run before it counts as failed."""
     progress: bool = True
@@ -83,6 +85,8 @@ def _parameters(path: Path, declared: dict, cfg: NightlyConfig, smoke: bool, run
     offered = {"smoke": smoke, "device": cfg.device, "run_dir": str(run_dir.resolve())}
     if cfg.policy:
         offered["policy"] = cfg.policy
+    if cfg.metrics:
+        offered["metrics"] = str(Path(cfg.metrics).resolve())
     missing = {"smoke", "device", "run_dir"} - set(declared)
     if missing:
         raise ValueError(f"{path.name}: its parameters cell lacks {sorted(missing)}")
