@@ -145,19 +145,22 @@ def summarize_on_off(table: pd.DataFrame, window: int = 10) -> pd.DataFrame:
         w = min(window, (steps.max() - steps.min() + 1) // 2)
         first, last = by[steps <= steps.min() + w - 1], by[steps >= steps.max() - w + 1]
         warm = by[steps > steps.min()] if steps.max() > steps.min() else by
+        def col(frame, name):  # a table without some metric (an older run) summarizes it as NaN
+            return frame[name] if name in frame else pd.Series(float("nan"), index=frame.index)
+
         rows.append({
             "variant": variant,
             "runs": by.index.get_level_values("seed").nunique(),
             "steps": int(steps.max()),
-            "reward_first": first["reward_mean"].mean() if w else float("nan"),
-            "reward_last": last["reward_mean"].mean() if w else float("nan"),
-            "reward_gain": last["reward_mean"].mean() - first["reward_mean"].mean() if w else float("nan"),
-            "steps_with_differing_tokens": int((by["parity_tokens_differing"] > 0).sum()),
-            "tokens_differing_total": int(by["parity_tokens_differing"].sum()),
-            "parity_max_abs_diff": by["parity_max_abs_diff"].max(),
-            "step_s_median": warm["time_step"].median(),
-            "generate_s_median": warm["time_generate"].median(),
-            "train_s_median": warm["time_train"].median(),
+            "reward_first": col(first, "reward_mean").mean() if w else float("nan"),
+            "reward_last": col(last, "reward_mean").mean() if w else float("nan"),
+            "reward_gain": col(last, "reward_mean").mean() - col(first, "reward_mean").mean() if w else float("nan"),
+            "steps_with_differing_tokens": int((col(by, "parity_tokens_differing") > 0).sum()),
+            "tokens_differing_total": col(by, "parity_tokens_differing").sum(),
+            "parity_max_abs_diff": col(by, "parity_max_abs_diff").max(),
+            "step_s_median": col(warm, "time_step").median(),
+            "generate_s_median": col(warm, "time_generate").median(),
+            "train_s_median": col(warm, "time_train").median(),
         })
     out = pd.DataFrame(rows)
     if {"invariant", "standard"} <= set(out.variant):
