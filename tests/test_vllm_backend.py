@@ -13,13 +13,12 @@ from workbench.__main__ import main
 from workbench.generation.vllm_backend import (
     BackendUnavailable,
     VLLMGenerator,
-    checksum,
     from_vllm_layout,
     request_seed,
     require_vllm,
     to_vllm_layout,
 )
-from workbench.models import build
+from workbench.models import build, weights_checksum
 
 
 def test_layout_fuses_qkv_and_gate_up_and_round_trips():
@@ -35,11 +34,11 @@ def test_layout_fuses_qkv_and_gate_up_and_round_trips():
     assert not any(k.endswith((".q_proj.weight", ".gate_proj.weight", ".up_proj.weight")) for k in fused)
     back = from_vllm_layout(fused, {k: tuple(v.shape) for k, v in state.items()})
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
-    assert checksum(back) == checksum(state)
+    assert weights_checksum(back) == weights_checksum(state)
     changed = dict(state)
     changed["model.norm.weight"] = state["model.norm.weight"].clone()
     changed["model.norm.weight"][0] += 1
-    assert checksum(changed) != checksum(state)
+    assert weights_checksum(changed) != weights_checksum(state)
     with pytest.raises(KeyError, match="missing beside"):
         to_vllm_layout({"a.q_proj.weight": torch.ones(1)})
 

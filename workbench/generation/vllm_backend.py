@@ -23,13 +23,13 @@ says what is missing.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from pathlib import Path
 
 import torch
 
+from ..models import weights_checksum
 from .generator import Completion, GenerationOutput
 from .sampling import SamplingParams
 
@@ -100,15 +100,6 @@ def from_vllm_layout(state: dict[str, torch.Tensor], shapes: dict[str, tuple[int
         for part, n in zip(torch.split(t, [shapes[n][0] for n in names], dim=0), names):
             out[n] = part
     return out
-
-
-def checksum(state: dict[str, torch.Tensor]) -> str:
-    """sha256 over the tensors' bytes in name order (the trainer's `weights_checksum`, on any layout)."""
-    h = hashlib.sha256()
-    for name in sorted(state):
-        h.update(name.encode())
-        h.update(state[name].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def request_seed(seed: int, request_id: int) -> int:
@@ -183,14 +174,14 @@ class VLLMGenerator:
 
     def weights_checksum(self) -> str:
         """sha256 of vLLM's own parameters (fused layout, tied weights once)."""
-        return checksum(dict(self.model().named_parameters()))
+        return weights_checksum(dict(self.model().named_parameters()))
 
     @staticmethod
     def expected_checksum(state: dict[str, torch.Tensor], tied: bool) -> str:
         layout = to_vllm_layout(state)
         if tied:
             layout.pop("lm_head.weight", None)
-        return checksum(layout)
+        return weights_checksum(layout)
 
     @torch.no_grad()
     def load_weights(self, state: dict[str, torch.Tensor]) -> float:

@@ -9,6 +9,7 @@ from .checkpoint import (
     save_pretrained,
     split_gate_up,
     titan_to_hf,
+    weights_checksum,
 )
 from .qwen3 import SIZES, KVCache, Qwen3Config, Qwen3ForCausalLM, build, config, copy_weights
 
@@ -28,4 +29,5 @@ __all__ = [
     "save_pretrained",
     "split_gate_up",
     "titan_to_hf",
+    "weights_checksum",
 ]

@@ -7,6 +7,7 @@ possibly a tokenizer; `save_pretrained` writes one that `transformers` loads.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -220,3 +221,12 @@ def split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"a merged gate_up has an even number of rows, got {gate_up.shape[0]}")
     gate, up = gate_up.chunk(2, dim=0)
     return gate, up
+
+
+def weights_checksum(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's bytes, in name order: equal exactly when the weights are bitwise equal."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -21,7 +21,6 @@ seed), also sent to TensorBoard when asked.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -39,7 +38,7 @@ from ..config import check_at_least_one, check_positive
 from ..env import resolve_device
 from ..generation import SamplingParams, generate, parity_summary, parity_table, sampled_logprobs
 from ..kernels import entropy, mode
-from ..models import build, copy_weights, load_pretrained, load_tokenizer, save_pretrained
+from ..models import build, copy_weights, load_pretrained, load_tokenizer, save_pretrained, weights_checksum
 from .losses import AGGREGATIONS, LossConfig, aggregate, get_loss, group_advantages, importance_weights, kl_estimate
 from .policy import PolicyConfig, train_policy
 from .tasks import TASKS, make_task
@@ -140,15 +139,6 @@ class TrainConfig:
             raise ValueError(f"policy_lag must be 0 (synchronous) or 1 (one step behind), got {self.policy_lag}")
         if self.policy_lag and self.sync != "copy":
             raise ValueError("policy_lag=1 keeps the generator's weights apart from the trainer's: use sync='copy'")
-
-
-def weights_checksum(state: dict[str, torch.Tensor]) -> str:
-    """sha256 over every tensor's bytes, in name order."""
-    h = hashlib.sha256()
-    for name, p in sorted(state.items()):
-        h.update(name.encode())
-        h.update(p.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def layer_group(name: str) -> str:
