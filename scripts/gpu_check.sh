@@ -3,15 +3,21 @@
 # Usage (repo root, on a CUDA host with torch + triton + pytest):  bash scripts/gpu_check.sh
 # A tree copied without .git can name its commit: WORKBENCH_GIT_SHA=<sha> bash scripts/gpu_check.sh
 # BENCHES="generate" runs only bench/bench_generate.py, BENCHES="" none, BENCHES="rl" the ON/OFF GRPO
-# experiment (default when unset: kernels model generate).
+# experiment, BENCHES="vllm" the vLLM backends (default when unset: kernels model generate).
+# TESTS="tests/test_gpu_vllm.py" runs only those `gpu` tests, TESTS="" none (default: all of tests/).
+# vLLM tests and benchmarks run where `import vllm` works (e.g. PYTHONPATH=/path/to/unpacked/vllm).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out="${OUT:-runs/gpu_check}"
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25
-tests_rc=${PIPESTATUS[0]}
+tests_rc=0
+if [ -n "${TESTS-tests}" ]; then
+  # shellcheck disable=SC2086
+  python3 -m pytest -q -m gpu ${TESTS-tests} -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -40
+  tests_rc=${PIPESTATUS[0]}
+fi
 bench_rc=0
 for b in ${BENCHES-kernels model generate}; do
   python3 "bench/bench_$b.py" --out "$out/bench_$b.md" > "$out/bench_$b.log" 2>&1 || bench_rc=1

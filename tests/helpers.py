@@ -57,3 +57,44 @@ def check_against_fp64(op, args: tuple, on_gpu: bool) -> None:
     for i, g, rg in zip(op.grad_args, grads, ref_grads):
         assert g.dtype == args[i].dtype, f"{op.name}: grad of arg {i} has dtype {g.dtype}"
         assert rel_err(g, rg) < 3 * tolerance(g.dtype, on_gpu), f"{op.name}: grad of arg {i}"
+
+
+class PagedSim:
+    """A toy of vLLM's KV-cache manager: per-layer page pools (NaN-poisoned, page ids handed out in a
+    random order) and flattened steps over several sequences, for `Qwen3ForCausalLM.hidden_states_paged`
+    and `attention_paged`."""
+
+    def __init__(self, layers: int, n_pages: int, page_size: int, kv_heads: int, head_dim: int,
+                 device="cpu", dtype=torch.bfloat16, seed: int = 0):
+        shape = (n_pages, page_size, kv_heads, head_dim)
+        self.pages = [(torch.full(shape, float("nan"), device=device, dtype=dtype),
+                       torch.full(shape, float("nan"), device=device, dtype=dtype)) for _ in range(layers)]
+        self.free = torch.randperm(n_pages, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.page_size, self.device = page_size, device
+        self.tables: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    def step(self, chunks: list[tuple[int, list[int]]]):
+        """(input_ids [N], positions [N], PagedKVCache) for these (sequence, new tokens) chunks."""
+        from workbench.models.qwen3 import PagedKVCache
+
+        ids, pos, slots, cu, kv = [], [], [], [0], []
+        for seq, tokens in chunks:
+            start = self.lens.get(seq, 0)
+            table = self.tables.setdefault(seq, [])
+            while len(table) * self.page_size < start + len(tokens):
+                table.append(self.free.pop())
+            for i, t in enumerate(tokens):
+                p = start + i
+                ids.append(t)
+                pos.append(p)
+                slots.append(table[p // self.page_size] * self.page_size + p % self.page_size)
+            self.lens[seq] = start + len(tokens)
+            cu.append(cu[-1] + len(tokens))
+            kv.append(self.lens[seq])
+        width = max(len(self.tables[s]) for s, _ in chunks)
+        table = [self.tables[s] + [0] * (width - len(self.tables[s])) for s, _ in chunks]
+        as_t = lambda x, dt: torch.tensor(x, device=self.device, dtype=dt)  # noqa: E731
+        cache = PagedKVCache(self.pages, as_t(cu, torch.int32), as_t(kv, torch.int32), as_t(table, torch.int32),
+                             as_t(slots, torch.int64), max(len(t) for _, t in chunks))
+        return as_t(ids, torch.long), as_t(pos, torch.long), cache

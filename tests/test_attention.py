@@ -1,8 +1,9 @@
 """The attention kernel's invariance triangle on CPU (interpreter): training forward == prefill == decode."""
 
+import pytest
 import torch
 
-from workbench.kernels import attention, attention_with_cache, mode
+from workbench.kernels import attention, attention_paged, attention_with_cache, mode, paged_kv_write
 
 
 def test_training_prefill_decode_bitwise_with_a_poisoned_cache():
@@ -37,3 +38,60 @@ def test_standard_cache_path_matches_training_closely():
         train = attention(q, k, v, lens)
         cached = attention_with_cache(q, k, v, torch.zeros(2, dtype=torch.int32), lens)
     assert torch.allclose(train, cached, atol=1e-6)
+
+
+def _paged(k, v, lens, page_size, seed=0):
+    """Every sequence's keys written into shuffled, NaN-poisoned pages by `paged_kv_write`."""
+    from helpers import PagedSim
+
+    sim = PagedSim(1, 16, page_size, k.shape[2], k.shape[3], dtype=k.dtype, seed=seed)
+    for i, n in enumerate(lens.tolist()):
+        _, _, cache = sim.step([(i, list(range(n)))])
+        paged_kv_write(k[i, :n], v[i, :n], *sim.pages[0], cache.slots)
+    return sim
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 32])
+def test_paged_attention_is_the_training_forward_bitwise(page_size):
+    g = torch.Generator().manual_seed(2)
+    b, t, hq, hkv, d = 3, 21, 4, 2, 16
+    q = torch.randn(b, t, hq, d, generator=g).bfloat16()
+    k = torch.randn(b, t, hkv, d, generator=g).bfloat16()
+    v = torch.randn(b, t, hkv, d, generator=g).bfloat16()
+    lens = torch.tensor([21, 6, 17], dtype=torch.int32)
+    train = attention(q, k, v, lens)
+    sim = _paged(k, v, lens, page_size)
+    kp, vp = sim.pages[0]
+    table = torch.tensor([sim.tables[i] + [0] * (8 - len(sim.tables[i])) for i in range(b)], dtype=torch.int32)
+    # One flattened prefill of all three sequences.
+    flat = torch.cat([q[i, :n] for i, n in enumerate(lens.tolist())])
+    cu = torch.tensor([0, 21, 27, 44], dtype=torch.int32)
+    out = attention_paged(flat, kp, vp, table, cu, lens, 21)
+    assert torch.equal(out, torch.cat([train[i, :n] for i, n in enumerate(lens.tolist())]))
+    # Decode-like rows (one query each, at positions 13, 2, 16) and a chunk (sequence 0 from 8 on).
+    pos = [13, 2, 16]
+    one = attention_paged(torch.stack([q[i, p] for i, p in enumerate(pos)]), kp, vp, table,
+                          torch.arange(4, dtype=torch.int32), torch.tensor(pos, dtype=torch.int32) + 1, 1)
+    assert all(torch.equal(one[i], train[i, p]) for i, p in enumerate(pos))
+    chunk = attention_paged(q[0, 8:], kp, vp, table[:1], torch.tensor([0, 13], dtype=torch.int32),
+                            torch.tensor([21], dtype=torch.int32), 13)
+    assert torch.equal(chunk, train[0, 8:])
+
+
+def test_paged_attention_standard_mode_is_close_and_bad_input_is_named():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 9, h, 16, generator=g) for h in (4, 2, 2))
+    lens = torch.tensor([9, 5], dtype=torch.int32)
+    sim = _paged(k, v, lens, 4)
+    kp, vp = sim.pages[0]
+    table = torch.tensor([sim.tables[0], sim.tables[1] + [0]], dtype=torch.int32)
+    flat = torch.cat([q[0], q[1, :5]])
+    cu = torch.tensor([0, 9, 14], dtype=torch.int32)
+    with mode("standard"):
+        ref = attention(q, k, v, lens)
+        out = attention_paged(flat, kp, vp, table, cu, lens, 9)
+    assert torch.allclose(out, torch.cat([ref[0], ref[1, :5]]), atol=1e-6)
+    with pytest.raises(ValueError, match="block_table"):
+        attention_paged(flat, kp, vp, table[:1], cu, lens, 9)
+    with pytest.raises(ValueError, match=r"\[tokens, Hq, D\]"):
+        attention_paged(flat[None], kp, vp, table, cu, lens, 9)

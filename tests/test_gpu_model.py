@@ -110,3 +110,44 @@ def test_gpu_model_matches_transformers(tmp_path):
         back = load_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16, device="cuda")
         with mode("standard"):
             assert rel_err(back(ids), hf.to(torch.bfloat16)(ids).logits) < 3e-2
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_gpu_paged_steps_equal_the_training_forward_bitwise(page_size):
+    """vLLM's way of running a model (flattened steps mixing prefills, a chunked prefill and decodes over
+    shuffled pages) at the 1.7B shape with 4 layers: every token's hidden state is the training forward's,
+    and `logprob_rows` of its logits gives the trainer's `token_logprobs` for every vocabulary entry tried."""
+    import dataclasses
+
+    from helpers import PagedSim
+    from workbench.kernels import linear, logprob_rows, token_logprobs
+
+    cfg = dataclasses.replace(config("1.7B"), num_hidden_layers=4)
+    model = build(cfg, device="cuda", seed=0)
+    g = torch.Generator().manual_seed(1)
+    lens = [300, 129, 70, 5]
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
+    sim = PagedSim(cfg.num_hidden_layers, 128, page_size, cfg.num_key_value_heads, cfg.head_dim, device="cuda", seed=2)
+    schedule = [[(0, (0, 200)), (1, (0, 100))],
+                [(0, (200, 290)), (1, (100, 129)), (2, (0, 70)), (3, (0, 3))],
+                *[[(0, (290 + i, 291 + i)), (3, (3 + i, 4 + i))] for i in range(2)],
+                [(0, (292, 300))]]
+    rows = {}
+    with mode("invariant"), torch.no_grad():
+        for step in schedule:
+            ids, pos, cache = sim.step([(s, seqs[s][a:b]) for s, (a, b) in step])
+            hidden = model.hidden_states_paged(ids, pos, cache)
+            for (s, (a, b)), h in zip(step, torch.split(hidden, [b - a for _, (a, b) in step])):
+                rows.update({(s, a + i): h[i] for i in range(b - a)})
+        ids = torch.zeros((4, max(lens)), dtype=torch.long, device="cuda")
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+        train = model.hidden_states(ids, seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"))
+        bad = [k for k, h in rows.items() if not torch.equal(h, train[k])]
+        assert not bad, f"{len(bad)} of {len(rows)} tokens differ, first {bad[:5]}"
+        keys = sorted(rows)[::7]
+        lp = logprob_rows(linear(torch.stack([rows[k] for k in keys]), model.lm_head_weight), 0.8)   # [n, V]
+        logits = linear(train, model.lm_head_weight)
+        for j in torch.randint(0, cfg.vocab_size, (6,), generator=g).tolist():
+            want = token_logprobs(logits, torch.full(ids.shape, j, device="cuda"), 0.8)
+            assert torch.equal(lp[:, j], torch.stack([want[k] for k in keys])), f"vocabulary entry {j}"

@@ -276,3 +276,46 @@ def test_start_positions_need_a_cache():
     model = build("tiny", seed=19)
     with pytest.raises(ValueError, match="need a KV cache"):
         model(_ids(1, 3, TINY.vocab_size, seed=20), start=torch.tensor([2]))
+
+
+def test_paged_steps_give_the_training_forward_bits_and_its_logprobs():
+    """vLLM's way of running a model (`vllm_model.py`), without vLLM: flattened steps mixing a prefill, a
+    chunked prefill and decodes over shuffled pages give each token the training forward's hidden
+    state, and `logprob_rows` of its logits the trainer's `token_logprobs`, bit for bit."""
+    from helpers import PagedSim
+    from workbench.kernels import linear, logprob_rows, token_logprobs
+
+    model = build("tiny", seed=3)
+    cfg = model.config
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (15, 12, 9)]
+    sim = PagedSim(cfg.num_hidden_layers, 32, 8, cfg.num_key_value_heads, cfg.head_dim, seed=1)
+    schedule = [[(0, (0, 11)), (1, (0, 4))],                      # a prefill and the first chunk of another
+                [(1, (4, 7)), (2, (0, 4)), (0, (11, 12))],        # the chunk's rest, a prefill, a decode
+                *[[(s, (n, n + 1)) for s, n in ((0, 12 + i), (1, 7 + i), (2, 4 + i))] for i in range(3)]]
+    rows = {}
+    with torch.no_grad():
+        for step in schedule:
+            ids, pos, cache = sim.step([(s, seqs[s][a:b]) for s, (a, b) in step])
+            hidden = model.hidden_states_paged(ids, pos, cache)
+            for (s, (a, b)), h in zip(step, torch.split(hidden, [b - a for _, (a, b) in step])):
+                for i in range(b - a):
+                    rows[(s, a + i)] = h[i]
+        lens = torch.tensor([len(s) for s in seqs], dtype=torch.int32)
+        ids = torch.zeros((3, 15), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+        train = model.hidden_states(ids, seq_lens=lens)
+        for (s, p), h in rows.items():
+            assert torch.equal(h, train[s, p]), f"sequence {s}, position {p}"
+        keys = sorted(rows)
+        paged_logits = linear(torch.stack([rows[k] for k in keys]), model.lm_head_weight)
+        rolled = torch.roll(ids, -1, 1)
+        targets = torch.stack([rolled[s, p] for s, p in keys])
+        for t in (1.0, 0.7):
+            got = logprob_rows(paged_logits, t).gather(1, targets[:, None])[:, 0]
+            want = token_logprobs(linear(train, model.lm_head_weight), rolled, t)
+            assert torch.equal(got, torch.stack([want[s, p] for s, p in keys]))
+    with mode("standard"):
+        logits = torch.randn(3, 50, generator=g)
+        assert torch.allclose(logprob_rows(logits), torch.log_softmax(logits, -1))

@@ -72,3 +72,80 @@ def test_compare_embedded_is_bitwise_in_invariant_mode(tmp_path, capsys):
     assert (tmp_path / "comparison.csv").exists()
     with pytest.raises(SystemExit):
         main(["compare", "--backend", "sglang"])
+
+
+class _FakeAttention(torch.nn.Module):
+    """Stands in for vLLM's Attention layer: holds the layer's KV cache, as vLLM binds it."""
+
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, cache_config, prefix):
+        super().__init__()
+        self.kv_cache = torch.tensor([])
+        self.prefix = prefix
+
+
+def _fake_vllm(monkeypatch, ctx: dict) -> None:
+    import types
+
+    names = ["vllm", "vllm.forward_context", "vllm.model_executor", "vllm.model_executor.layers",
+             "vllm.model_executor.layers.attention"]
+    mods = {n: types.ModuleType(n) for n in names}
+    mods["vllm.forward_context"].get_forward_context = lambda: ctx["now"]
+    mods["vllm.model_executor.layers.attention"].Attention = _FakeAttention
+    for n, m in mods.items():
+        monkeypatch.setitem(sys.modules, n, m)
+
+
+def test_workbench_model_in_a_fake_vllm_gives_the_trainer_bits(monkeypatch):
+    """The vLLM glue of `vllm_model.py` on CPU, vLLM replaced by fakes of what it hands the model:
+    FlashAttention's cache layout and metadata, a profiling run without metadata, weight loading."""
+    from types import SimpleNamespace
+
+    from helpers import PagedSim
+    from workbench.generation.vllm_model import WorkbenchQwen3ForCausalLM
+    from workbench.kernels import linear, token_logprobs
+    from workbench.models.checkpoint import config_to_hf
+
+    ctx = {}
+    _fake_vllm(monkeypatch, ctx)
+    trainer = build("tiny", dtype=torch.bfloat16, seed=5)
+    cfg = trainer.config
+    hf = config_to_hf(cfg, torch.bfloat16)
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: hf)),
+                                  cache_config=None)
+    model = WorkbenchQwen3ForCausalLM(vllm_config=vllm_config).to(torch.bfloat16)
+    assert model.load_weights(trainer.state_dict().items()) == set(dict(model.named_parameters()))
+    with pytest.raises(KeyError, match="does not"):
+        model.load_weights([("model.layers.9.mlp.up_proj.weight", torch.ones(1))])
+    # FlashAttention's layout: logical (pages, Hkv, page, 2D), stored page-major as (pages, page, Hkv, 2D).
+    for layer in model.model.layers:
+        store = torch.full((24, 16, cfg.num_key_value_heads, 2 * cfg.head_dim), float("nan"), dtype=torch.bfloat16)
+        layer.self_attn.attn.kv_cache = store.permute(0, 2, 1, 3)
+    ctx["now"] = SimpleNamespace(attn_metadata=None, slot_mapping={})
+    assert model(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2])).shape == (3, cfg.hidden_size)  # profiling
+
+    g = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (20, 9)]
+    sim = PagedSim(1, 24, 16, cfg.num_key_value_heads, cfg.head_dim, seed=2)
+    rows = {}
+    with torch.no_grad():
+        for step in ([(0, (0, 12)), (1, (0, 9))], [(0, (12, 19))], [(0, (19, 20))]):
+            ids, pos, cache = sim.step([(s, seqs[s][a:b]) for s, (a, b) in step])
+            meta = SimpleNamespace(query_start_loc=cache.cu_q, seq_lens=cache.kv_len, block_table=cache.block_table,
+                                   slot_mapping=cache.slots, max_query_len=cache.max_q)
+            ctx["now"] = SimpleNamespace(attn_metadata={n: meta for n in model.layer_names},
+                                         slot_mapping={n: cache.slots for n in model.layer_names})
+            hidden = model(ids, pos)
+            last = cache.cu_q[1:].long() - 1
+            lp_rows = model.compute_logits(hidden[last])
+            for i, (s, (a, b)) in enumerate(step):
+                rows[(s, b - 1)] = (hidden[last[i]], lp_rows[i])
+        lens = torch.tensor([20, 9], dtype=torch.int32)
+        ids = torch.zeros((2, 20), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+        hidden = trainer.hidden_states(ids, seq_lens=lens)
+        logits = linear(hidden, trainer.lm_head_weight)
+        for (s, p), (h, lp) in rows.items():
+            assert torch.equal(h, hidden[s, p]), f"sequence {s}, position {p}"
+            tok = torch.tensor([int(lp.argmax())])
+            assert torch.equal(lp[tok], token_logprobs(logits[s, p][None], tok))

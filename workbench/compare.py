@@ -1,10 +1,11 @@
 """Generator vs trainer on one prompt, token by token (the seed system's "run_comparison").
 
-Generate N tokens with a backend (the embedded generator, or vLLM), then recompute their
-log-probs with the trainer's forward in the chosen kernel mode, and report per token the id,
-both log-probs in decimal and as fp32 bits in hex, the difference, a mark, and the bitwise
-summary. Both sides score the model's own distribution (temperature 1, no truncation), which is
-what vLLM returns as its log-probs.
+Generate N tokens with a backend (the embedded generator, or vLLM running the workbench model or
+its own), then recompute their log-probs with the trainer's forward in the chosen kernel mode, and
+report per token the id, both log-probs in decimal and as fp32 bits in hex, the difference, a mark,
+and the bitwise summary. Both sides score the model's own distribution (temperature 1), except
+at another temperature with a backend that reports the tempered log-probs (the embedded
+generator, vLLM running the workbench model): then both score the distribution sampled from.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class CompareConfig:
     """Sampling temperature (0: greedy)."""
     seed: int = 0
     """Sampling seed."""
+    model_impl: str = "workbench"
+    """vllm backend: 'workbench' (vLLM runs the workbench model and kernels) or 'vllm' (vLLM's own Qwen3)."""
     batch_invariant: bool = True
     """vllm backend: run vLLM with VLLM_BATCH_INVARIANT=1."""
     gpu_memory_utilization: float = 0.3
@@ -53,6 +56,8 @@ class CompareConfig:
             raise ValueError(f"backend must be 'embedded' or 'vllm', got {self.backend!r}")
         if self.kernel_mode not in ("invariant", "standard"):
             raise ValueError(f"kernel_mode must be 'invariant' or 'standard', got {self.kernel_mode!r}")
+        if self.model_impl not in ("workbench", "vllm"):
+            raise ValueError(f"model_impl must be 'workbench' or 'vllm', got {self.model_impl!r}")
         if self.tokens < 1:
             raise ValueError(f"tokens must be >= 1, got {self.tokens}")
 
@@ -99,15 +104,18 @@ def compare(cfg: CompareConfig) -> pd.DataFrame:
         from .generation.vllm_backend import VLLMGenerator
 
         engine = VLLMGenerator(path, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                               batch_invariant=cfg.batch_invariant, seed=cfg.seed)
+                               batch_invariant=cfg.batch_invariant, seed=cfg.seed, model_impl=cfg.model_impl,
+                               kernel_mode=cfg.kernel_mode)
         out = engine.generate([prompt], params)
     else:
         with mode(cfg.kernel_mode):
             out = generate(model, [prompt], params)
     tokens = [c.tokens for c in out.completions]
+    tempered = cfg.temperature not in (0, 1) and (cfg.backend == "embedded" or cfg.model_impl == "workbench")
     with mode(cfg.kernel_mode):
-        recomputed = trainer_logprobs(model, [prompt], tokens)
-    table = parity_table([c.logprobs for c in out.completions], recomputed, tokens)
+        recomputed = trainer_logprobs(model, [prompt], tokens, params if tempered else None)
+    table = parity_table([c.sampled_logprobs if tempered else c.logprobs for c in out.completions], recomputed,
+                         tokens)
     Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
     table.to_csv(Path(cfg.out_dir) / "comparison.csv", index=False)
     return table

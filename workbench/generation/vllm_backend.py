@@ -1,21 +1,25 @@
 """vLLM as an optional rollout backend, with the embedded generator's interface.
 
 `VLLMGenerator(checkpoint)` runs vLLM's offline `LLM` in this process, on this GPU, beside the
-trainer (a configurable share of the GPU memory). In `batch_invariant` mode it sets
-`VLLM_BATCH_INVARIANT=1` before vLLM is imported, as vLLM requires. `generate` returns the same
-`GenerationOutput` as the embedded generator:
-- the tokens, the fp32 log-probs of each sampled token under the model's own distribution
-  (vLLM's raw log-probs), and the finish reasons;
-- per-request seeds derived from (seed, request id), so a request samples the same tokens
-  whatever batch it is in. vLLM's random numbers are not the embedded generator's, so the two
-  backends sample different tokens.
+trainer (a configurable share of the GPU memory), in one of two model implementations:
+- `model_impl='workbench'` (the default): vLLM runs the workbench's own Qwen3 and kernels
+  (`vllm_model.py`), so in `invariant` mode its log-probs are the trainer's, bit for bit, at any
+  batch, chunking or paging. vLLM keeps its scheduler, paged KV cache and random draws.
+- `model_impl='vllm'`: vLLM's own Qwen3 and kernels. Its batch-invariant mode makes a request's
+  result independent of its batch, but not equal to the trainer's (other kernels): the control.
+
+`batch_invariant` sets `VLLM_BATCH_INVARIANT=1` before vLLM is imported, as vLLM requires.
+`generate` returns the same `GenerationOutput` as the embedded generator: the tokens, fp32
+log-probs of each sampled token, finish reasons; per-request seeds derived from (seed, request
+id), so a request samples the same tokens whatever batch it is in. vLLM's random numbers are not
+the embedded generator's, so the two backends sample different tokens.
 
 Weight sync without a restart: `load_weights(state)` hands the trainer's bf16 tensors (Hugging
-Face names) to the running model's `load_weights`, which fuses q/k/v and gate/up as it stores
-them. `load_checkpoint(path)` does the same from a safetensors checkpoint on disk, as an
-external engine would. After each sync, `weights_checksum()` hashes vLLM's own parameters, and
-`expected_checksum(state)` hashes the trainer's tensors in vLLM's layout (`to_vllm_layout`), so a
-sync is verified bit for bit.
+Face names) to the running model's `load_weights` (vLLM's own model fuses q/k/v and gate/up as it
+stores them). `load_checkpoint(path)` does the same from a safetensors checkpoint on disk, as an
+external engine would. After each sync `weights_checksum()` hashes the engine's parameters and
+`expected_checksum(state)` the trainer's tensors in the engine's layout, so a sync is verified
+bit for bit.
 
 The workbench imports and works without vLLM; only constructing a `VLLMGenerator` needs it, and
 says what is missing.
@@ -29,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from ..kernels import mode
 from ..models import weights_checksum
 from .generator import Completion, GenerationOutput
 from .sampling import SamplingParams
@@ -107,11 +112,17 @@ def request_seed(seed: int, request_id: int) -> int:
     return (seed * 1_000_003 + request_id) % (2**31 - 1)
 
 
+MODEL_IMPLS = ("workbench", "vllm")
+
+
 class VLLMGenerator:
-    """vLLM's offline engine over a Hugging Face checkpoint, in this process."""
+    """vLLM's offline engine over a Hugging Face Qwen3 checkpoint, in this process."""
 
     def __init__(self, checkpoint: str | Path, gpu_memory_utilization: float = 0.3, batch_invariant: bool = True,
-                 max_model_len: int = 4096, enforce_eager: bool = False, seed: int = 0):
+                 max_model_len: int = 4096, enforce_eager: bool = False, seed: int = 0,
+                 model_impl: str = "workbench", kernel_mode: str = "invariant"):
+        if model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
         if not Path(checkpoint, "config.json").exists():
             raise FileNotFoundError(f"vllm backend: no Hugging Face checkpoint (config.json) in {checkpoint}")
         if not 0 < gpu_memory_utilization < 1:
@@ -125,12 +136,23 @@ class VLLMGenerator:
         import vllm
 
         self.batch_invariant = batch_invariant
+        self.model_impl = model_impl
         self.seed = seed
         # Prompts come as token ids; a checkpoint without tokenizer files needs none.
         self.has_tokenizer = any(Path(checkpoint, f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
-        self.llm = vllm.LLM(model=str(checkpoint), dtype="bfloat16", gpu_memory_utilization=gpu_memory_utilization,
-                            max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
-                            enable_prefix_caching=False, skip_tokenizer_init=not self.has_tokenizer)
+        options = dict(model=str(checkpoint), dtype="bfloat16", gpu_memory_utilization=gpu_memory_utilization,
+                       max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
+                       enable_prefix_caching=False, skip_tokenizer_init=not self.has_tokenizer)
+        if model_impl == "workbench":
+            from . import vllm_model
+
+            vllm_model.register()
+            # Eager: our kernels launch from Python (no torch.compile, no CUDA graphs of vLLM's);
+            # FlashAttention's metadata and cache layout are the ones `vllm_model` reads.
+            options.update(hf_overrides={"architectures": [vllm_model.ARCHITECTURE]}, logprobs_mode="raw_logits",
+                           enforce_eager=True, attention_config={"backend": "FLASH_ATTN"})
+        with mode(kernel_mode):  # the workbench model keeps the mode it is built in
+            self.llm = vllm.LLM(**options)
         self._vllm = vllm
 
     def model(self) -> torch.nn.Module:
@@ -150,9 +172,25 @@ class VLLMGenerator:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  request_ids: list[int] | None = None) -> GenerationOutput:
+        """Sample a completion per prompt. Log-probs, by model_impl:
+
+        - workbench: `sampled_logprobs` are the trainer's log-probs of the distribution sampled from
+          (softmax(logits / T)); `logprobs` (temperature 1) equal them at T = 1 and for greedy
+          decoding, and are NaN otherwise. No top-k / top-p (vLLM's truncation is not ours).
+        - vllm: vLLM's raw log-probs (temperature 1); `sampled_logprobs` equal them only at T = 1
+          without truncation, and are NaN otherwise.
+        """
         ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
+        temperature, ours = params.temperature, self.model_impl == "workbench"
+        if ours:
+            if params.top_k or params.top_p < 1:
+                raise ValueError("the workbench model in vLLM samples without top-k / top-p (vLLM would truncate "
+                                 "with its own arithmetic); use the embedded generator for truncated sampling")
+            # The model's rows are tempered log-probs already: vLLM samples them at temperature 1.
+            self.model().sampling_temperature = temperature if temperature > 0 else 1.0
+            temperature = 1.0 if temperature > 0 else 0.0
         sp = [self._vllm.SamplingParams(
-            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
+            temperature=temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
             max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids), logprobs=0,
             seed=request_seed(params.seed, r), ignore_eos=not params.stop_token_ids, detokenize=self.has_tokenizer,
         ) for r in ids]
@@ -164,23 +202,28 @@ class VLLMGenerator:
             c = out.outputs[0]
             tokens = list(c.token_ids)
             lp = torch.tensor([c.logprobs[i][t].logprob for i, t in enumerate(tokens)], dtype=torch.float32)
-            # vLLM returns the raw model log-probs; they are the sampled distribution's only at T=1, untruncated.
-            untouched = params.temperature == 1 and params.top_k == 0 and params.top_p == 1
-            sampled = lp.clone() if untouched else torch.full_like(lp, float("nan"))
-            completions.append(Completion(request_id=r, prompt=list(prompt), tokens=tokens, logprobs=lp,
+            nan = torch.full_like(lp, float("nan"))
+            if params.greedy:
+                raw, sampled = lp, torch.zeros_like(lp)
+            elif ours:
+                raw, sampled = (lp.clone() if params.temperature == 1 else nan), lp
+            else:
+                untouched = params.temperature == 1 and params.top_k == 0 and params.top_p == 1
+                raw, sampled = lp, (lp.clone() if untouched else nan)
+            completions.append(Completion(request_id=r, prompt=list(prompt), tokens=tokens, logprobs=raw,
                                           sampled_logprobs=sampled,
                                           finish_reason="stop" if c.finish_reason == "stop" else "length"))
         return GenerationOutput(completions, prefill_s=0.0, decode_s=seconds, steps=params.max_new_tokens)
 
     def weights_checksum(self) -> str:
-        """sha256 of vLLM's own parameters (fused layout, tied weights once)."""
+        """sha256 of the engine model's parameters (its layout; tied weights once)."""
         return weights_checksum(dict(self.model().named_parameters()))
 
-    @staticmethod
-    def expected_checksum(state: dict[str, torch.Tensor], tied: bool) -> str:
-        layout = to_vllm_layout(state)
-        if tied:
-            layout.pop("lm_head.weight", None)
+    def expected_checksum(self, state: dict[str, torch.Tensor]) -> str:
+        """The checksum the engine shows once it holds `state` (HF names): fused for vLLM's own model."""
+        layout = to_vllm_layout(state) if self.model_impl == "vllm" else dict(state)
+        if "lm_head.weight" not in dict(self.model().named_parameters()):
+            layout.pop("lm_head.weight", None)  # tied to the embedding
         return weights_checksum(layout)
 
     @torch.no_grad()

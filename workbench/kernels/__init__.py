@@ -6,9 +6,9 @@ interpreter before any kernel is decorated.
 
 from . import _common  # noqa: F401  (must come first)
 from .registry import REGISTRY, Op  # before the op functions below shadow their modules' names
-from .attention import attention, attention_with_cache
+from .attention import attention, attention_paged, attention_with_cache, paged_kv_write
 from .cumsum import row_cumsum
-from .logprobs import entropy, logsumexp, token_logprobs, token_logprobs_and_entropy
+from .logprobs import entropy, logprob_rows, logsumexp, token_logprobs, token_logprobs_and_entropy
 from .matmul import linear, matmul_config
 from .mode import MODES, current_state, get_mode, mode, set_mode
 from .rmsnorm import rms_norm
@@ -21,14 +21,17 @@ __all__ = [
     "Op",
     "apply_rope",
     "attention",
+    "attention_paged",
     "attention_with_cache",
     "current_state",
     "entropy",
     "get_mode",
     "linear",
+    "logprob_rows",
     "logsumexp",
     "matmul_config",
     "mode",
+    "paged_kv_write",
     "rms_norm",
     "rope_cos_sin",
     "row_cumsum",

@@ -112,6 +112,18 @@ def _logprobs_bwd_kernel(
     tl.store(dx_ptr + row * stride_dx + cols, (dx * inv_t).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _logprob_rows_kernel(x_ptr, stats_ptr, out_ptr, stride_x, stride_o, V, scale, n_rows, BLOCK_V: tl.constexpr):
+    # The combine kernel's token expression, for every column: (x2 - lse2) * ln2 with the same lse2.
+    LN2: tl.constexpr = 0.6931471805599453
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < V
+    x2 = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32) * scale
+    lse2 = tl.load(stats_ptr + 2 * n_rows + row)
+    tl.store(out_ptr + row * stride_o + cols, (x2 - lse2) * LN2, mask=mask)
+
+
 _LOG2E = math.log2(math.e)
 
 # Fixed per machine kind, never a function of the rows (bench/tune_rowwise.py chose the GPU one).
@@ -238,6 +250,31 @@ def logsumexp(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     x2 = rows_view("logsumexp", "logits", logits.detach())
     out = _stats(x2, torch.zeros(x2.shape[0], dtype=torch.int64, device=x2.device), temperature, False)
     return (out[2] * math.log(2.0)).view(logits.shape[:-1])
+
+
+def logprob_rows(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """fp32 log softmax(logits / T) over the whole vocabulary, [..., V], no gradient.
+
+    Invariant mode: each entry is the bits `token_logprobs` gives for that token (same lse, same
+    expression), so a sampler that draws from these rows reports the trainer's log-probs. For
+    samplers that need full rows (vLLM); the trainer itself never materialises them.
+    Standard mode: torch.log_softmax in fp32.
+    """
+    _check(logits, None, temperature)
+    if get_mode("token_logprobs") == "standard":
+        return torch.log_softmax(logits.float() / temperature, dim=-1)
+    check_device("logprob_rows", logits)
+    x2 = rows_view("logprob_rows", "logits", logits.detach())
+    r, v = x2.shape
+    stats = _stats(x2, torch.zeros(r, dtype=torch.int64, device=x2.device), temperature, False)
+    out = torch.empty((r, v), device=x2.device, dtype=torch.float32)
+    cfg = _config()
+    if r > 0:
+        _logprob_rows_kernel[(r, triton.cdiv(v, cfg["backward_block_v"]))](
+            x2, stats, out, x2.stride(0), out.stride(0), v, _LOG2E / float(temperature), r,
+            BLOCK_V=cfg["backward_block_v"], num_warps=cfg["backward_num_warps"],
+        )
+    return out.view(logits.shape)
 
 
 def _zero_tokens(logits: torch.Tensor) -> torch.Tensor:

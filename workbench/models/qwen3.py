@@ -12,12 +12,14 @@ intermediate, Hq/Hkv heads, D head dim, V vocab.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 
 import torch
 from torch import nn
 
-from ..kernels import apply_rope, attention, attention_with_cache, linear, rms_norm, rope_cos_sin, silu_mul
+from ..kernels import (apply_rope, attention, attention_paged, attention_with_cache, linear, paged_kv_write, rms_norm,
+                       rope_cos_sin, silu_mul)
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,38 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[2]
 
+    def attend(self, layer: int, q, k, v, start, seq_lens):
+        """Write the step's K/V at positions start[b] + i, then attend to each row's first start + seq_lens keys."""
+        b, t = q.shape[:2]                                                   # q [B, T, Hq, D]
+        rows = torch.arange(b, device=q.device)[:, None]                    # [B, 1]
+        pos = start[:, None] + torch.arange(t, device=q.device)             # [B, T]
+        self.k[layer][rows, pos] = k
+        self.v[layer][rows, pos] = v
+        return attention_with_cache(q, self.k[layer], self.v[layer], start, start + seq_lens)
+
+
+@dataclass
+class PagedKVCache:
+    """One step of a flattened batch over keys/values kept in pages (how vLLM runs a model).
+
+    The step's N new tokens of S sequences come as one row [1, N]: sequence s owns rows
+    cu_q[s]:cu_q[s+1], the last positions of its kv_len[s] keys (a prefill, a chunk of one, or a
+    decode step). Key j of sequence s sits in page block_table[s, j // page_size], slot j % page_size.
+    """
+
+    pages: Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer: k, v [P, page_size, Hkv, D]
+    cu_q: torch.Tensor         # [S + 1] int32
+    kv_len: torch.Tensor       # [S] int32
+    block_table: torch.Tensor  # [S, max_pages] int32
+    slots: torch.Tensor        # [N'] where the new tokens' K/V go (page * page_size + slot; < 0: skip)
+    max_q: int
+    """The most new tokens of one sequence in this step."""
+
+    def attend(self, layer: int, q, k, v, start, seq_lens):
+        kp, vp = self.pages[layer]
+        paged_kv_write(k[0], v[0], kp, vp, self.slots)                     # k, v [1, N, Hkv, D]
+        return attention_paged(q[0], kp, vp, self.block_table, self.cu_q, self.kv_len, self.max_q)[None]
+
 
 class Linear(nn.Module):
     """y = x @ W.T on the kernel library (no bias: Qwen3 has none)."""
@@ -126,21 +160,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, seq_lens, cache_k=None, cache_v=None, start=None):
+    def forward(self, x, cos, sin, seq_lens, cache=None, layer=0, start=None):
         b, t, _ = x.shape                                                   # x [B, T, H]
         q = self.q_norm(self.q_proj(x).view(b, t, self.hq, self.d))         # [B, T, Hq, D]
         k = self.k_norm(self.k_proj(x).view(b, t, self.hkv, self.d))        # [B, T, Hkv, D]
         v = self.v_proj(x).view(b, t, self.hkv, self.d)                     # [B, T, Hkv, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)             # cos, sin [B, T, D/2]
-        if cache_k is None:
+        if cache is None:
             o = attention(q, k, v, seq_lens)                                # [B, T, Hq, D]
         else:
-            # K/V go into the cache before the kernel reads it.
-            rows = torch.arange(b, device=x.device)[:, None]                # [B, 1]
-            pos = start[:, None] + torch.arange(t, device=x.device)         # [B, T]
-            cache_k[rows, pos] = k
-            cache_v[rows, pos] = v
-            o = attention_with_cache(q, cache_k, cache_v, start, start + seq_lens)
+            o = cache.attend(layer, q, k, v, start, seq_lens)               # K/V written, then read
         return self.o_proj(o.reshape(b, t, self.hq * self.d))               # [B, T, H]
 
 
@@ -163,8 +192,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, seq_lens, cache_k=None, cache_v=None, start=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, seq_lens, cache_k, cache_v, start)
+    def forward(self, x, cos, sin, seq_lens, cache=None, layer=0, start=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, seq_lens, cache, layer, start)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -215,9 +244,19 @@ class Qwen3ForCausalLM(nn.Module):
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)  # [B, T, D/2] fp32
         x = self.model.embed_tokens(input_ids)                              # [B, T, H]
         for i, layer in enumerate(self.model.layers):
-            ck, cv = (cache.k[i], cache.v[i]) if cache is not None else (None, None)
-            x = layer(x, cos, sin, seq_lens, ck, cv, start)
+            x = layer(x, cos, sin, seq_lens, cache, i, start)
         return self.model.norm(x)
+
+    def hidden_states_paged(self, input_ids, positions, cache: PagedKVCache):
+        """Final-norm hidden states [N, H] of a flattened step (input_ids, positions [N]) over a paged cache.
+
+        In `invariant` mode row n has the bits the training forward gives that token.
+        """
+        cos, sin = rope_cos_sin(positions[None], self.config.head_dim, self.config.rope_theta)  # [1, N, D/2]
+        x = self.model.embed_tokens(input_ids)[None]                        # [1, N, H]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, None, cache, i, None)
+        return self.model.norm(x)[0]
 
     def forward(self, input_ids, seq_lens=None, cache: KVCache | None = None, start=None):
         """Logits [B, T, V].

@@ -1,7 +1,8 @@
 """GRPO-family training with the generator and trainer on one model and one set of kernels.
 
 Each step: sync (the generator gets the trainer's bf16 weights, checked by checksum) -> prompts
--> a group of completions per prompt (the embedded generator) -> rewards -> group advantages ->
+-> a group of completions per prompt (the embedded generator, or vLLM running the workbench model:
+`generator='vllm'`) -> rewards -> group advantages ->
 the trainer's recomputation of the sampled tokens' log-probs, checked against the generator's
 (the parity check) -> one policy update on fp32 master weights -> the one fp32 -> bf16 cast.
 
@@ -92,6 +93,10 @@ class TrainConfig:
     """k1, k2 or k3 (see losses.kl_estimate)."""
     kl_in_reward: bool = False
     """Subtract the KL from each sequence's reward instead of adding it to the loss."""
+    generator: str = "embedded"
+    """'embedded' (the workbench's sampler) or 'vllm' (vLLM running the workbench model: needs vLLM, a GPU)."""
+    vllm_memory: float = 0.3
+    """generator='vllm': the share of the GPU's memory vLLM may take."""
     sync: str = "shared"
     """Weight sync into the generator: shared (same bf16 model), copy, or checkpoint (through disk)."""
     policy_lag: int = 0
@@ -139,6 +144,13 @@ class TrainConfig:
             raise ValueError(f"policy_lag must be 0 (synchronous) or 1 (one step behind), got {self.policy_lag}")
         if self.policy_lag and self.sync != "copy":
             raise ValueError("policy_lag=1 keeps the generator's weights apart from the trainer's: use sync='copy'")
+        if self.generator not in ("embedded", "vllm"):
+            raise ValueError(f"generator must be 'embedded' or 'vllm', got {self.generator!r}")
+        if self.generator == "vllm" and self.sync == "shared":
+            raise ValueError("generator='vllm' holds its own copy of the weights: use sync='copy' (in place into "
+                             "the running engine) or sync='checkpoint' (through disk)")
+        if not 0 < self.vllm_memory < 1:
+            raise ValueError(f"vllm_memory must lie in (0, 1), got {self.vllm_memory!r}")
 
 
 def layer_group(name: str) -> str:
@@ -261,7 +273,8 @@ def _save_checkpoint(out: Path, step: int, masters: dict, opt, metrics: pd.DataF
 
 
 # Fields a resumed run may change; any other difference would silently make another run.
-_RESUMABLE_CHANGES = {"steps", "resume", "checkpoint_every", "device", "out_dir", "progress", "tensorboard"}
+_RESUMABLE_CHANGES = {"steps", "resume", "checkpoint_every", "device", "out_dir", "progress", "tensorboard",
+                      "vllm_memory"}
 
 
 def config_changes(saved: dict, cfg: TrainConfig) -> dict:
@@ -298,10 +311,12 @@ def _load_checkpoint(out: Path, masters: dict, opt, cfg: TrainConfig, device: st
     return state["step"], pd.read_csv(ck / "metrics.csv"), lagged
 
 
-def _sync(cfg: TrainConfig, model, gen_model, history: list, version: int, out: Path, device: str):
+def _sync(cfg: TrainConfig, model, gen_model, history: list, version: int, out: Path, device: str, engine=None):
     """Bring the generator to the weights it samples with at this step; returns (generator, its version).
 
     `history` holds (version, bf16 weights) the trainer published, oldest first (policy lag only).
+    With vLLM (`engine`), the weights also go into the running engine, in place or through disk;
+    `gen_model` keeps the trainer-side copy the lagged recomputation runs on.
     """
     if cfg.sync == "shared":
         return model, version
@@ -313,13 +328,32 @@ def _sync(cfg: TrainConfig, model, gen_model, history: list, version: int, out: 
         gen_version, source = history[0]
     if cfg.sync == "copy":
         copy_weights(source, gen_model)
+        if engine is not None:
+            engine.load_weights(source)
     else:
         save_pretrained(model, out / "sync")
         gen_model = load_pretrained(out / "sync", dtype=torch.bfloat16, device=device)
-    if weights_checksum(gen_model.state_dict()) != weights_checksum(source):
-        raise RuntimeError(f"the generator's weights differ from the trainer's version {gen_version} after the "
-                           f"sync ({cfg.sync}); the sync path is broken")
+        if engine is not None:
+            engine.load_checkpoint(out / "sync")
+    synced = {"generator": weights_checksum(gen_model.state_dict()) == weights_checksum(source)}
+    if engine is not None:
+        synced["vLLM engine"] = engine.weights_checksum() == engine.expected_checksum(source)
+    for who, ok in synced.items():
+        if not ok:
+            raise RuntimeError(f"the {who}'s weights differ from the trainer's version {gen_version} after the "
+                               f"sync ({cfg.sync}); the sync path is broken")
     return gen_model, gen_version
+
+
+def _vllm_engine(cfg: TrainConfig, model, out: Path):
+    """vLLM running the workbench model on the starting weights, in this process (generator='vllm')."""
+    from ..generation.vllm_backend import VLLMGenerator, require_vllm
+
+    require_vllm()
+    save_pretrained(model, out / "vllm_start")
+    return VLLMGenerator(out / "vllm_start", gpu_memory_utilization=cfg.vllm_memory,
+                         batch_invariant=cfg.kernel_mode == "invariant", seed=cfg.seed, model_impl="workbench",
+                         kernel_mode=cfg.kernel_mode)
 
 
 def train(cfg: TrainConfig) -> pd.DataFrame:
@@ -353,7 +387,8 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
         history = [lagged] if lagged is not None else []
         copy_weights(masters, model)
     log.start(cfg, start_step + 1)
-    run = _Run(cfg, out, device, task, tok, model, gen_model, reference, masters, params, opt, history, log)
+    engine = _vllm_engine(cfg, model, out) if cfg.generator == "vllm" else None
+    run = _Run(cfg, out, device, task, tok, model, gen_model, reference, masters, params, opt, history, log, engine)
     bar = tqdm(total=cfg.steps, initial=start_step, disable=not cfg.progress, desc=f"train ({cfg.kernel_mode})")
     try:
         with mode(cfg.kernel_mode):
@@ -390,6 +425,8 @@ class _Run:
     opt: torch.optim.Optimizer
     history: list
     log: _Metrics
+    engine: object | None = None
+    """generator='vllm': the running `VLLMGenerator`."""
 
 
 def _step(run: _Run, step: int) -> tuple[float, int]:
@@ -403,7 +440,7 @@ def _step(run: _Run, step: int) -> tuple[float, int]:
     loss_cfg: LossConfig = spec.defaults
     version = step - 1  # updates applied so far
     t0 = time.perf_counter()
-    run.gen_model, gen_version = _sync(cfg, model, run.gen_model, run.history, version, out, device)
+    run.gen_model, gen_version = _sync(cfg, model, run.gen_model, run.history, version, out, device, run.engine)
     gen_model = run.gen_model
     t_sync = time.perf_counter()
 
@@ -411,7 +448,10 @@ def _step(run: _Run, step: int) -> tuple[float, int]:
     prompts = [tok(p.prompt)["input_ids"] for p in problems for _ in range(cfg.group_size)]
     sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                               stop_token_ids=(tok.eos_token_id,), seed=cfg.seed * 1_000_003 + step)
-    gen = generate(gen_model, prompts, sampling, request_ids=list(range(len(prompts))))
+    if run.engine is not None:
+        gen = run.engine.generate(prompts, sampling, request_ids=list(range(len(prompts))))
+    else:
+        gen = generate(gen_model, prompts, sampling, request_ids=list(range(len(prompts))))
     t_gen = time.perf_counter()
 
     completions = [c.tokens for c in gen.completions]
