@@ -119,7 +119,7 @@ class VLLMGenerator:
     """vLLM's offline engine over a Hugging Face Qwen3 checkpoint, in this process."""
 
     def __init__(self, checkpoint: str | Path, gpu_memory_utilization: float = 0.3, batch_invariant: bool = True,
-                 max_model_len: int = 4096, enforce_eager: bool = False, seed: int = 0,
+                 max_model_len: int | None = None, enforce_eager: bool = False, seed: int = 0,
                  model_impl: str = "workbench", kernel_mode: str = "invariant"):
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
@@ -140,6 +140,7 @@ class VLLMGenerator:
         self.seed = seed
         # Prompts come as token ids; a checkpoint without tokenizer files needs none.
         self.has_tokenizer = any(Path(checkpoint, f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+        # max_model_len None: the checkpoint's max_position_embeddings.
         options = dict(model=str(checkpoint), dtype="bfloat16", gpu_memory_utilization=gpu_memory_utilization,
                        max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
                        enable_prefix_caching=False, skip_tokenizer_init=not self.has_tokenizer)
