@@ -118,6 +118,13 @@ def test_keep_mask_top_k_and_top_p():
     assert keep_mask(logits, SamplingParams()) is None
 
 
+def test_uniforms_stay_strictly_inside_the_unit_interval():
+    from workbench.generation.sampling import unit_interval
+
+    u = unit_interval(torch.tensor([0, 1, 2**31, 2**32 - 1]))
+    assert (u > 0).all() and (u < 1).all() and torch.isfinite(-torch.log(-torch.log(u))).all()
+
+
 def test_random_numbers_depend_only_on_seed_request_and_position():
     u = uniforms(7, torch.tensor([3, 5]), torch.tensor([10, 0]), 1000)
     assert ((u > 0) & (u < 1)).all() and abs(u.mean().item() - 0.5) < 0.02
@@ -159,3 +166,22 @@ def test_bad_requests_are_refused(model):
     for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(max_new_tokens=0)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+def test_fused_gumbel_draw_is_the_pytorch_formula_and_row_invariant():
+    from workbench.kernels import gumbel_argmax
+    from workbench.kernels.gumbel import gumbel_argmax_reference
+
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(48, 1000, generator=g) * 3).bfloat16()
+    req, pos = torch.randint(0, 10**6, (48,), generator=g), torch.randint(0, 4096, (48,), generator=g)
+    keep = torch.rand(48, 1000, generator=g) < 0.7
+    for t, k in ((1.0, None), (0.6, None), (1.3, keep)):
+        got = gumbel_argmax(logits, t, 5, req, pos, k)
+        want = gumbel_argmax_reference(logits, t, uniforms(5, req, pos, 1000), k)
+        assert torch.equal(got, want), f"temperature {t}"
+        alone = gumbel_argmax(logits[9:10], t, 5, req[9:10], pos[9:10], None if k is None else k[9:10])
+        assert alone.item() == got[9].item()
+        if k is not None:
+            assert k[torch.arange(48), got].all(), "only kept entries are drawn"
+    assert not torch.equal(gumbel_argmax(logits, 1.0, 6, req, pos), gumbel_argmax(logits, 1.0, 5, req, pos))

@@ -4,7 +4,10 @@ Randomness: the uniform number for vocabulary entry v at generation position p
 of request r is a 32-bit integer hash of (seed, r, p, v), pure integer
 arithmetic, the same on any device and in any batch. Sampling is Gumbel-max:
 the token is argmax over the kept vocabulary of logits / T - log(-log(u)),
-which draws exactly from softmax(logits / T) restricted to the kept set.
+which draws exactly from softmax(logits / T) restricted to the kept set. One
+fused kernel (`workbench.kernels.gumbel`) hashes, adds the noise and takes the
+argmax in a single read of the logits; a CPU without the Triton interpreter
+runs the same formula in PyTorch.
 
 Two distributions, both returned for every sampled token:
 - `raw`: log softmax(logits)[token] at temperature 1, the model's own
@@ -22,7 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import logsumexp, row_cumsum, token_logprobs
+from ..kernels import gumbel_argmax, logsumexp, row_cumsum, token_logprobs
+from ..kernels._common import interpreting
+from ..kernels.gumbel import gumbel_argmax_reference
 
 _M32 = 0xFFFFFFFF
 
@@ -74,8 +79,13 @@ def uniforms(seed: int, request_ids: torch.Tensor, positions: torch.Tensor, voca
     h = _fmix32(_fmix32((seed & _M32) ^ 0x9E3779B9) ^ (request_ids.long() & _M32))
     h = _fmix32(h ^ (positions.long() & _M32))                                   # [B]
     v = torch.arange(vocab, device=dev, dtype=torch.int64)
-    bits = _fmix32(h[:, None] ^ _fmix32(v + 0x632BE5AB)[None, :])               # [B, V]
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return unit_interval(_fmix32(h[:, None] ^ _fmix32(v + 0x632BE5AB)[None, :]))  # [B, V]
+
+
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> fp32 strictly inside (0, 1): the top 23 bits plus one half, over 2^23, all exact.
+    (24 bits would round the largest value up to 1.0, whose Gumbel noise is +inf: a forced token.)"""
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def keep_mask(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
@@ -109,14 +119,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, request_ids: torch.Tens
            positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [B], raw log-probs [B], sampled log-probs [B]) from next-token logits [B, V]."""
     keep = keep_mask(logits, params)
-    x = logits.float()
-    if keep is not None:
-        x = x.masked_fill(~keep, float("-inf"))
     if params.greedy:
+        x = logits.float() if keep is None else logits.float().masked_fill(~keep, float("-inf"))
         tokens = torch.argmax(x, dim=-1)
+    elif logits.device.type == "cuda" or interpreting():
+        tokens = gumbel_argmax(logits, params.temperature, params.seed, request_ids, positions, keep)
     else:
-        gumbel = -torch.log(-torch.log(uniforms(params.seed, request_ids, positions, logits.shape[-1])))
-        tokens = torch.argmax(x / params.temperature + gumbel, dim=-1)
+        u = uniforms(params.seed, request_ids, positions, logits.shape[-1])
+        tokens = gumbel_argmax_reference(logits, params.temperature, u, keep)
     raw = token_logprobs(logits, tokens)
     return tokens, raw, sampled_logprobs(logits, tokens, params, keep)
 

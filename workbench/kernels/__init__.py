@@ -8,6 +8,7 @@ from . import _common  # noqa: F401  (must come first)
 from .registry import REGISTRY, Op  # before the op functions below shadow their modules' names
 from .attention import attention, attention_paged, attention_with_cache, paged_kv_write
 from .cumsum import row_cumsum
+from .gumbel import gumbel_argmax
 from .logprobs import entropy, logprob_rows, logsumexp, token_logprobs, token_logprobs_and_entropy
 from .matmul import linear, matmul_config
 from .mode import MODES, current_state, get_mode, mode, set_mode
@@ -26,6 +27,7 @@ __all__ = [
     "current_state",
     "entropy",
     "get_mode",
+    "gumbel_argmax",
     "linear",
     "logprob_rows",
     "logsumexp",
