@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -170,6 +171,19 @@ def test_bad_training_inputs(policy, tmp_path):
         train(_cfg(str(tmp_path / "missing-policy"), tmp_path / "x"))
     with pytest.raises(SystemExit):
         main(["train", "--group-size", "1"])
+
+
+def test_vllm_generator_settings_and_a_missing_vllm_are_named(tmp_path, capsys, monkeypatch):
+    with pytest.raises(ValueError, match="generator must be"):
+        TrainConfig(generator="sglang")
+    with pytest.raises(ValueError, match="use sync='copy'"):
+        TrainConfig(generator="vllm")
+    with pytest.raises(ValueError, match="vllm_memory"):
+        TrainConfig(generator="vllm", sync="copy", vllm_memory=1.5)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as where vLLM is not installed
+    assert main(["train", "--generator", "vllm", "--sync", "copy", "--out-dir", str(tmp_path / "v")]) == 2
+    assert "the vllm backend needs vLLM" in capsys.readouterr().err
+    assert not (tmp_path / "v" / "policy").exists(), "refused before the starting policy is trained"
 
 
 def test_cli_reports_a_missing_policy_without_a_traceback(tmp_path, capsys):

@@ -1,5 +1,6 @@
-"""The vLLM backend's parts that need no vLLM: the weight layout, checksums, seeds, and the clear
-error when vLLM is missing (the workbench itself imports without it)."""
+"""The vLLM backend's parts that need no vLLM: the weight layout, checksums, seeds, the clear error
+when vLLM is missing (the workbench itself imports without it), and the workbench model's vLLM glue
+run against fakes of what vLLM hands a model (cache layout, attention metadata, weights)."""
 
 from __future__ import annotations
 

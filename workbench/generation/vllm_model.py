@@ -98,7 +98,9 @@ class WorkbenchQwen3ForCausalLM(Qwen3ForCausalLM):
         slots = ctx.slot_mapping
         if isinstance(slots, list):
             slots = slots[0]
-        slots = slots.get(self.layer_names[0]) if isinstance(slots, dict) and slots else meta.slot_mapping
+        slots = slots.get(self.layer_names[0]) if isinstance(slots, dict) else None
+        if slots is None:
+            slots = meta.slot_mapping
         n = meta.seq_lens.shape[0]
         pages = [kv_pages(layer.self_attn.attn.kv_cache, self.config.head_dim) for layer in self.model.layers]
         return PagedKVCache(pages, meta.query_start_loc[: n + 1], meta.seq_lens, meta.block_table[:n], slots,

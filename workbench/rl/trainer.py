@@ -347,9 +347,8 @@ def _sync(cfg: TrainConfig, model, gen_model, history: list, version: int, out: 
 
 def _vllm_engine(cfg: TrainConfig, model, out: Path):
     """vLLM running the workbench model on the starting weights, in this process (generator='vllm')."""
-    from ..generation.vllm_backend import VLLMGenerator, require_vllm
+    from ..generation.vllm_backend import VLLMGenerator
 
-    require_vllm()
     save_pretrained(model, out / "vllm_start")
     return VLLMGenerator(out / "vllm_start", gpu_memory_utilization=cfg.vllm_memory,
                          batch_invariant=cfg.kernel_mode == "invariant", seed=cfg.seed, model_impl="workbench",
@@ -364,6 +363,10 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.device)
+    if cfg.generator == "vllm":
+        from ..generation.vllm_backend import require_vllm
+
+        require_vllm()  # before the starting policy is trained: say at once what is missing
     log = _Metrics(cfg, out)
     torch.manual_seed(cfg.seed)
     task = make_task(cfg.task, seed=cfg.seed, difficulty=cfg.difficulty, source=cfg.task_source)
