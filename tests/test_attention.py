@@ -95,3 +95,30 @@ def test_paged_attention_standard_mode_is_close_and_bad_input_is_named():
         attention_paged(flat, kp, vp, table[:1], cu, lens, 9)
     with pytest.raises(ValueError, match=r"\[tokens, Hq, D\]"):
         attention_paged(flat[None], kp, vp, table, cu, lens, 9)
+
+
+def test_paged_edge_cases_padding_slots_idle_sequences_and_bad_metadata():
+    g = torch.Generator().manual_seed(4)
+    k, v = (torch.randn(5, 2, 16, generator=g).bfloat16() for _ in range(2))
+    kp, vp = (torch.full((3, 4, 2, 16), float("nan")).bfloat16() for _ in range(2))
+    paged_kv_write(k, v, kp, vp, torch.tensor([6, -1, 0, 11, -1]))
+    assert torch.equal(kp[1, 2], k[0]) and torch.equal(kp[0, 0], k[2]) and torch.equal(vp[2, 3], v[3])
+    assert int(torch.isnan(kp).any(-1).any(-1).sum()) == 12 - 3, "padding slots (-1) write nothing"
+    with pytest.raises(ValueError, match="past the 3 pages"):
+        paged_kv_write(k, v, kp, vp, torch.tensor([12]))
+    with pytest.raises(ValueError, match="1-D int tensor"):
+        paged_kv_write(k, v, kp, vp, torch.tensor([0.0]))
+    # A sequence with no new token in this step (cu_q repeats) is skipped; the other is served.
+    q = torch.randn(2, 4, 16, generator=g).bfloat16()
+    kp[2, :2], vp[2, :2] = k[3:5], v[3:5]
+    table = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)
+    out = attention_paged(q, kp, vp, table, torch.tensor([0, 0, 2], dtype=torch.int32),
+                          torch.tensor([3, 2], dtype=torch.int32), 2)
+    one = attention_paged(q, kp, vp, table[1:], torch.tensor([0, 2], dtype=torch.int32),
+                          torch.tensor([2], dtype=torch.int32), 2)
+    assert torch.equal(out, one) and not torch.isnan(out).any()
+    with pytest.raises(ValueError, match="at most its kv_len"):
+        attention_paged(q, kp, vp, table[1:], torch.tensor([0, 2], dtype=torch.int32),
+                        torch.tensor([1], dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="`kv_len` must be a 1-D"):
+        attention_paged(q, kp, vp, table, torch.tensor([0, 2], dtype=torch.int32), torch.tensor(3), 2)

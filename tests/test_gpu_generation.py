@@ -61,7 +61,7 @@ def test_gpu_negative_control_standard_mode_mismatches():
     assert s["tokens_differing"] > 0, f"standard mode matched bitwise: {s}"
 
 
-def test_gpu_fused_gumbel_draw_matches_the_pytorch_formula_and_is_row_invariant():
+def test_gpu_fused_gumbel_draw_agrees_with_the_pytorch_formula_and_is_row_invariant():
     from workbench.generation.sampling import uniforms
     from workbench.kernels import gumbel_argmax
     from workbench.kernels.gumbel import gumbel_argmax_reference

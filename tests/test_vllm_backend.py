@@ -150,3 +150,7 @@ def test_workbench_model_in_a_fake_vllm_gives_the_trainer_bits(monkeypatch):
             assert torch.equal(h, hidden[s, p]), f"sequence {s}, position {p}"
             tok = torch.tensor([int(lp.argmax())])
             assert torch.equal(lp[tok], token_logprobs(logits[s, p][None], tok))
+        model.sampling_temperature = 0.7  # VLLMGenerator sets it per call: rows of the tempered distribution
+        tempered = model.compute_logits(hidden[0, :5])
+        tok = torch.arange(5) * 7
+        assert torch.equal(tempered[torch.arange(5), tok], token_logprobs(logits[0, :5], tok, 0.7))

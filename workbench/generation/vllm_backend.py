@@ -116,7 +116,14 @@ MODEL_IMPLS = ("workbench", "vllm")
 
 
 class VLLMGenerator:
-    """vLLM's offline engine over a Hugging Face Qwen3 checkpoint, in this process."""
+    """vLLM's offline engine over a Hugging Face Qwen3 checkpoint, in this process.
+
+    max_model_len None takes the checkpoint's max_position_embeddings (40960 for Qwen3): pass a
+    smaller one to fit a small memory share. model_impl 'workbench' always runs eagerly,
+    whatever enforce_eager says. vLLM's batch-invariant mode, once on, also replaces `aten::mm`,
+    `log_softmax` and `mean` for the rest of the process (the workbench's invariant kernels do not
+    use them).
+    """
 
     def __init__(self, checkpoint: str | Path, gpu_memory_utilization: float = 0.3, batch_invariant: bool = True,
                  max_model_len: int | None = None, enforce_eager: bool = False, seed: int = 0,
@@ -176,10 +183,11 @@ class VLLMGenerator:
         """Sample a completion per prompt. Log-probs, by model_impl:
 
         - workbench: `sampled_logprobs` are the trainer's log-probs of the distribution sampled from
-          (softmax(logits / T)); `logprobs` (temperature 1) equal them at T = 1 and for greedy
-          decoding, and are NaN otherwise. No top-k / top-p (vLLM's truncation is not ours).
-        - vllm: vLLM's raw log-probs (temperature 1); `sampled_logprobs` equal them only at T = 1
-          without truncation, and are NaN otherwise.
+          (softmax(logits / T)); `logprobs` (temperature 1) equal them at T = 1 and are NaN at other
+          temperatures. No top-k / top-p (vLLM's truncation is not ours).
+        - vllm: `logprobs` are vLLM's raw log-probs (temperature 1); `sampled_logprobs` equal them at
+          T = 1 without truncation, and are NaN otherwise.
+        - Greedy decoding (T = 0), either way: `logprobs` at temperature 1, `sampled_logprobs` 0.
         """
         ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
         temperature, ours = params.temperature, self.model_impl == "workbench"

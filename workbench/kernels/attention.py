@@ -414,7 +414,7 @@ def attention_with_cache(q, k_cache, v_cache, q_start, kv_len):
     return _forward(q, k_cache, v_cache, q_start, kv_len, store_lse=False)[0]
 
 
-def _check_paged(q, k_pages, v_pages, block_table, cu_q, kv_len) -> None:
+def _check_paged(q, k_pages, v_pages, block_table, cu_q, kv_len, max_q: int) -> None:
     op = "attention_paged"
     for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
         check_float(op, name, t)
@@ -430,12 +430,24 @@ def _check_paged(q, k_pages, v_pages, block_table, cu_q, kv_len) -> None:
                          f"{k_pages.shape[3]} and be a multiple of their {k_pages.shape[2]} KV heads")
     if d & (d - 1) or d < 16:
         raise ValueError(f"{op}: head_dim must be a power of two >= 16, got {d}")
-    s = kv_len.shape[0] if isinstance(kv_len, torch.Tensor) and kv_len.dim() == 1 else -1
-    for name, t, shape in (("cu_q", cu_q, (s + 1,)), ("kv_len", kv_len, (s,)),
-                           ("block_table", block_table, (s, block_table.shape[-1]))):
+    if not isinstance(kv_len, torch.Tensor) or kv_len.dim() != 1:
+        raise ValueError(f"{op}: `kv_len` must be a 1-D int tensor (keys per sequence)")
+    s = kv_len.shape[0]
+    width = block_table.shape[-1] if isinstance(block_table, torch.Tensor) else -1
+    for name, t, shape in (("kv_len", kv_len, (s,)), ("cu_q", cu_q, (s + 1,)),
+                           ("block_table", block_table, (s, width))):
         if (not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != shape
-                or t.device != q.device):
-            raise ValueError(f"{op}: `{name}` must be an int tensor of shape {shape} on {q.device}")
+                or t.device != q.device or t.stride(-1) != 1):
+            raise ValueError(f"{op}: `{name}` must be an int tensor of shape {shape} on {q.device}, "
+                             "contiguous in its last dimension")
+    if q.device.type == "cpu" and s:
+        # Free on the CPU; on the GPU the kernel clamps instead, to stay sync-free.
+        q_len = cu_q[1:] - cu_q[:-1]
+        if (int(cu_q[0]) != 0 or int(q_len.min()) < 0 or int(cu_q[-1]) > q.shape[0] or int(q_len.max()) > max_q
+                or bool((q_len > kv_len).any()) or int(kv_len.max()) > width * k_pages.shape[1]):
+            raise ValueError(f"{op}: cu_q must rise from 0 to at most {q.shape[0]} rows in steps of at most max_q "
+                             f"({max_q}), each sequence's new tokens at most its kv_len, and kv_len at most its "
+                             f"block-table row's {width} pages of {k_pages.shape[1]}")
 
 
 def attention_paged(q, k_pages, v_pages, block_table, cu_q, kv_len, max_q: int):
@@ -448,7 +460,7 @@ def attention_paged(q, k_pages, v_pages, block_table, cu_q, kv_len, max_q: int):
     In `invariant` mode a token gets the bits of the training forward and of `attention_with_cache`.
     Rows of q past cu_q[-1] are left as zeros.
     """
-    _check_paged(q, k_pages, v_pages, block_table, cu_q, kv_len)
+    _check_paged(q, k_pages, v_pages, block_table, cu_q, kv_len, max_q)
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     n_seq, page = kv_len.shape[0], k_pages.shape[1]
     if get_mode("attention") == "standard":
@@ -474,7 +486,7 @@ def _paged_sdpa(q, k_pages, v_pages, block_table, cu_q, kv_len, max_q, out):
     """Standard mode: gather each sequence's keys into a padded batch and run PyTorch SDPA."""
     page = k_pages.shape[1]
     n_seq = kv_len.shape[0]
-    if n_seq == 0 or max_q <= 0:
+    if n_seq == 0 or max_q <= 0 or q.shape[0] == 0:
         return out
     kv_len = kv_len.long()
     q_len = (cu_q[1:] - cu_q[:-1]).long()
@@ -499,6 +511,15 @@ def paged_kv_write(k, v, k_pages, v_pages, slots) -> None:
     the same in both modes.
     """
     op = "paged_kv_write"
+    if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: `slots` must be a 1-D int tensor (page * page_size + slot per token)")
+    for name, t in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if t.dim() != 4 or t.stride(-1) != 1 or t.device != k.device or slots.device != k.device:
+            raise ValueError(f"{op}: `{name}` must be [pages, page_size, Hkv, D], contiguous in D, on {k.device} "
+                             "like `k` and `slots`")
+    if slots.device.type == "cpu" and slots.numel() and int(slots.max()) >= k_pages.shape[0] * k_pages.shape[1]:
+        raise ValueError(f"{op}: a slot ({int(slots.max())}) lies past the {k_pages.shape[0]} pages of "
+                         f"{k_pages.shape[1]}")
     for name, t in (("k", k), ("v", v)):
         if t.dim() != 3 or t.shape[1:] != k_pages.shape[2:] or t.shape[0] < slots.shape[0]:
             raise ValueError(f"{op}: `{name}` must be [>= {slots.shape[0]} tokens, {k_pages.shape[2]}, "

@@ -80,9 +80,12 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, seed: int, request_i
         raise ValueError(f"gumbel_argmax: temperature must be > 0, got {temperature!r}")
     x = rows_view("gumbel_argmax", "logits", logits)
     r, v = x.shape
-    if request_ids.shape != (r,) or positions.shape != (r,):
-        raise ValueError(f"gumbel_argmax: request_ids and positions must have shape ({r},)")
+    for name, t in (("request_ids", request_ids), ("positions", positions)):
+        if t.shape != (r,) or t.dtype not in (torch.int32, torch.int64) or t.device != logits.device:
+            raise ValueError(f"gumbel_argmax: `{name}` must be an int tensor of shape ({r},) on {logits.device}")
     if keep is not None:
+        if keep.shape != logits.shape or keep.device != logits.device:
+            raise ValueError(f"gumbel_argmax: `keep` must have the logits' shape {tuple(logits.shape)} and device")
         keep = rows_view("gumbel_argmax", "keep", keep.view(torch.uint8) if keep.dtype == torch.bool else keep)
     out = torch.empty(r, device=logits.device, dtype=torch.int64)
     if r:

@@ -262,7 +262,7 @@ def logprob_rows(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor
     """
     _check(logits, None, temperature)
     if get_mode("token_logprobs") == "standard":
-        return torch.log_softmax(logits.float() / temperature, dim=-1)
+        return torch.log_softmax(logits.detach().float() / temperature, dim=-1)
     check_device("logprob_rows", logits)
     x2 = rows_view("logprob_rows", "logits", logits.detach())
     r, v = x2.shape
