@@ -27,7 +27,7 @@ import torch
 
 from ..kernels import gumbel_argmax, logsumexp, row_cumsum, token_logprobs
 from ..kernels._common import interpreting
-from ..kernels.gumbel import gumbel_argmax_reference
+from ..kernels.gumbel import fmix32, gumbel_argmax_reference, seed_hash
 
 _M32 = 0xFFFFFFFF
 
@@ -63,23 +63,14 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def _fmix32(x):
-    """murmur3's 32-bit finaliser, on Python ints or int64 tensors holding values in [0, 2^32)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & _M32
-    x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & _M32
-    return x ^ (x >> 16)
-
-
 def uniforms(seed: int, request_ids: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B, V] fp32 in (0, 1): u[b, v] = hash(seed, request_ids[b], positions[b], v)."""
     dev = request_ids.device
     # The seed's hash is a Python int: no host-to-device copy, so a CUDA graph can hold this.
-    h = _fmix32(_fmix32((seed & _M32) ^ 0x9E3779B9) ^ (request_ids.long() & _M32))
-    h = _fmix32(h ^ (positions.long() & _M32))                                   # [B]
+    h = fmix32(seed_hash(seed) ^ (request_ids.long() & _M32))
+    h = fmix32(h ^ (positions.long() & _M32))                                    # [B]
     v = torch.arange(vocab, device=dev, dtype=torch.int64)
-    return unit_interval(_fmix32(h[:, None] ^ _fmix32(v + 0x632BE5AB)[None, :]))  # [B, V]
+    return unit_interval(fmix32(h[:, None] ^ fmix32(v + 0x632BE5AB)[None, :]))  # [B, V]
 
 
 def unit_interval(bits: torch.Tensor) -> torch.Tensor:

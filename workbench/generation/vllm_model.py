@@ -106,6 +106,9 @@ class WorkbenchQwen3ForCausalLM(Qwen3ForCausalLM):
         return PagedKVCache(pages, meta.query_start_loc[: n + 1], meta.seq_lens, meta.block_table[:n], slots,
                             int(meta.max_query_len))
 
+    def _mode(self):
+        return mode(self.kernel_state.default, **self.kernel_state.overrides)
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
@@ -113,12 +116,12 @@ class WorkbenchQwen3ForCausalLM(Qwen3ForCausalLM):
                 inputs_embeds: torch.Tensor | None = None, **_) -> torch.Tensor:
         if inputs_embeds is not None:
             raise NotImplementedError("the workbench model in vLLM takes token ids, not embeddings")
-        with mode(self.kernel_state.default, **self.kernel_state.overrides):
+        with self._mode():
             return self.hidden_states_paged(input_ids, positions, self._cache())        # [N, H]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 log-prob rows [n, V] at `sampling_temperature` (see the module docstring)."""
-        with mode(self.kernel_state.default, **self.kernel_state.overrides):
+        with self._mode():
             logits = linear(hidden_states, self.lm_head_weight)                         # [n, V]
             return logprob_rows(logits, self.sampling_temperature)
 

@@ -64,12 +64,18 @@ def _gumbel_argmax_kernel(x_ptr, keep_ptr, req_ptr, pos_ptr, out_ptr, stride_x, 
     tl.store(out_ptr + row, best_i)
 
 
+def fmix32(x):
+    """murmur3's 32-bit finaliser on the host: Python ints or int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
 def seed_hash(seed: int) -> int:
     """The seed's part of every draw's hash (a Python int in [0, 2^32))."""
-    x = (seed & _M32) ^ 0x9E3779B9
-    for shift, mul in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
-        x = ((x ^ (x >> shift)) * mul) & _M32
-    return x ^ (x >> 16)
+    return fmix32((seed & _M32) ^ 0x9E3779B9)
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: float, seed: int, request_ids: torch.Tensor,
