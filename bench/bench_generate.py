@@ -46,7 +46,7 @@ def hf(model, batch: int) -> float:
 
     with tempfile.TemporaryDirectory() as d:
         save_pretrained(model, d)
-        hf_model = transformers.Qwen3ForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
+        hf_model = transformers.CausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
     ids = torch.tensor(_prompts(batch, model.config.vocab_size), device="cuda")
     kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
     hf_model.generate(ids, max_new_tokens=4, do_sample=True)
@@ -64,7 +64,7 @@ def main() -> None:
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_generate.py needs a CUDA GPU")
-    model = build("1.7B", device="cuda", seed=0)
+    model = build("qwen3-1.7B", device="cuda", seed=0)
     cfg = model.config
     copy = max(copy_gbs())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

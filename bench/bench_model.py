@@ -83,7 +83,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_model.py needs a CUDA GPU")
     lines = [header(), ""]
-    model = build("1.7B", device="cuda", seed=0)
+    model = build("qwen3-1.7B", device="cuda", seed=0)
     ids = torch.randint(0, model.config.vocab_size, (8, 1025), device="cuda")
     tokens = ids[:, :-1].numel()
     ms = {}

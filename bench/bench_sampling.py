@@ -54,7 +54,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out")
     a = p.parse_args()
-    model = build("1.7B", device="cuda", seed=0)
+    model = build("qwen3-1.7B", device="cuda", seed=0)
     lines = [header(), "", "| batch | draw ms, fused | draw ms, PyTorch | speed-up | generate tok/s, fused | "
              "generate tok/s, PyTorch draw | ratio |", "|---|---|---|---|---|---|---|"]
     for batch in (64, 256):

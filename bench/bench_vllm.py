@@ -37,9 +37,9 @@ import torch
 
 from workbench.generation import SamplingParams, generate, parity_summary, parity_table, trainer_logprobs
 from workbench.kernels import mode
-from workbench.models import Qwen3Config, build, copy_weights, load_pretrained, save_pretrained, weights_checksum
+from workbench.models import ModelConfig, build, copy_weights, load_pretrained, save_pretrained, weights_checksum
 
-SMALL = Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+SMALL = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
 BACKENDS = {"vllm-workbench": ("workbench", True), "vllm-bi": ("vllm", True), "vllm-default": ("vllm", False)}
 
@@ -163,7 +163,7 @@ def _run_worker(backend, shapes, do_throughput, timeout):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out")
-    p.add_argument("--shapes", nargs="+", default=["small", "1.7B"])
+    p.add_argument("--shapes", nargs="+", default=["small", "qwen3-1.7B"])
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     p.add_argument("--throughput", type=int, default=1)
     p.add_argument("--embedded", type=int, default=1, help="also measure the embedded generator")

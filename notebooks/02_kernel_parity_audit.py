@@ -56,12 +56,12 @@ heatmap
 
 # %% [markdown]
 # ## First divergence in the whole model
-# A Qwen3 with random weights (`tiny` on a CPU, the 1.7B shape on a GPU). Each setting runs some
+# A Qwen3-shaped model with random weights (`tiny` on a CPU, the 1.7B shape on a GPU). Each setting runs some
 # ops in standard mode and the rest invariant; the table names the first op whose output differs
 # between the trainer's forward and the generator's decode step.
 
 # %%
-model = build("tiny" if smoke else "1.7B", device=dev, dtype=torch.bfloat16, seed=0)
+model = build("tiny" if smoke else "qwen3-1.7B", device=dev, dtype=torch.bfloat16, seed=0)
 
 # %%
 settings = dict(list(DIVERGENCE_SETTINGS.items())[: 3 if smoke else None])

@@ -34,7 +34,7 @@ from workbench.plots import logprob_diff_histogram, save_figure
 from workbench.tables import save_table
 
 # %%
-model = build("tiny" if smoke else "1.7B", device=resolve_device(device), dtype=torch.bfloat16, seed=0)
+model = build("tiny" if smoke else "qwen3-1.7B", device=resolve_device(device), dtype=torch.bfloat16, seed=0)
 prompts = random_prompts(2 if smoke else 64, model.config.vocab_size, max_len=8 if smoke else 128, seed=1)
 params = SamplingParams(temperature=1.0, max_new_tokens=4 if smoke else 128, seed=7)
 

@@ -61,7 +61,7 @@ def check_against_fp64(op, args: tuple, on_gpu: bool) -> None:
 
 class PagedSim:
     """A toy of vLLM's KV-cache manager: per-layer page pools (NaN-poisoned, page ids handed out in a
-    random order) and flattened steps over several sequences, for `Qwen3ForCausalLM.hidden_states_paged`
+    random order) and flattened steps over several sequences, for `CausalLM.hidden_states_paged`
     and `attention_paged`."""
 
     def __init__(self, layers: int, n_pages: int, page_size: int, kv_heads: int, head_dim: int,
@@ -76,7 +76,7 @@ class PagedSim:
 
     def step(self, chunks: list[tuple[int, list[int]]]):
         """(input_ids [N], positions [N], PagedKVCache) for these (sequence, new tokens) chunks."""
-        from workbench.models.qwen3 import PagedKVCache
+        from workbench.models.transformer import PagedKVCache
 
         ids, pos, slots, cu, kv = [], [], [], [0], []
         for seq, tokens in chunks:

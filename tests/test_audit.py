@@ -38,10 +38,10 @@ def test_first_divergence_is_none_in_invariant_mode_and_finds_a_planted_one(mode
     assert clean.name.iloc[-1] == "logits" and "model.layers.1.self_attn.attention" in set(clean.name)
 
     # Negative control: the decode path's attention scaled by 1.02 (a few bf16 ulps).
-    from workbench.models import qwen3
+    from workbench.models import transformer
 
-    real = qwen3.attention_with_cache
-    monkeypatch.setattr(qwen3, "attention_with_cache", lambda *a, **k: real(*a, **k) * 1.02)
+    real = transformer.attention_with_cache
+    monkeypatch.setattr(transformer, "attention_with_cache", lambda *a, **k: real(*a, **k) * 1.02)
     with mode("invariant"):
         planted = first_divergence(model, seq_len=5, batch=3, seed=1)
     assert planted.attrs["first"] == "model.layers.0.self_attn.attention"

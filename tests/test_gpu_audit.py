@@ -22,7 +22,7 @@ def test_gpu_kernel_audit_invariant_bitwise_standard_not():
 
 
 def test_gpu_first_divergence_localises_the_standard_op():
-    model = build("1.7B", device="cuda", dtype=torch.bfloat16, seed=0)
+    model = build("qwen3-1.7B", device="cuda", dtype=torch.bfloat16, seed=0)
     table = divergence_sweep(model, {"all invariant": {"default": "invariant"},
                                      "all standard": {"default": "standard"},
                                      "linear standard": {"default": "invariant", "linear": "standard"}},

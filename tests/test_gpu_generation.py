@@ -28,7 +28,7 @@ def _summary(model, prompts, out, params=None):
     return parity_summary(parity_table(gen, trainer_logprobs(model, prompts, toks, params), toks))
 
 
-@pytest.mark.parametrize("size", ["tiny", "1.7B"])
+@pytest.mark.parametrize("size", ["tiny", "qwen3-1.7B"])
 def test_gpu_generator_trainer_parity_bitwise(size):
     model = build(size, device="cuda", seed=1)
     prompts = _prompts(16, model.config.vocab_size, seed=2)
@@ -41,7 +41,7 @@ def test_gpu_generator_trainer_parity_bitwise(size):
 
 
 def test_gpu_needle_among_255_others():
-    model = build("1.7B", device="cuda", seed=3)
+    model = build("qwen3-1.7B", device="cuda", seed=3)
     params = dataclasses.replace(PARAMS, max_new_tokens=16)
     needle = _prompts(1, model.config.vocab_size, seed=4)[0]
     alone = generate(model, [needle], params, request_ids=[777]).completions[0]
@@ -53,7 +53,7 @@ def test_gpu_needle_among_255_others():
 
 
 def test_gpu_negative_control_standard_mode_mismatches():
-    model = build("1.7B", device="cuda", seed=6)
+    model = build("qwen3-1.7B", device="cuda", seed=6)
     prompts = _prompts(32, model.config.vocab_size, seed=7)
     with mode("standard"):
         out = generate(model, prompts, PARAMS, cuda_graphs=False)

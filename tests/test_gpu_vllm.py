@@ -18,12 +18,12 @@ import torch
 
 from workbench.generation import SamplingParams, parity_summary, parity_table, trainer_logprobs
 from workbench.kernels import mode
-from workbench.models import Qwen3Config, build, save_pretrained
+from workbench.models import ModelConfig, build, save_pretrained
 
 pytestmark = pytest.mark.gpu
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here")
 
-SMALL = Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+SMALL = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
 
 
@@ -135,6 +135,6 @@ def test_gpu_vllm_own_model_without_batch_invariance_differs(engine):
 
 def test_gpu_vllm_parity_at_the_1p7b_shape(tmp_path):
     """Qwen3-1.7B's shape, random weights, in its own process (another engine, its own memory)."""
-    save_pretrained(build("1.7B", device="cpu", dtype=torch.bfloat16, seed=0), tmp_path / "ckpt")
+    save_pretrained(build("qwen3-1.7B", device="cpu", dtype=torch.bfloat16, seed=0), tmp_path / "ckpt")
     s = _control(tmp_path / "ckpt", "workbench", bi=True)
     assert s["tokens"] == 32 * 32 and s["tokens_differing"] == 0 and s["max_abs_diff"] == 0, s

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from workbench.kernels import apply_rope, entropy, linear, rms_norm, rope_cos_sin, silu_mul, token_logprobs
+from workbench.kernels import (apply_rope, entropy, linear, rms_norm, rope_cos_sin, rope_inv_freq, silu_mul,
+                               token_logprobs)
 
 
 def rand(*shape, dtype=torch.float32):
@@ -46,7 +47,7 @@ def test_silu_mul_errors():
 
 
 def test_rope_errors():
-    cos, sin = rope_cos_sin(torch.arange(5), 8, 10000.0)
+    cos, sin = rope_cos_sin(torch.arange(5), rope_inv_freq(8, 10000.0))
     with pytest.raises(TypeError, match="fp32 tensor"):
         apply_rope(rand(5, 2, 8), cos.bfloat16(), sin)
     with pytest.raises(ValueError, match=r"shape \(5, 4\)"):
@@ -54,7 +55,9 @@ def test_rope_errors():
     with pytest.raises(ValueError, match="even head_dim"):
         apply_rope(rand(5, 2, 7), cos, sin)
     with pytest.raises(TypeError, match="positions must be integers"):
-        rope_cos_sin(torch.arange(5).float(), 8, 10000.0)
+        rope_cos_sin(torch.arange(5).float(), rope_inv_freq(8, 10000.0))
+    with pytest.raises(ValueError, match="not supported; supported: default, linear, llama3"):
+        rope_inv_freq(8, 10000.0, {"rope_type": "yarn", "factor": 4.0})
 
 
 def test_logprob_errors():

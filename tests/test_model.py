@@ -1,4 +1,4 @@
-"""The Qwen3 model against `transformers`, its checkpoints, and the training/prefill/decode triangle (CPU)."""
+"""The model (each family) against `transformers`, its checkpoints, and the training/prefill/decode triangle (CPU)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from workbench.models import (
     SIZES,
     CheckpointError,
     KVCache,
+    RopeScaling,
     build,
     config,
+    config_to_hf,
     hf_to_titan,
     load_pretrained,
     merge_gate_up,
@@ -27,22 +29,32 @@ from workbench.models import (
 )
 
 TINY = SIZES["tiny"]
+_LLAMA = dataclasses.replace(TINY, model_type="llama", qk_norm=False, rope_theta=10_000.0)
 VARIANTS = {
-    "tied-gqa2": TINY,
-    "untied-gqa1": dataclasses.replace(TINY, tie_word_embeddings=False, num_key_value_heads=4),
-    "tied-gqa4": dataclasses.replace(TINY, num_key_value_heads=1, num_hidden_layers=3),
+    "qwen3-tied-gqa2": TINY,
+    "qwen3-untied-gqa1": dataclasses.replace(TINY, tie_word_embeddings=False, num_key_value_heads=4),
+    "qwen3-tied-gqa4": dataclasses.replace(TINY, num_key_value_heads=1, num_hidden_layers=3),
+    "qwen2-bias": dataclasses.replace(TINY, model_type="qwen2", qk_norm=False, attention_bias=True),
+    "llama-untied": dataclasses.replace(_LLAMA, tie_word_embeddings=False),
+    # original_max_position_embeddings small enough that the scaling moves frequencies the test reaches.
+    "llama3-rope-scaling": dataclasses.replace(_LLAMA, rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 16)),
+    "llama-linear-rope": dataclasses.replace(_LLAMA, rope_scaling=RopeScaling("linear", 2.0)),
+    "mistral": dataclasses.replace(_LLAMA, model_type="mistral", tie_word_embeddings=False),
 }
 
 
-def _hf_model(cfg, seed: int, tmp_path) -> transformers.Qwen3ForCausalLM:
-    """A random model made and saved by transformers itself."""
+def _hf_model(cfg, seed: int, tmp_path) -> transformers.PreTrainedModel:
+    """A random model of cfg's family made and saved by transformers itself."""
     torch.manual_seed(seed)
-    hf_cfg = transformers.Qwen3Config(**cfg.to_dict(), attention_bias=False)
-    model = transformers.Qwen3ForCausalLM(hf_cfg).eval()
-    with torch.no_grad():  # transformers initialises norms to 1; make them random too
+    hf_cfg = transformers.AutoConfig.for_model(**config_to_hf(cfg, torch.float32))
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
+    assert type(model).__name__ == hf_cfg.architectures[0]
+    with torch.no_grad():  # transformers initialises norms to 1 and biases to 0; make them random too
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.1 * torch.randn(p.shape))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape))
     model.save_pretrained(tmp_path / "hf")
     return model
 
@@ -65,8 +77,9 @@ def test_load_pretrained_matches_transformers_fp32(name, tmp_path):
                 assert rel_err(ours(ids), ref) < 1e-5
 
 
-def test_bf16_logits_close_to_transformers(tmp_path):
-    hf = _hf_model(TINY, seed=2, tmp_path=tmp_path).to(torch.bfloat16)
+@pytest.mark.parametrize("name", ["qwen3-tied-gqa2", "qwen2-bias", "llama-untied"])
+def test_bf16_logits_close_to_transformers(name, tmp_path):
+    hf = _hf_model(VARIANTS[name], seed=2, tmp_path=tmp_path).to(torch.bfloat16)
     ours = load_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
     ids = _ids(3, 11, TINY.vocab_size, seed=3)
     with torch.no_grad():
@@ -76,10 +89,12 @@ def test_bf16_logits_close_to_transformers(tmp_path):
         assert rel_err(ours(ids), ref) < 4e-2  # the interpreter truncates every bf16 rounding
 
 
-def test_transformers_loads_what_we_save(tmp_path):
-    ours = build(VARIANTS["untied-gqa1"], dtype=torch.float32, seed=4)
+@pytest.mark.parametrize("name", ["qwen3-untied-gqa1", "qwen2-bias", "llama3-rope-scaling", "mistral"])
+def test_transformers_loads_what_we_save(name, tmp_path):
+    ours = build(VARIANTS[name], dtype=torch.float32, seed=4)
     save_pretrained(ours, tmp_path / "ckpt")
-    hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    assert type(hf).__name__ == config_to_hf(VARIANTS[name], torch.float32)["architectures"][0]
     ids = _ids(2, 9, TINY.vocab_size, seed=5)
     with torch.no_grad():
         assert rel_err(ours(ids), hf(ids).logits) < 1e-5
@@ -94,7 +109,7 @@ def test_save_load_round_trip_is_bitwise(tmp_path):
 
 
 def test_torchtitan_names_round_trip_bitwise():
-    state = build(VARIANTS["untied-gqa1"], seed=7).state_dict()
+    state = build(VARIANTS["qwen3-untied-gqa1"], seed=7).state_dict()
     titan = hf_to_titan(state)
     assert "layers.0.attention.wq.weight" in titan and "tok_embeddings.weight" in titan
     assert "layers.1.feed_forward.w3.weight" in titan and "output.weight" in titan
@@ -112,8 +127,9 @@ def test_merged_gate_up_round_trip():
     assert torch.equal(g2, gate) and torch.equal(u2, up)
 
 
-def test_model_gradients_match_fp64_transformers(tmp_path):
-    hf = _hf_model(TINY, seed=8, tmp_path=tmp_path).double()
+@pytest.mark.parametrize("name", ["qwen3-tied-gqa2", "qwen2-bias"])
+def test_model_gradients_match_fp64_transformers(name, tmp_path):
+    hf = _hf_model(VARIANTS[name], seed=8, tmp_path=tmp_path).double()
     ours = load_pretrained(tmp_path / "hf", dtype=torch.float32)
     ids = _ids(2, 10, TINY.vocab_size, seed=9)
     g = torch.randn(2, 10, TINY.vocab_size, generator=torch.Generator().manual_seed(10))
@@ -183,14 +199,23 @@ def test_bad_checkpoints_say_what_is_wrong(tmp_path):
         load_pretrained(d / "config.json")
     cfg = json.loads((d / "config.json").read_text())
 
-    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
-    with pytest.raises(CheckpointError, match="Qwen3 checkpoints only"):
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "gemma", "architectures": ["GemmaForCausalLM"]}))
+    with pytest.raises(CheckpointError, match="reads the model types qwen3, qwen2, llama, mistral"):
         load_pretrained(d)
+    for change, error in [({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling 'yarn' is not"),
+                          ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3 RoPE scaling lacks"),
+                          ({"use_sliding_window": True}, "sliding-window attention"),
+                          ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+                          ({"attention_bias": True}, "attention_bias=True"),
+                          ({"num_key_value_heads": 3}, "must be a multiple")]:
+        (d / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(CheckpointError, match=error):
+            load_pretrained(d)
     (d / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         load_pretrained(d)
     (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "hidden_size"}))
-    with pytest.raises(CheckpointError, match="missing Qwen3 fields"):
+    with pytest.raises(CheckpointError, match="missing qwen3 fields"):
         load_pretrained(d)
     (d / "config.json").write_text(json.dumps(cfg))
 
@@ -213,9 +238,10 @@ def test_bad_checkpoints_say_what_is_wrong(tmp_path):
 
 
 def test_configs():
-    assert config("1.7B").hidden_size == 2048 and config("1.7B").tie_word_embeddings
-    assert config("8B").num_attention_heads == 32 and not config("8B").tie_word_embeddings
-    with pytest.raises(ValueError, match="unknown Qwen3 size"):
+    assert config("qwen3-1.7B").hidden_size == 2048 and config("qwen3-1.7B").tie_word_embeddings
+    assert config("qwen3-8B").num_attention_heads == 32 and not config("qwen3-8B").tie_word_embeddings
+    assert config("smollm2-135M").model_type == "llama" and config("qwen2-0.5B").attention_bias
+    with pytest.raises(ValueError, match="unknown model shape"):
         config("2B")
     with pytest.raises(ValueError, match="must be a multiple"):
         dataclasses.replace(TINY, num_key_value_heads=3)
@@ -225,7 +251,7 @@ def test_configs():
 
 def test_sharded_checkpoint_from_transformers(tmp_path):
     torch.manual_seed(16)
-    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY.to_dict())).eval()
+    hf = _hf_model(TINY, seed=16, tmp_path=tmp_path)
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     ours = load_pretrained(tmp_path / "sharded", dtype=torch.float32)
@@ -254,8 +280,8 @@ def test_tokenizer_travels_with_the_checkpoint(tmp_path):
         load_tokenizer(tmp_path / "elsewhere")
 
 
-def test_hub_id_offline_says_what_to_do():
-    with pytest.raises(CheckpointError, match="could not be fetched from the hub"):
+def test_a_hub_id_is_not_a_folder():
+    with pytest.raises(CheckpointError, match="fetch-model NAME"):
         load_pretrained("Qwen/Qwen3-0.6B")
 
 

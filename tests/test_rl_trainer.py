@@ -112,7 +112,7 @@ def test_gsm8k_trains_from_a_checkpoint_with_its_tokenizer(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from workbench.models import Qwen3Config, build, save_pretrained
+    from workbench.models import ModelConfig, build, save_pretrained
     from workbench.rl.tasks import GSM8K
 
     text = [p.prompt + " #### " + p.answer for p in GSM8K(gsm8k).items[:300]]
@@ -121,7 +121,7 @@ def test_gsm8k_trains_from_a_checkpoint_with_its_tokenizer(tmp_path):
     bpe.train_from_iterator(text, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<unk>"],
                                                       show_progress=False))
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<unk>")
-    model = build(Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    model = build(ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                               num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                               max_position_embeddings=512), device="cpu", dtype=torch.bfloat16, seed=0)
     save_pretrained(model, tmp_path / "ckpt", tokenizer=tok)

@@ -4,6 +4,7 @@ run against fakes of what vLLM hands a model (cache layout, attention metadata, 
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -36,6 +37,11 @@ def test_layout_fuses_qkv_and_gate_up_and_round_trips():
     back = from_vllm_layout(fused, {k: tuple(v.shape) for k, v in state.items()})
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
     assert weights_checksum(back) == weights_checksum(state)
+    qwen2 = build(dataclasses.replace(cfg, model_type="qwen2", qk_norm=False, attention_bias=True)).state_dict()
+    fused2 = to_vllm_layout(qwen2)
+    assert fused2["model.layers.0.self_attn.qkv_proj.bias"].shape == (q + 2 * kv,)
+    back2 = from_vllm_layout(fused2, {k: tuple(v.shape) for k, v in qwen2.items()})
+    assert weights_checksum(back2) == weights_checksum(qwen2)
     changed = dict(state)
     changed["model.norm.weight"] = state["model.norm.weight"].clone()
     changed["model.norm.weight"][0] += 1
@@ -102,7 +108,7 @@ def test_workbench_model_in_a_fake_vllm_gives_the_trainer_bits(monkeypatch):
     from types import SimpleNamespace
 
     from helpers import PagedSim
-    from workbench.generation.vllm_model import WorkbenchQwen3ForCausalLM
+    from workbench.generation.vllm_model import WorkbenchCausalLM
     from workbench.kernels import linear, token_logprobs
     from workbench.models.checkpoint import config_to_hf
 
@@ -113,7 +119,7 @@ def test_workbench_model_in_a_fake_vllm_gives_the_trainer_bits(monkeypatch):
     hf = config_to_hf(cfg, torch.bfloat16)
     vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: hf)),
                                   cache_config=None)
-    model = WorkbenchQwen3ForCausalLM(vllm_config=vllm_config).to(torch.bfloat16)
+    model = WorkbenchCausalLM(vllm_config=vllm_config).to(torch.bfloat16)
     assert model.load_weights(trainer.state_dict().items()) == set(dict(model.named_parameters()))
     with pytest.raises(KeyError, match="does not"):
         model.load_weights([("model.layers.9.mlp.up_proj.weight", torch.ones(1))])

@@ -18,8 +18,8 @@ import torch
 
 from . import bf16
 from .kernels import REGISTRY, mode
-from .models import KVCache, Qwen3ForCausalLM
-from .models.qwen3 import Linear, RMSNorm
+from .models import KVCache, CausalLM
+from .models.transformer import Linear, RMSNorm
 
 
 def _rows(args: tuple, row_args: tuple[int, ...], index) -> tuple:
@@ -57,7 +57,7 @@ def audit_summary(table: pd.DataFrame) -> pd.DataFrame:
             .reset_index())
 
 
-def _capture(model: Qwen3ForCausalLM, records: list):
+def _capture(model: CausalLM, records: list):
     """Hooks that append (name, output) for every kernel-backed op of the model, in execution order."""
     hooks = []
     for name, mod in model.named_modules():
@@ -73,7 +73,7 @@ def _capture(model: Qwen3ForCausalLM, records: list):
 
 
 @torch.no_grad()
-def first_divergence(model: Qwen3ForCausalLM, seq_len: int = 12, batch: int = 8, seed: int = 0) -> pd.DataFrame:
+def first_divergence(model: CausalLM, seq_len: int = 12, batch: int = 8, seed: int = 0) -> pd.DataFrame:
     """Trainer (row 0 of a batch, last position) vs generator (decode step of that position), per op.
 
     Returns one row per op output in execution order: name, layer, op, equal, max_abs_diff, max_ulp.
@@ -120,7 +120,7 @@ def first_divergence(model: Qwen3ForCausalLM, seq_len: int = 12, batch: int = 8,
     return table
 
 
-def divergence_sweep(model: Qwen3ForCausalLM, settings: dict[str, dict], **kw) -> pd.DataFrame:
+def divergence_sweep(model: CausalLM, settings: dict[str, dict], **kw) -> pd.DataFrame:
     """first_divergence under several mode settings, e.g. {"all invariant": {"default": "invariant"},
     "attention standard": {"default": "invariant", "attention": "standard"}}; one row per setting."""
     rows = []

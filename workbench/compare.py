@@ -25,7 +25,7 @@ from .models import build, load_pretrained, load_tokenizer, save_pretrained
 @dataclass(frozen=True)
 class CompareConfig:
     checkpoint: str = ""
-    """A Hugging Face Qwen3 checkpoint; empty: a tiny random Qwen3 written to out_dir/checkpoint."""
+    """A model: a registry name (smollm2-135m-instruct), a checkpoint folder or a hub id; empty: a tiny random model."""
     prompt: str = "The capital of France is"
     """Prompt text (needs the checkpoint's tokenizer); ignored when prompt_ids is given."""
     prompt_ids: tuple[int, ...] = ()
@@ -41,7 +41,7 @@ class CompareConfig:
     seed: int = 0
     """Sampling seed."""
     model_impl: str = "workbench"
-    """vllm backend: 'workbench' (vLLM runs the workbench model and kernels) or 'vllm' (vLLM's own Qwen3)."""
+    """vllm backend: 'workbench' (vLLM runs the workbench model and kernels) or 'vllm' (vLLM's own implementation)."""
     batch_invariant: bool = True
     """vllm backend: run vLLM with VLLM_BATCH_INVARIANT=1."""
     gpu_memory_utilization: float = 0.3

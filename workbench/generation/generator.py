@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import linear
-from ..models import KVCache, Qwen3ForCausalLM
+from ..models import KVCache, CausalLM
 from .sampling import SamplingParams, sample
 
 
@@ -60,7 +60,7 @@ def _check_prompts(prompts, vocab: int) -> None:
             raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab})")
 
 
-def _next_logits(model: Qwen3ForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
+def _next_logits(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
     return linear(hidden, model.lm_head_weight)                                  # [B, V]
 
 
@@ -71,7 +71,7 @@ class DecodeStep:
     are copied into static buffers), so a step costs no Python launch overhead.
     """
 
-    def __init__(self, model: Qwen3ForCausalLM, cache: KVCache, params: SamplingParams, rows: int, graph: bool):
+    def __init__(self, model: CausalLM, cache: KVCache, params: SamplingParams, rows: int, graph: bool):
         dev = model.lm_head_weight.device
         self.model, self.cache, self.params = model, cache, params
         self.tok = torch.zeros(rows, device=dev, dtype=torch.long)
@@ -110,7 +110,7 @@ class DecodeStep:
 
 
 @torch.no_grad()
-def generate(model: Qwen3ForCausalLM, prompts: list[list[int]], params: SamplingParams,
+def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams,
              request_ids: list[int] | None = None, cuda_graphs: bool = True) -> GenerationOutput:
     """Sample a completion for each prompt; request_ids (default 0..B-1) key each request's randomness.
 

@@ -18,13 +18,13 @@ import torch
 
 from .. import bf16
 from ..kernels import token_logprobs
-from ..models import KVCache, Qwen3ForCausalLM
+from ..models import KVCache, CausalLM
 from .generator import generate
 from .sampling import SamplingParams, sampled_logprobs
 
 
 @torch.no_grad()
-def trainer_logprobs(model: Qwen3ForCausalLM, prompts: list[list[int]], completions: list[list[int]],
+def trainer_logprobs(model: CausalLM, prompts: list[list[int]], completions: list[list[int]],
                      params: SamplingParams | None = None, path: str = "train") -> list[torch.Tensor]:
     """fp32 log-probs of each completion token from one batched forward over prompt + completion.
 
@@ -122,7 +122,7 @@ def as_parity_table(triangle: pd.DataFrame, a: str = "decode", b: str = "train")
     return out
 
 
-def parity_triangle(model: Qwen3ForCausalLM, prompts: list[list[int]], params: SamplingParams,
+def parity_triangle(model: CausalLM, prompts: list[list[int]], params: SamplingParams,
                     request_ids: list[int] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Generate, then score the same tokens by the prefill path and by the training forward.
 

@@ -2,10 +2,10 @@
 
 `VLLMGenerator(checkpoint)` runs vLLM's offline `LLM` in this process, on this GPU, beside the
 trainer (a configurable share of the GPU memory), in one of two model implementations:
-- `model_impl='workbench'` (the default): vLLM runs the workbench's own Qwen3 and kernels
+- `model_impl='workbench'` (the default): vLLM runs the workbench's own model and kernels
   (`vllm_model.py`), so in `invariant` mode its log-probs are the trainer's, bit for bit, at any
   batch, chunking or paging. vLLM keeps its scheduler, paged KV cache and random draws.
-- `model_impl='vllm'`: vLLM's own Qwen3 and kernels. Its batch-invariant mode makes a request's
+- `model_impl='vllm'`: vLLM's own implementation of the family and its kernels. Its batch-invariant mode makes a request's
   result independent of its batch, but not equal to the trainer's (other kernels): the control.
 
 `batch_invariant` sets `VLLM_BATCH_INVARIANT=1` before vLLM is imported, as vLLM requires.
@@ -72,20 +72,21 @@ def require_vllm() -> None:
 
 
 def to_vllm_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hugging Face Qwen3 names -> vLLM's: q/k/v fused into qkv_proj, gate/up into gate_up_proj (rows
-    stacked in that order), every other tensor under its own name."""
+    """Hugging Face names -> vLLM's: q/k/v fused into qkv_proj, gate/up into gate_up_proj (rows
+    stacked in that order; Qwen2's q/k/v biases likewise), every other tensor under its own name."""
     out: dict[str, torch.Tensor] = {}
     used = set()
     for name in sorted(state):
         for fused, parts in _FUSED.items():
-            if name.endswith(f".{parts[0]}.weight"):
-                prefix = name[: -len(f"{parts[0]}.weight")]
-                names = [f"{prefix}{p}.weight" for p in parts]
-                missing = [n for n in names if n not in state]
-                if missing:
-                    raise KeyError(f"to_vllm_layout: {missing} missing beside {name}")
-                out[f"{prefix}{fused}.weight"] = torch.cat([state[n] for n in names], dim=0)
-                used.update(names)
+            for kind in ("weight", "bias"):
+                if name.endswith(f".{parts[0]}.{kind}"):
+                    prefix = name[: -len(f"{parts[0]}.{kind}")]
+                    names = [f"{prefix}{p}.{kind}" for p in parts]
+                    missing = [n for n in names if n not in state]
+                    if missing:
+                        raise KeyError(f"to_vllm_layout: {missing} missing beside {name}")
+                    out[f"{prefix}{fused}.{kind}"] = torch.cat([state[n] for n in names], dim=0)
+                    used.update(names)
     for name, t in state.items():
         if name not in used:
             out[name] = t
@@ -96,12 +97,13 @@ def from_vllm_layout(state: dict[str, torch.Tensor], shapes: dict[str, tuple[int
     """The inverse of `to_vllm_layout`, given each unfused tensor's shape (e.g. from the trainer's model)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        fused = next((f for f in _FUSED if name.endswith(f".{f}.weight")), None)
+        fused = next(((f, kind) for f in _FUSED for kind in ("weight", "bias") if name.endswith(f".{f}.{kind}")), None)
         if fused is None:
             out[name] = t
             continue
-        prefix = name[: -len(f"{fused}.weight")]
-        names = [f"{prefix}{p}.weight" for p in _FUSED[fused]]
+        (f, kind) = fused
+        prefix = name[: -len(f"{f}.{kind}")]
+        names = [f"{prefix}{p}.{kind}" for p in _FUSED[f]]
         for part, n in zip(torch.split(t, [shapes[n][0] for n in names], dim=0), names):
             out[n] = part
     return out
@@ -116,9 +118,9 @@ MODEL_IMPLS = ("workbench", "vllm")
 
 
 class VLLMGenerator:
-    """vLLM's offline engine over a Hugging Face Qwen3 checkpoint, in this process.
+    """vLLM's offline engine over a Hugging Face checkpoint (Llama, Mistral, Qwen2 or Qwen3), in this process.
 
-    max_model_len None takes the checkpoint's max_position_embeddings (40960 for Qwen3): pass a
+    max_model_len None takes the checkpoint's max_position_embeddings (40960 for Qwen3, 8192 for SmolLM2): pass a
     smaller one to fit a small memory share. model_impl 'workbench' always runs eagerly,
     whatever enforce_eager says. vLLM's batch-invariant mode, once on, also replaces `aten::mm`,
     `log_softmax` and `mean` for the rest of the process (the workbench's invariant kernels do not

@@ -1,4 +1,4 @@
-"""The workbench's own Qwen3 run by vLLM, so vLLM's rollouts carry the trainer's log-probs bit for bit.
+"""The workbench's own model run by vLLM, so vLLM's rollouts carry the trainer's log-probs bit for bit.
 
 Issue 7's design (b): vLLM schedules the requests, pages the KV cache and draws the random
 numbers; every number of the model comes from the workbench kernels.
@@ -8,7 +8,7 @@ numbers; every number of the model comes from the workbench kernels.
   Each decoder layer holds one of vLLM's `Attention` layers only so that vLLM allocates and binds
   the paged KV cache and builds that metadata; its kernels never run.
 - `forward` wraps the metadata and the layers' caches as a `PagedKVCache` and runs
-  `Qwen3ForCausalLM.hidden_states_paged`: our matmul, norms, RoPE, `paged_kv_write` and
+  `CausalLM.hidden_states_paged`: our matmul, norms, RoPE, `paged_kv_write` and
   `attention_paged`. In `invariant` mode a token's hidden state has the bits the trainer's forward
   gives it, whatever vLLM batches it with, chunks or pages.
 - `compute_logits` returns, in place of logits, `logprob_rows` of our logits at the sampling
@@ -28,11 +28,11 @@ from collections.abc import Iterable
 import torch
 
 from ..kernels import current_state, linear, logprob_rows, mode
-from ..models import Qwen3ForCausalLM
+from ..models import CausalLM
 from ..models.checkpoint import config_from_hf
-from ..models.qwen3 import PagedKVCache
+from ..models.transformer import PagedKVCache
 
-ARCHITECTURE = "WorkbenchQwen3ForCausalLM"
+ARCHITECTURE = "WorkbenchCausalLM"
 """The name vLLM knows this model by (`hf_overrides={'architectures': [ARCHITECTURE]}`)."""
 
 
@@ -40,7 +40,7 @@ def register() -> None:
     """Make ARCHITECTURE known to vLLM's model registry in this process (the engine must run in it)."""
     from vllm import ModelRegistry
 
-    ModelRegistry.register_model(ARCHITECTURE, WorkbenchQwen3ForCausalLM)
+    ModelRegistry.register_model(ARCHITECTURE, WorkbenchCausalLM)
 
 
 def kv_pages(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,8 +63,8 @@ class _NoCache:
         return torch.zeros_like(q)
 
 
-class WorkbenchQwen3ForCausalLM(Qwen3ForCausalLM):
-    """`Qwen3ForCausalLM` with vLLM's model interface. Parameter names are Hugging Face's, unfused."""
+class WorkbenchCausalLM(CausalLM):
+    """`CausalLM` with vLLM's model interface. Parameter names are Hugging Face's, unfused."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         hf = vllm_config.model_config.hf_config
@@ -134,8 +134,8 @@ class WorkbenchQwen3ForCausalLM(Qwen3ForCausalLM):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             if name not in params:
-                raise KeyError(f"workbench model in vLLM: the checkpoint has {name!r}, which a Qwen3 of this "
-                               "config does not; is it a Qwen3 checkpoint of this size?")
+                raise KeyError(f"workbench model in vLLM: the checkpoint has {name!r}, which the workbench model "
+                               "of this config does not; is it a checkpoint of this family and size?")
             if params[name].shape != tensor.shape:
                 raise ValueError(f"{name}: the model has shape {tuple(params[name].shape)}, the weights "
                                  f"{tuple(tensor.shape)}")

@@ -1,4 +1,4 @@
-"""The kernel library: every op of a Qwen3 model in an `invariant` and a `standard` mode.
+"""The kernel library: every op of the model (Llama, Mistral, Qwen2, Qwen3) in an `invariant` and a `standard` mode.
 
 Import order matters on a CPU-only machine: `_common` chooses the Triton
 interpreter before any kernel is decorated.
@@ -13,7 +13,7 @@ from .logprobs import entropy, logprob_rows, logsumexp, token_logprobs, token_lo
 from .matmul import linear, matmul_config
 from .mode import MODES, current_state, get_mode, mode, set_mode
 from .rmsnorm import rms_norm
-from .rope import apply_rope, rope_cos_sin
+from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .silu_mul import silu_mul
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "paged_kv_write",
     "rms_norm",
     "rope_cos_sin",
+    "rope_inv_freq",
     "row_cumsum",
     "set_mode",
     "silu_mul",

@@ -1,4 +1,4 @@
-"""`linear(x, weight)` = x @ weight.T, forward and backward.
+"""`linear(x, weight, bias=None)` = x @ weight.T (+ bias), forward and backward.
 
 Numerics contract (mode `invariant`):
 - Operands are read in their dtype (bf16 or fp32) and multiplied on the
@@ -8,6 +8,10 @@ Numerics contract (mode `invariant`):
   (the tensor cores step through each block 16 k at a time, also in order).
   No split-K, no atomics, no run-time autotuning.
 - One rounding point: the fp32 accumulator is cast to the output dtype once.
+  With a bias (Qwen2's q/k/v projections) the product is kept in fp32, the
+  bias added in fp32, and the sum cast once: the one rounding cuBLAS's
+  bias epilogue and the CPU's addmm give too. The add is elementwise, so
+  rows stay independent of the batch.
 - The tile config may change with M (`MATMUL_BUCKETS`, a fixed table), because
   on the GPU the per-element chain of k-steps does not depend on the tiles:
   every bucket is checked bitwise against the others (`tests/test_gpu.py`),
@@ -17,10 +21,12 @@ Numerics contract (mode `invariant`):
 - Two kernels, one arithmetic: `_matmul_kernel` (pointer loads, any strides) and
   `_matmul_tma_kernel` (TMA loads, optionally persistent, for 16-byte aligned
   row-major operands: the GPU default). They run the same dot chain, so give
-  the same bits (checked on the GPU).
+  the same bits (checked on the GPU). The fp32-output product of a bias
+  takes the pointer kernel (its epilogue needs no shared-memory staging).
 - Backward: dx = dy @ W is computed by the same kernel (so it is batch
   invariant too); dW = dy.T @ x reduces over the token dimension in blocks of
-  BLOCK_K in order, so it is deterministic run to run. Gradients come out in
+  BLOCK_K in order, so it is deterministic run to run; d(bias) is an fp32 sum
+  of dy over the tokens (torch's fixed-order reduction). Gradients come out in
   the dtype of the tensor they belong to.
 
 In the interpreter (CPU) the dot operands are upcast to fp32 (`DOT_IN_FP32`),
@@ -253,10 +259,16 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = Non
     return c
 
 
-def _check_linear(x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     check_float("linear", "x", x)
     check_float("linear", "weight", weight)
-    check_same("linear", {"x": x, "weight": weight})
+    tensors = {"x": x, "weight": weight}
+    if bias is not None:
+        check_float("linear", "bias", bias)
+        tensors["bias"] = bias
+        if bias.shape != weight.shape[:1]:
+            raise ValueError(f"linear: `bias` must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    check_same("linear", tensors)
     if weight.dim() != 2:
         raise ValueError(f"linear: `weight` must be 2-D [N, K], got shape {tuple(weight.shape)}")
     if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
@@ -268,44 +280,51 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 class LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         check_device("linear", x)
         x2 = x.reshape(-1, x.shape[-1])
-        y = matmul(x2, weight.t())
+        if bias is None:
+            y = matmul(x2, weight.t())
+        else:
+            y = (matmul(x2, weight.t(), out_dtype=torch.float32, tma=False) + bias.float()).to(x.dtype)
         ctx.save_for_backward(x2, weight)
         ctx.x_shape = x.shape
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x2, weight = ctx.saved_tensors
         dy2 = dy.reshape(-1, weight.shape[0])
-        dx = dw = None
+        dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = matmul(dy2, weight).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             dw = matmul(dy2.t(), x2, out_dtype=weight.dtype)
-        return dx, dw
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = dy2.float().sum(0).to(ctx.bias_dtype)
+        return dx, dw, db
 
 
-def linear_invariant(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    _check_linear(x, weight)
-    return LinearFn.apply(x, weight)
+def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    _check_linear(x, weight, bias)
+    return LinearFn.apply(x, weight, bias)
 
 
-def linear_standard(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_standard(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """cuBLAS (or the CPU BLAS): tiling and split-K chosen per shape, so rows depend on M."""
-    _check_linear(x, weight)
-    return F.linear(x, weight)
+    _check_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x[..., K] @ weight[N, K].T -> [..., N], by the kernel the mode picks for `linear`."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x[..., K] @ weight[N, K].T (+ bias[N]) -> [..., N], by the kernel the mode picks for `linear`."""
     if get_mode("linear") == "standard":
-        return linear_standard(x, weight)
-    return linear_invariant(x, weight)
+        return linear_standard(x, weight, bias)
+    return linear_invariant(x, weight, bias)
 
 
-def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """fp64 reference."""
-    return x.double() @ weight.double().t()
+    y = x.double() @ weight.double().t()
+    return y if bias is None else y + bias.double()

@@ -65,7 +65,7 @@ def _silu_inputs(rows, size, g, device, dtype):
 def _rope_inputs(rows, size, g, device, dtype):
     s = _SIZES[size]
     pos = torch.randint(0, 40960, (rows,), generator=g).to(device)
-    cos, sin = rope.rope_cos_sin(pos, s["head_dim"], 1_000_000.0)
+    cos, sin = rope.rope_cos_sin(pos, rope.rope_inv_freq(s["head_dim"], 1_000_000.0, device=device))
     return (_randn((rows, s["heads"], s["head_dim"]), g, device, dtype), cos, sin)
 
 

@@ -1,4 +1,4 @@
-"""`rms_norm(x, weight, eps)`: Qwen3's RMSNorm, forward and backward.
+"""`rms_norm(x, weight, eps)`: the RMSNorm of Llama, Qwen2 and Qwen3, forward and backward.
 
 Numerics contract (mode `invariant`), with Hugging Face's rounding points:
 - x is read and upcast to fp32; the sum of squares of a row is one `tl.sum`
@@ -156,7 +156,7 @@ def rms_norm_invariant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6)
 
 
 def rms_norm_standard(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Hugging Face's Qwen3RMSNorm, op for op."""
+    """Hugging Face's LlamaRMSNorm (= Qwen2RMSNorm = Qwen3RMSNorm), op for op."""
     _check(x, weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

@@ -1,4 +1,4 @@
-"""`apply_rope(x, cos, sin)`: rotary position embedding (Qwen3's half-split form).
+"""`apply_rope(x, cos, sin)`: rotary position embedding (the half-split form of Hugging Face's Llama, Qwen2 and Qwen3).
 
 x has shape [..., H, D] (heads, head dim); cos and sin have shape [..., D/2]
 with the same leading dims (one row per token, so every token may carry its
@@ -12,11 +12,15 @@ Numerics contract (mode `invariant`):
   same way) and cast once.
 - Elementwise per token and head: no dependence on other tokens or the batch.
 - Backward is the inverse rotation, the same kernel with sin negated (exact).
-- `rope_cos_sin` builds the tables from integer positions with fp32 math; the
+- `rope_cos_sin` builds the tables from integer positions and `rope_inv_freq`'s
+  frequencies (Hugging Face's formulas, RoPE scaling included) with fp32 math; the
   same position gives the same bits in training, prefill and decode.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Mapping
 
 import torch
 import triton
@@ -134,11 +138,38 @@ def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos/sin tables [..., head_dim/2] for integer positions, as Hugging Face computes them."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None = None, device=None) -> torch.Tensor:
+    """fp32 inverse frequencies [head_dim/2], op for op as Hugging Face's RoPE init functions compute them.
+
+    `scaling` is a Hugging Face `rope_scaling` dict: None or rope_type 'default' (plain RoPE), 'linear'
+    (every frequency divided by `factor`) or 'llama3' (low frequencies divided by `factor`, high ones
+    kept, a smooth blend between). Any other type is refused rather than silently ignored.
+    """
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_inv_freq: RoPE scaling type {kind!r} is not supported; supported: default, linear, llama3")
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin tables [..., head_dim/2] for integer positions and `rope_inv_freq`'s frequencies."""
     if positions.dtype.is_floating_point:
         raise TypeError(f"rope_cos_sin: positions must be integers, got {positions.dtype}")
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
-    inv_freq = 1.0 / (theta**exponent)
+    if inv_freq.dtype != torch.float32 or inv_freq.dim() != 1:
+        raise TypeError(f"rope_cos_sin: inv_freq must be a 1-D fp32 tensor (rope_inv_freq), got {inv_freq.dtype} "
+                        f"{tuple(inv_freq.shape)}")
     freqs = positions.float().unsqueeze(-1) * inv_freq
     return freqs.cos(), freqs.sin()

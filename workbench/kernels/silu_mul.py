@@ -1,4 +1,4 @@
-"""`silu_mul(gate, up)` = silu(gate) * up, the SwiGLU of Qwen3's MLP; forward and backward.
+"""`silu_mul(gate, up)` = silu(gate) * up, the SwiGLU MLP of Llama, Qwen2 and Qwen3; forward and backward.
 
 Numerics contract (mode `invariant`), with Hugging Face's rounding points:
 - gate and up are read and upcast to fp32.

@@ -1,31 +1,51 @@
-"""The Qwen3 model on the kernel library, and its checkpoints."""
+"""The one model (Llama, Mistral, Qwen2 and Qwen3 families) on the kernel library, and its checkpoints."""
 
 from .checkpoint import (
     CheckpointError,
+    config_from_hf,
+    config_to_hf,
     hf_to_titan,
     load_pretrained,
     load_tokenizer,
     merge_gate_up,
+    read_config,
     save_pretrained,
     split_gate_up,
     titan_to_hf,
     weights_checksum,
 )
-from .qwen3 import SIZES, KVCache, Qwen3Config, Qwen3ForCausalLM, build, config, copy_weights
+from .transformer import (
+    FAMILIES,
+    SIZES,
+    CausalLM,
+    KVCache,
+    ModelConfig,
+    RopeScaling,
+    build,
+    check_weights,
+    config,
+    copy_weights,
+)
 
 __all__ = [
+    "FAMILIES",
     "SIZES",
+    "CausalLM",
     "CheckpointError",
     "KVCache",
-    "Qwen3Config",
-    "Qwen3ForCausalLM",
+    "ModelConfig",
+    "RopeScaling",
     "build",
+    "check_weights",
     "config",
+    "config_from_hf",
+    "config_to_hf",
     "copy_weights",
     "hf_to_titan",
     "load_pretrained",
     "load_tokenizer",
     "merge_gate_up",
+    "read_config",
     "save_pretrained",
     "split_gate_up",
     "titan_to_hf",

@@ -15,82 +15,126 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
-from .qwen3 import Qwen3Config, Qwen3ForCausalLM, build, copy_weights
+from .transformer import FAMILIES, CausalLM, ModelConfig, RopeScaling, build, check_weights
 
-_CONFIG_KEYS = [f for f in Qwen3Config.__dataclass_fields__]
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                  "mistral": "MistralForCausalLM"}
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "rms_norm_eps")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be read as a Qwen3 model; the message says what is wrong and what to do."""
+    """A checkpoint that cannot be read as a supported model; the message says what is wrong and what to do."""
 
 
-def config_from_hf(hf: dict, where: str = "config.json") -> Qwen3Config:
+def _family(hf: dict, where: str) -> str:
     model_type = hf.get("model_type")
     archs = hf.get("architectures") or []
-    if model_type != "qwen3" and "Qwen3ForCausalLM" not in archs:
-        raise CheckpointError(f"{where}: model_type is {model_type!r} (architectures {archs}); "
-                              "workbench reads Qwen3 checkpoints only (model_type 'qwen3')")
-    # transformers 5 keeps rope_theta inside rope_parameters; 4.x at the top level.
-    rope = dict(hf.get("rope_parameters") or {})
-    if "rope_theta" not in rope and "rope_theta" in hf:
-        rope["rope_theta"] = hf["rope_theta"]
-    if hf.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-        raise CheckpointError(f"{where}: RoPE scaling is not supported (got {hf.get('rope_scaling') or rope})")
-    if hf.get("use_sliding_window"):
-        raise CheckpointError(f"{where}: sliding-window attention is not supported")
-    optional = ("head_dim", "max_position_embeddings", "rope_theta")
-    missing = [k for k in _CONFIG_KEYS if k not in hf and k not in optional]
-    if "rope_theta" not in rope:
-        missing.append("rope_theta")
+    if model_type in FAMILIES:
+        return model_type
+    for family, arch in _ARCHITECTURES.items():
+        if arch in archs:
+            return family
+    raise CheckpointError(f"{where}: model_type is {model_type!r} (architectures {archs}); workbench reads "
+                          f"the model types {', '.join(FAMILIES)} ({', '.join(_ARCHITECTURES.values())})")
+
+
+def _rope(hf: dict, where: str) -> tuple[float | None, RopeScaling | None]:
+    """(rope_theta, scaling) from transformers 5's `rope_parameters` or 4.x's `rope_theta` + `rope_scaling`."""
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "default":
+        return theta, None
+    if kind not in ("linear", "llama3"):
+        raise CheckpointError(f"{where}: RoPE scaling {kind!r} is not supported (supported: linear, llama3); "
+                              f"got {params}")
+    keys = ("factor",) if kind == "linear" else ("factor", "low_freq_factor", "high_freq_factor",
+                                                 "original_max_position_embeddings")
+    missing = [k for k in keys if k not in params]
     if missing:
-        raise CheckpointError(f"{where}: missing Qwen3 fields {missing}")
-    values = {k: hf[k] for k in _CONFIG_KEYS if k in hf}
-    values["rope_theta"] = rope["rope_theta"]
-    values.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+        raise CheckpointError(f"{where}: {kind} RoPE scaling lacks {missing}")
     try:
-        return Qwen3Config(**values)
+        return theta, RopeScaling(kind, **{k: params[k] for k in keys})
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+
+
+def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
+    """The model config of a Hugging Face `config.json` (model_type qwen3, qwen2, llama or mistral).
+
+    What the model cannot run exactly (sliding-window attention, other activations, biases beyond
+    Qwen2's q/k/v, other RoPE scalings) is an error naming the field, never silently ignored.
+    """
+    family = _family(hf, where)
+    theta, scaling = _rope(hf, where)
+    missing = [k for k in _SHAPE_KEYS if k not in hf] + (["rope_theta"] if theta is None else [])
+    if missing:
+        raise CheckpointError(f"{where}: missing {family} fields {missing}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported (SwiGLU with silu only)")
+    window = hf.get("sliding_window")
+    if (hf.get("use_sliding_window") or (family == "mistral" and window is not None
+                                         and window < hf.get("max_position_embeddings", 0))):
+        raise CheckpointError(f"{where}: sliding-window attention (window {window}) is not supported")
+    if hf.get("mlp_bias"):
+        raise CheckpointError(f"{where}: mlp_bias=True is not supported")
+    if family != "qwen2" and hf.get("attention_bias"):
+        raise CheckpointError(f"{where}: attention_bias=True (a bias on o_proj too) is not supported for {family}")
+    values = {k: hf[k] for k in _SHAPE_KEYS}
+    values.update(model_type=family, rope_theta=theta, rope_scaling=scaling, qk_norm=family == "qwen3",
+                  attention_bias=family == "qwen2",
+                  head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+                  tie_word_embeddings=hf.get("tie_word_embeddings", family != "llama" and family != "mistral"))
+    if "max_position_embeddings" in hf:
+        values["max_position_embeddings"] = hf["max_position_embeddings"]
+    try:
+        return ModelConfig(**values)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: {e}") from None
 
 
-def config_to_hf(cfg: Qwen3Config, dtype: torch.dtype) -> dict:
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        **cfg.to_dict(),
+def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """A `config.json` that transformers loads as the same family (`AutoModelForCausalLM`)."""
+    out = {
+        "architectures": [_ARCHITECTURES[cfg.model_type]],
+        "model_type": cfg.model_type,
+        **{k: getattr(cfg, k) for k in _SHAPE_KEYS},
+        "head_dim": cfg.head_dim,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling.to_hf() if cfg.rope_scaling else None,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
         "hidden_act": "silu",
-        "attention_bias": False,
         "attention_dropout": 0.0,
-        "rope_scaling": None,
         "use_cache": True,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if cfg.model_type in ("qwen3", "llama"):
+        out["attention_bias"] = False
+    if cfg.model_type == "llama":
+        out["mlp_bias"] = False
+    if cfg.model_type in ("qwen2", "qwen3"):
+        out["use_sliding_window"] = False
+    if cfg.model_type == "mistral":
+        out["sliding_window"] = None
+    return out
 
 
-def _resolve(path_or_hub_id: str | os.PathLike) -> Path:
-    path = Path(path_or_hub_id).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise CheckpointError(f"{path} is a file; give the checkpoint's directory (with config.json)")
-        return path
-    hub_like = re.fullmatch(r"[\w.-]+/[\w.-]+", str(path_or_hub_id))
-    if not hub_like:
-        raise CheckpointError(f"no checkpoint directory at {path}; check the path")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(str(path_or_hub_id), allow_patterns=["*.json", "*.safetensors", "*.txt"]))
-    except Exception as e:  # offline, unknown repo, no permission: all end here
-        raise CheckpointError(
-            f"{path_or_hub_id!r} is not a local directory and could not be fetched from the hub ({type(e).__name__}: "
-            f"{e}); download the checkpoint where there is a network and pass its directory"
-        ) from None
+def _resolve(path: str | os.PathLike) -> Path:
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        return folder
+    if folder.exists():
+        raise CheckpointError(f"{folder} is a file; give the checkpoint's directory (with config.json)")
+    raise CheckpointError(f"no checkpoint directory at {folder}; check the path, or get a model by name or hub id "
+                          "first (`python -m workbench fetch-model NAME`, or workbench.models.resolve_model)")
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _shards(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -103,22 +147,30 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         found = sorted(p.name for p in path.iterdir())
         raise CheckpointError(f"{path}: no model.safetensors (or sharded index) found; it holds {found}. "
                               "Only safetensors checkpoints are read (never .bin / pickle)")
-    tensors: dict[str, torch.Tensor] = {}
     for name in files:
-        f = path / name
-        if not f.exists():
+        if not (path / name).exists():
             raise CheckpointError(f"{path}: shard {name} listed in the index is missing")
+    return [path / name for name in files]
+
+
+def _read_tensors(files: list[Path], dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """Every tensor, read straight onto `device` and cast there, one at a time (peak: the model plus one
+    tensor in the file's dtype). The cast is `Tensor.to`: round to nearest even, as `copy_weights`."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
         try:
-            tensors.update(load_file(f))
-        except (SafetensorError, OSError, ValueError) as e:
+            with safe_open(f, framework="pt", device=str(device)) as fh:
+                for name in fh.keys():
+                    t = fh.get_tensor(name)
+                    tensors[name.removeprefix("_orig_mod.")] = t.to(dtype) if t.is_floating_point() else t
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{f}: corrupt or unreadable safetensors file ({e})") from None
     return tensors
 
 
-def load_pretrained(path_or_hub_id: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
-                    device: str | torch.device = "cpu") -> Qwen3ForCausalLM:
-    """A Qwen3ForCausalLM from a Hugging Face checkpoint directory (or a hub id where there is a network)."""
-    path = _resolve(path_or_hub_id)
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """The model config of a checkpoint directory's config.json."""
+    path = _resolve(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{path}: no config.json; is this a Hugging Face checkpoint directory?")
@@ -126,20 +178,32 @@ def load_pretrained(path_or_hub_id: str | os.PathLike, dtype: torch.dtype = torc
         hf_cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
-    cfg = config_from_hf(hf_cfg, str(cfg_file))
-    tensors = _read_tensors(path)
-    tensors = {k.removeprefix("_orig_mod."): v for k, v in tensors.items()}
+    return config_from_hf(hf_cfg, str(cfg_file))
+
+
+def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
+                    device: str | torch.device = "cpu") -> CausalLM:
+    """A CausalLM from a Hugging Face checkpoint directory (safetensors, single or sharded).
+
+    The tensors are read onto `device`, cast there, and become the parameters (no second copy).
+    """
+    path = _resolve(path)
+    cfg = read_config(path)
+    tensors = _read_tensors(_shards(path), dtype, device)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    model = build(cfg, device="meta", dtype=dtype, seed=None).to_empty(device=device)
+    for name in [k for k in tensors if k.endswith("rotary_emb.inv_freq")]:  # older transformers saved these
+        del tensors[name]
+    model = build(cfg, device="meta", dtype=dtype, seed=None)
     try:
-        copy_weights(tensors, model)
+        check_weights(tensors, model)
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"{path}: {e.args[0]}") from None
+    model.load_state_dict(tensors, assign=True)
     return model.eval()
 
 
-def save_pretrained(model: Qwen3ForCausalLM, path: str | os.PathLike, tokenizer=None) -> Path:
+def save_pretrained(model: CausalLM, path: str | os.PathLike, tokenizer=None) -> Path:
     """Write config.json and model.safetensors (and the tokenizer, if given) atomically into `path`."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -154,6 +218,10 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str | os.PathLike, tokenizer=
             os.replace(os.path.join(tmp, name), path / name)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
+        if tokenizer.eos_token_id is not None:  # so that transformers' generate stops where ours does
+            (path / "generation_config.json").write_text(json.dumps(
+                {"eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id,
+                 "pad_token_id": tokenizer.pad_token_id}, indent=2))
     return path
 
 

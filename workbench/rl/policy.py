@@ -1,4 +1,4 @@
-"""A starting policy without downloads: a digit-level BPE tokenizer and a small Qwen3 trained by
+"""A starting policy without downloads: a digit-level BPE tokenizer and a small Qwen3-shaped model trained by
 supervised learning on the arithmetic task until its accuracy leaves room for RL, saved as a
 Hugging Face checkpoint (with its tokenizer) that `workbench.models.load_pretrained` reads.
 
@@ -19,7 +19,7 @@ from ..config import check_at_least_one, check_positive
 from ..env import resolve_device
 from ..generation import SamplingParams, generate
 from ..kernels import mode
-from ..models import Qwen3Config, build, copy_weights, save_pretrained
+from ..models import ModelConfig, build, copy_weights, save_pretrained
 from .tasks import Arithmetic
 
 EOS, PAD = "<|endoftext|>", "<pad>"
@@ -120,7 +120,7 @@ def train_policy(cfg: PolicyConfig, out_dir: str | Path | None = None):
     held_out = task.eval_problems(cfg.eval_problems)
     tokenizer = train_tokenizer(task)
     longest = max(len(p.prompt) + len(p.answer) for p in task.problems(512)) + 2
-    model_cfg = Qwen3Config(vocab_size=len(tokenizer), max_position_embeddings=2 * longest,
+    model_cfg = ModelConfig(vocab_size=len(tokenizer), max_position_embeddings=2 * longest,
                             **POLICY_SIZES[cfg.size])
     model = build(model_cfg, device=device, dtype=torch.float32, seed=cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)

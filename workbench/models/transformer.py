@@ -1,4 +1,8 @@
-"""Qwen3, built only from `workbench.kernels` ops, so `mode(...)` switches every op.
+"""One decoder-only transformer for the Llama, Mistral, Qwen2 and Qwen3 families, built only from
+`workbench.kernels` ops, so `mode(...)` switches every op.
+
+The families differ only in config flags (`ModelConfig`): per-head q/k RMSNorm (Qwen3), q/k/v
+biases (Qwen2), tied or untied embeddings, the RoPE base and scaling, the head width.
 
 The same module serves the trainer (a full forward over a right-padded batch)
 and the generator (prefill and decode against a static, preallocated KV cache):
@@ -19,11 +23,48 @@ import torch
 from torch import nn
 
 from ..kernels import (apply_rope, attention, attention_paged, attention_with_cache, linear, paged_kv_write, rms_norm,
-                       rope_cos_sin, silu_mul)
+                       rope_cos_sin, rope_inv_freq, silu_mul)
 
 
 @dataclass(frozen=True)
-class Qwen3Config:
+class RopeScaling:
+    """Hugging Face's `rope_scaling`, for the types the model supports (see `kernels.rope_inv_freq`)."""
+
+    rope_type: str
+    """'linear' or 'llama3'."""
+    factor: float
+    """How much longer the context is than the one the model was trained on."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_position_embeddings / this are scaled by 1 / factor."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_position_embeddings / this are left alone."""
+    original_max_position_embeddings: int = 8192
+    """llama3: the context length of pre-training."""
+
+    def __post_init__(self):
+        if self.rope_type not in ("linear", "llama3"):
+            raise ValueError(f"RoPE scaling type {self.rope_type!r} is not supported; supported: linear, llama3")
+        if not self.factor > 0:
+            raise ValueError(f"RoPE scaling factor must be > 0, got {self.factor!r}")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
+            raise ValueError("llama3 RoPE scaling needs high_freq_factor > low_freq_factor > 0, got "
+                             f"{self.high_freq_factor} and {self.low_freq_factor}")
+
+    def to_hf(self) -> dict:
+        """The dict Hugging Face configs hold (only the fields its type reads)."""
+        if self.rope_type == "linear":
+            return {"rope_type": "linear", "factor": self.factor}
+        return asdict(self)
+
+
+FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
+"""Hugging Face `model_type`s the model runs; each is a set of the flags below."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str = "qwen3"
+    """The Hugging Face family (qwen3, qwen2, llama, mistral): what a saved checkpoint is declared as."""
     vocab_size: int = 151936
     """Tokens in the vocabulary."""
     hidden_size: int = 2048
@@ -37,21 +78,31 @@ class Qwen3Config:
     num_key_value_heads: int = 8
     """Key/value heads (GQA groups)."""
     head_dim: int = 128
-    """Width of one head."""
+    """Width of one head (Hugging Face derives hidden_size / num_attention_heads where a config omits it)."""
     rms_norm_eps: float = 1e-6
     """RMSNorm epsilon."""
     rope_theta: float = 1_000_000.0
     """RoPE base."""
+    rope_scaling: RopeScaling | None = None
+    """RoPE scaling (Llama 3.x: 'llama3'; 'linear'); None: plain RoPE."""
+    qk_norm: bool = True
+    """Per-head RMSNorm of queries and keys before RoPE (Qwen3)."""
+    attention_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2)."""
     tie_word_embeddings: bool = True
     """lm_head shares the embedding matrix."""
     max_position_embeddings: int = 40960
     """Longest sequence the model is meant for."""
 
     def __post_init__(self):
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"model_type {self.model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0:
-                raise ValueError(f"Qwen3Config.{f.name} must be positive, got {v}")
+                raise ValueError(f"ModelConfig.{f.name} must be positive, got {v}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
@@ -60,22 +111,35 @@ class Qwen3Config:
         return asdict(self)
 
 
-SIZES: dict[str, Qwen3Config] = {
-    # Runs in the CPU interpreter in seconds.
-    "tiny": Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512),
-    "0.6B": Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28),
-    "1.7B": Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28),
-    "4B": Qwen3Config(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32),
-    "8B": Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                      tie_word_embeddings=False),
+def _qwen3(**kw) -> ModelConfig:
+    return ModelConfig(model_type="qwen3", **kw)
+
+
+SIZES: dict[str, ModelConfig] = {
+    # Runs in the CPU interpreter in seconds (Qwen3's flags).
+    "tiny": _qwen3(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512),
+    "qwen3-0.6B": _qwen3(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28),
+    "qwen3-1.7B": _qwen3(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28),
+    "qwen3-4B": _qwen3(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32),
+    "qwen3-8B": _qwen3(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                       tie_word_embeddings=False),
+    # SmolLM2-135M's shape (a Llama: no q/k norm, no biases, head_dim 64, GQA 3).
+    "smollm2-135M": ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                                rms_norm_eps=1e-5, rope_theta=100_000.0, qk_norm=False,
+                                max_position_embeddings=8192),
+    # Qwen2-0.5B's shape (q/k/v biases, GQA 7, head_dim 64).
+    "qwen2-0.5B": ModelConfig(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                              num_attention_heads=14, num_key_value_heads=2, head_dim=64, qk_norm=False,
+                              attention_bias=True, max_position_embeddings=32768),
 }
 
 
-def config(name: str) -> Qwen3Config:
-    """A named size: 'tiny', '0.6B', '1.7B', '4B' or '8B'."""
+def config(name: str) -> ModelConfig:
+    """A named shape: 'tiny', 'qwen3-0.6B' ... 'qwen3-8B', 'smollm2-135M' or 'qwen2-0.5B'."""
     if name not in SIZES:
-        raise ValueError(f"unknown Qwen3 size {name!r}; known sizes: {list(SIZES)}")
+        raise ValueError(f"unknown model shape {name!r}; known shapes: {list(SIZES)}")
     return SIZES[name]
 
 
@@ -87,7 +151,7 @@ class KVCache:
     v: torch.Tensor  # [L, B, S, Hkv, D]
 
     @classmethod
-    def allocate(cls, cfg: Qwen3Config, batch: int, max_len: int, device, dtype=torch.bfloat16) -> KVCache:
+    def allocate(cls, cfg: ModelConfig, batch: int, max_len: int, device, dtype=torch.bfloat16) -> KVCache:
         shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
         return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
 
@@ -129,14 +193,15 @@ class PagedKVCache:
 
 
 class Linear(nn.Module):
-    """y = x @ W.T on the kernel library (no bias: Qwen3 has none)."""
+    """y = x @ W.T (+ b) on the kernel library."""
 
-    def __init__(self, n_in: int, n_out: int):
+    def __init__(self, n_in: int, n_out: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_out, n_in))
+        self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
 
     def forward(self, x):
-        return linear(x, self.weight)
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -150,21 +215,25 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Qwen3Config):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, self.hq * self.d)
-        self.k_proj = Linear(cfg.hidden_size, self.hkv * self.d)
-        self.v_proj = Linear(cfg.hidden_size, self.hkv * self.d)
+        self.q_proj = Linear(cfg.hidden_size, self.hq * self.d, cfg.attention_bias)
+        self.k_proj = Linear(cfg.hidden_size, self.hkv * self.d, cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, self.hkv * self.d, cfg.attention_bias)
         self.o_proj = Linear(self.hq * self.d, cfg.hidden_size)
-        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x, cos, sin, seq_lens, cache=None, layer=0, start=None):
         b, t, _ = x.shape                                                   # x [B, T, H]
-        q = self.q_norm(self.q_proj(x).view(b, t, self.hq, self.d))         # [B, T, Hq, D]
-        k = self.k_norm(self.k_proj(x).view(b, t, self.hkv, self.d))        # [B, T, Hkv, D]
+        q = self.q_proj(x).view(b, t, self.hq, self.d)                      # [B, T, Hq, D]
+        k = self.k_proj(x).view(b, t, self.hkv, self.d)                     # [B, T, Hkv, D]
         v = self.v_proj(x).view(b, t, self.hkv, self.d)                     # [B, T, Hkv, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)             # cos, sin [B, T, D/2]
         if cache is None:
             o = attention(q, k, v, seq_lens)                                # [B, T, Hq, D]
@@ -174,7 +243,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Qwen3Config):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
@@ -185,7 +254,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3Config):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
@@ -197,21 +266,21 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3Model(nn.Module):
-    def __init__(self, cfg: Qwen3Config):
+class DecoderStack(nn.Module):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class Qwen3ForCausalLM(nn.Module):
-    """Qwen3 with its LM head; `forward` returns logits in the weights' dtype."""
+class CausalLM(nn.Module):
+    """The decoder with its LM head; `forward` returns logits in the weights' dtype."""
 
-    def __init__(self, cfg: Qwen3Config):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = Qwen3Model(cfg)
+        self.model = DecoderStack(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
 
@@ -219,8 +288,9 @@ class Qwen3ForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    def init_weights(self, seed: int = 0, std: float = 0.02) -> Qwen3ForCausalLM:
-        """Random weights (normal(0, std), norms at 1), drawn on the CPU in fp32, so any device gets the same."""
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> CausalLM:
+        """Random weights (normal(0, std), norms at 1, biases normal too), drawn on the CPU in fp32, so any
+        device gets the same."""
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():
@@ -229,6 +299,13 @@ class Qwen3ForCausalLM(nn.Module):
                 else:
                     p.copy_(torch.randn(p.shape, generator=g) * std)
         return self
+
+    def inv_freq(self, device) -> torch.Tensor:
+        """RoPE frequencies [D/2] fp32, computed where they are used (on the trainer's and the
+        generator's device alike, so both get the same bits; a few tiny ops, capturable in a CUDA graph)."""
+        cfg = self.config
+        scaling = cfg.rope_scaling.to_hf() if cfg.rope_scaling else None
+        return rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling, device=device)
 
     def hidden_states(self, input_ids, seq_lens=None, cache: KVCache | None = None, start=None):
         """Final-norm hidden states [B, T, H]; see `forward`."""
@@ -241,7 +318,7 @@ class Qwen3ForCausalLM(nn.Module):
         if start is None:
             start = torch.zeros(b, device=dev, dtype=torch.int32)
         positions = start[:, None] + torch.arange(t, device=dev)            # [B, T]
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)  # [B, T, D/2] fp32
+        cos, sin = rope_cos_sin(positions, self.inv_freq(dev))             # [B, T, D/2] fp32
         x = self.model.embed_tokens(input_ids)                              # [B, T, H]
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, seq_lens, cache, i, start)
@@ -252,7 +329,7 @@ class Qwen3ForCausalLM(nn.Module):
 
         In `invariant` mode row n has the bits the training forward gives that token.
         """
-        cos, sin = rope_cos_sin(positions[None], self.config.head_dim, self.config.rope_theta)  # [1, N, D/2]
+        cos, sin = rope_cos_sin(positions[None], self.inv_freq(positions.device))  # [1, N, D/2] fp32
         x = self.model.embed_tokens(input_ids)[None]                        # [1, N, H]
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, None, cache, i, None)
@@ -271,24 +348,30 @@ class Qwen3ForCausalLM(nn.Module):
         return linear(self.hidden_states(input_ids, seq_lens, cache, start), self.lm_head_weight)
 
 
-def build(cfg: Qwen3Config | str, device="cpu", dtype=torch.bfloat16, seed: int | None = 0) -> Qwen3ForCausalLM:
+def build(cfg: ModelConfig | str, device="cpu", dtype=torch.bfloat16, seed: int | None = 0) -> CausalLM:
     """A model of the given size with random weights (seed) or uninitialised ones (seed=None)."""
     cfg = config(cfg) if isinstance(cfg, str) else cfg
-    model = Qwen3ForCausalLM(cfg)
+    model = CausalLM(cfg)
     if seed is not None:
         model.init_weights(seed)
     return model.to(device=device, dtype=dtype)
 
 
-def copy_weights(src: dict[str, torch.Tensor], model: nn.Module) -> None:
-    """The one cast path from (fp32 master) weights into the model's dtype: `copy_`, round to nearest even."""
+def check_weights(src: dict[str, torch.Tensor], model: nn.Module) -> None:
+    """A KeyError naming missing or unexpected names, or a ValueError naming a shape, unless `src` fits `model`."""
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(src))
     unexpected = sorted(set(src) - set(params))
     if missing or unexpected:
         raise KeyError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, p in params.items():
+        if src[name].shape != p.shape:
+            raise ValueError(f"{name}: the model has shape {tuple(p.shape)}, the weights {tuple(src[name].shape)}")
+
+
+def copy_weights(src: dict[str, torch.Tensor], model: nn.Module) -> None:
+    """The one cast path from (fp32 master) weights into the model's dtype: `copy_`, round to nearest even."""
+    check_weights(src, model)
     with torch.no_grad():
-        for name, p in params.items():
-            if src[name].shape != p.shape:
-                raise ValueError(f"{name}: the model has shape {tuple(p.shape)}, the weights {tuple(src[name].shape)}")
+        for name, p in model.named_parameters():
             p.copy_(src[name])
