@@ -1,9 +1,10 @@
-"""GPU benchmark of the embedded generator: generated tokens/s, Qwen3-1.7B shape, random weights,
-128-token prompts, 256 new tokens (no stop token), batch 64 and 256: invariant mode, standard mode
-and Hugging Face `transformers` `generate` on the same weights, in the same run; and the decode
-step's time beside its memory-bandwidth floor ((weights + KV cache bytes) / measured copy bandwidth).
+"""GPU benchmark of the embedded generator: generated tokens/s, Qwen3-1.7B shape with random weights
+(or a real checkpoint: --model FOLDER), 128-token prompts, 256 new tokens (no stop token), batch 64
+and 256: invariant mode, standard mode and Hugging Face `transformers` `generate` on the same weights,
+in the same run; and the decode step's time beside its memory-bandwidth floor ((weights + KV cache
+bytes) / measured copy bandwidth).
 
-    python bench/bench_generate.py [--out FILE.md] [--skip-hf]
+    python bench/bench_generate.py [--model FOLDER] [--out FILE.md] [--skip-hf]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from timing import copy_gbs, emit, header  # noqa: E402
 
 from workbench.generation import SamplingParams, generate  # noqa: E402
 from workbench.kernels import mode  # noqa: E402
-from workbench.models import build, save_pretrained  # noqa: E402
+from workbench.models import build, load_pretrained, save_pretrained  # noqa: E402
 
 PROMPT, NEW = 128, 256
 
@@ -46,7 +47,7 @@ def hf(model, batch: int) -> float:
 
     with tempfile.TemporaryDirectory() as d:
         save_pretrained(model, d)
-        hf_model = transformers.CausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
     ids = torch.tensor(_prompts(batch, model.config.vocab_size), device="cuda")
     kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
     hf_model.generate(ids, max_new_tokens=4, do_sample=True)
@@ -61,10 +62,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="also write the tables (markdown) to this file")
     ap.add_argument("--skip-hf", action="store_true", help="leave out transformers.generate (slow)")
+    ap.add_argument("--model", help="a checkpoint folder (default: the Qwen3-1.7B shape, random weights)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_generate.py needs a CUDA GPU")
-    model = build("qwen3-1.7B", device="cuda", seed=0)
+    model = load_pretrained(a.model, device="cuda") if a.model else build("qwen3-1.7B", device="cuda", seed=0)
     cfg = model.config
     copy = max(copy_gbs())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -81,8 +83,8 @@ def main() -> None:
         floor_ms = (weight_bytes + kv) / copy / 1e6
         lines.append(f"| {batch} | {inv_tps:,.0f} | {std_tps:,.0f} | {hf_tps:,.0f} | {inv_tps / std_tps:.2f} | "
                      f"{inv_tps / hf_tps:.1f} | {inv_ms:.2f} | {floor_ms:.2f} | {inv_ms / floor_ms:.2f} |")
-    lines += ["", f"Copy bandwidth {copy:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB (bf16, tied embeddings). "
-              "HF generate is run at batch 64 only."]
+    lines += ["", f"Model: {a.model or 'Qwen3-1.7B shape, random weights'}. Copy bandwidth {copy:.0f} GB/s; weights "
+              f"{weight_bytes / 1e9:.2f} GB (bf16). HF generate is run at batch 64 only."]
     emit(lines, a.out)
 
 

@@ -7,7 +7,8 @@ worker process of its own; the embedded generator runs in this one, with no vLLM
 - vLLM's own Qwen3, batch-invariant mode on, then off (vLLM's default);
 - the embedded generator in invariant and in standard mode.
 
-For a small random Qwen3 and the Qwen3-1.7B shape (random weights):
+For a small random Qwen3 and the Qwen3-1.7B shape (random weights), or any checkpoint folder named in
+--shapes (a real model such as the converted SmolLM2-135M-Instruct):
 1. parity: each vLLM backend samples; the trainer (invariant kernels) recomputes the tokens'
    log-probs: tokens differing, max |diff|; and a request alone vs in the batch;
 2. weight sync of the trainer's bf16 weights into the generator, checked by checksum: in place and
@@ -50,6 +51,9 @@ def _prompts(n, length, vocab, seed=0):
 
 
 def _model(shape):
+    """'small', a named shape with random weights, or a checkpoint folder (a real model)."""
+    if Path(shape).is_dir():
+        return load_pretrained(shape, dtype=torch.bfloat16, device="cuda")
     return build(SMALL if shape == "small" else shape, device="cuda", dtype=torch.bfloat16, seed=0)
 
 
@@ -120,11 +124,12 @@ def worker(backend: str, shapes: list[str], do_throughput: bool) -> None:
     workdir = Path(tempfile.mkdtemp())
     for shape in shapes:
         model = _model(shape)
-        save_pretrained(model, workdir / shape)
+        folder = workdir / Path(shape).name
+        save_pretrained(model, folder)
+        shape = Path(shape).name
         try:
             with mode("invariant"):
-                engine = VLLMGenerator(workdir / shape, gpu_memory_utilization=0.35, batch_invariant=bi,
-                                       model_impl=impl)
+                engine = VLLMGenerator(folder, gpu_memory_utilization=0.35, batch_invariant=bi, model_impl=impl)
             print("RESULT", json.dumps({"kind": "parity", "backend": backend, "shape": shape,
                                         **{k: float(v) for k, v in parity(engine, model).items()}}), flush=True)
             for path, seconds, ok in sync(engine, model, workdir):
@@ -179,6 +184,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp())
     for shape in a.shapes if a.embedded else []:
         model = _model(shape)
+        shape = Path(shape).name
         for path, seconds, ok in embedded_sync(model, workdir):
             results.append({"kind": "sync", "backend": "embedded", "shape": shape, "path": path, "seconds": seconds,
                             "ok": ok})

@@ -90,7 +90,8 @@ def header() -> str:
 
     from workbench.env import git_sha
 
-    return (f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}; "
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (Triton interpreter)"
+    return (f"Device: {device}; torch {torch.__version__}, triton {triton.__version__}; "
             f"{datetime.date.today().isoformat()}; git {git_sha()}")
 
 

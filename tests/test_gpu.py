@@ -107,3 +107,19 @@ def test_gpu_logprobs_same_bits_with_or_without_entropy():
     both = logprobs_and_entropy_invariant(logits, tokens, 0.8, with_entropy=True)
     alone = logprobs_and_entropy_invariant(logits, tokens, 0.8, with_entropy=False)
     assert torch.equal(both[0], alone[0])
+
+
+def test_gpu_linear_with_bias_rows_bitwise_invariant():
+    """Qwen2-0.5B's q projection with its bias: every row equals itself alone, across the M buckets."""
+    from workbench.kernels.matmul import linear_invariant, linear_reference
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(600, 896, generator=g).cuda().bfloat16()
+    w = (torch.randn(896, 896, generator=g) / 30).cuda().bfloat16()
+    b = torch.randn(896, generator=g).cuda().bfloat16()
+    alone = torch.cat([linear_invariant(x[r : r + 1], w, b) for r in range(8)])
+    for m in [*MS[:-1], 600]:
+        k = min(m, 8)
+        assert torch.equal(linear_invariant(x[:m], w, b)[:k], alone[:k]), f"bias linear rows differ at M={m}"
+    ref = linear_reference(x, w, b)
+    assert ((linear_invariant(x, w, b).double() - ref).norm() / ref.norm()).item() < 1e-2

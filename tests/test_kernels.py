@@ -140,3 +140,31 @@ def test_logprobs_are_the_same_bits_with_or_without_the_entropy_sums():
     both = logprobs_and_entropy_invariant(logits, tokens, 0.8, with_entropy=True)
     alone = logprobs_and_entropy_invariant(logits, tokens, 0.8, with_entropy=False)
     assert torch.equal(both[0], alone[0]) and torch.isnan(alone[1]).all()
+
+
+def _bias_linear_op():
+    """`linear` with a bias (Qwen2's q/k/v projections) as an Op the generic checks take."""
+    from workbench.kernels import matmul
+    from workbench.kernels.registry import Op
+
+    def make(rows, size, g, device, dtype):
+        x, w = REGISTRY["linear"].make_inputs(rows, size, g, device, dtype)
+        return x, w, (torch.randn(w.shape[0], generator=g) * 0.5).to(device=device, dtype=dtype)
+
+    return Op("linear", matmul.linear_invariant, matmul.linear_standard, matmul.linear_reference, make,
+              row_args=(0,), grad_args=(0, 1, 2), tile_config=matmul.tile_config)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_with_bias_is_accurate_and_batch_invariant(dtype):
+    op = _bias_linear_op()
+    check_against_fp64(op, _inputs(op, 11, dtype, seed=13), on_gpu=False)
+    args, others = _inputs(op, 23, dtype, seed=14), _inputs(op, 23, dtype, seed=15)
+    others = (others[0], *args[1:])
+    assert invariance_violations(op.invariant, args, op.row_args, 6, others, 9) == []
+    # One rounding: the fp32 product plus the bias, cast once.
+    x, w, b = args
+    from workbench.kernels.matmul import matmul
+
+    want = (matmul(x, w.t(), out_dtype=torch.float32, tma=False) + b.float()).to(dtype)
+    assert torch.equal(op.invariant(x, w, b), want)

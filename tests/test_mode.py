@@ -56,8 +56,8 @@ def test_bad_names_are_refused():
 
 def test_mode_picks_the_kernel(monkeypatch):
     calls = []
-    monkeypatch.setattr(mm, "linear_standard", lambda x, w: calls.append("standard") or x @ w.t())
-    monkeypatch.setattr(mm, "linear_invariant", lambda x, w: calls.append("invariant") or x @ w.t())
+    monkeypatch.setattr(mm, "linear_standard", lambda x, w, b=None: calls.append("standard") or x @ w.t())
+    monkeypatch.setattr(mm, "linear_invariant", lambda x, w, b=None: calls.append("invariant") or x @ w.t())
     x, w = torch.randn(2, 4), torch.randn(3, 4)
     with mode("standard"):
         linear(x, w)

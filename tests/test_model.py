@@ -173,6 +173,23 @@ def test_training_prefill_and_decode_logits_are_bitwise_equal():
     assert torch.equal(alone[0], train[1, :6]), "a sequence alone differs from the same in a padded batch"
 
 
+@pytest.mark.parametrize("shape", ["smollm2-135M", "qwen2-0.5B"])
+def test_real_shapes_training_prefill_and_decode_are_bitwise_equal(shape):
+    """One layer with SmolLM2-135M's heads (head_dim 64, 9 over 3) and Qwen2-0.5B's (q/k/v biases, 14 over 2),
+    narrow residual and MLP widths and a small vocabulary (the interpreter's time goes with the widths): a
+    token's logits are the same bits in training, prefill and decode. The GPU test runs the full widths."""
+    cfg = dataclasses.replace(config(shape), num_hidden_layers=1, vocab_size=384, hidden_size=128,
+                              intermediate_size=128)
+    model = build(cfg, dtype=torch.bfloat16, seed=21)
+    lens = torch.tensor([7, 3], dtype=torch.int32)
+    ids = _ids(2, 7, cfg.vocab_size, seed=22)
+    with torch.no_grad():
+        train = model(ids, seq_lens=lens).float()
+        cached = _prefill_then_decode(model, ids, lens, prefill=4, cache_len=8, poison=True)
+    for b in range(2):
+        assert torch.equal(cached[b, : lens[b]], train[b, : lens[b]]), f"sequence {b}"
+
+
 def test_standard_mode_runs_the_same_paths():
     model = build("tiny", dtype=torch.float32, seed=13)
     lens = torch.tensor([9, 4], dtype=torch.int32)

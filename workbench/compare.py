@@ -19,7 +19,7 @@ import torch
 from .env import resolve_device
 from .generation import SamplingParams, generate, parity_table, trainer_logprobs
 from .kernels import mode
-from .models import build, load_pretrained, load_tokenizer, save_pretrained
+from .models import build, encode_prompt, load_pretrained, load_tokenizer, resolve_model, save_pretrained
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,8 @@ class CompareConfig:
     """A model: a registry name (smollm2-135m-instruct), a checkpoint folder or a hub id; empty: a tiny random model."""
     prompt: str = "The capital of France is"
     """Prompt text (needs the checkpoint's tokenizer); ignored when prompt_ids is given."""
+    chat_template: bool = True
+    """Wrap the prompt text in the tokenizer's chat template (instruct models), where it has one."""
     prompt_ids: tuple[int, ...] = ()
     """Prompt as token ids (for checkpoints without a tokenizer; the random checkpoint uses 8 random ids)."""
     tokens: int = 16
@@ -64,7 +66,7 @@ class CompareConfig:
 
 def _checkpoint(cfg: CompareConfig, device: str) -> Path:
     if cfg.checkpoint:
-        return Path(cfg.checkpoint)
+        return resolve_model(cfg.checkpoint)
     path = Path(cfg.out_dir) / "checkpoint"
     save_pretrained(build("tiny", device="cpu", dtype=torch.bfloat16, seed=cfg.seed), path)
     return path
@@ -81,7 +83,7 @@ def _prompt(cfg: CompareConfig, path: Path, vocab: int) -> list[int]:
             tok = load_tokenizer(path)
         except Exception:  # no tokenizer files: say what to pass instead
             raise no_tokenizer from None
-        ids = tok(cfg.prompt)["input_ids"]
+        ids = encode_prompt(tok, cfg.prompt, cfg.chat_template)
         if not ids:
             raise no_tokenizer
     if not ids or min(ids) < 0 or max(ids) >= vocab:

@@ -41,7 +41,7 @@ class NightlyConfig:
     only: tuple[str, ...] = ()
     """Run only these notebooks (numbers such as 01 04, or names); empty: all, in order."""
     policy: str = ""
-    """A starting checkpoint for the RL notebook (empty: it trains its own)."""
+    """A real policy for notebooks 03 and 04 (registry name, folder, .gguf or hub id); empty: random/self-trained."""
     metrics: str = ""
     """A metrics table (or a run folder) for the plots notebook to draw instead of this run's."""
     cell_timeout: int = 3600

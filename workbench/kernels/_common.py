@@ -30,6 +30,23 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# Widths above this take the GPU's block along a vocabulary-sized dimension in the interpreter too.
+_INTERPRETER_SMALL_WIDTH = 8192
+
+
+def width_block(width: int, gpu: int, interpreter: int) -> int:
+    """A kernel's block along a vocabulary-sized dimension of this width.
+
+    The GPU's block; in the interpreter, `interpreter` (small) for the tests' small widths, so they
+    cross block boundaries, and the GPU's for real vocabularies, whose rows would otherwise take
+    thousands of interpreted programs (a real 49k-token model's forward took minutes). A function of
+    the width only, never of the number of rows: invariance across batches is untouched.
+    """
+    if interpreting() and width <= _INTERPRETER_SMALL_WIDTH:
+        return interpreter
+    return gpu
+
+
 def check_float(op: str, name: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, interpreting, rows_view
+from ._common import check_device, rows_view, width_block
 
 
 @triton.jit
@@ -36,5 +36,5 @@ def row_cumsum(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x2.shape, device=x.device, dtype=torch.float32)
     if x2.numel():
         _row_cumsum_kernel[(x2.shape[0],)](x2, y, x2.stride(0), y.stride(0), x2.shape[1],
-                                           BLOCK=256 if interpreting() else 2048, num_warps=4)
+                                           BLOCK=width_block(x2.shape[1], 2048, 256), num_warps=4)
     return y.view(x.shape)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import interpreting, rows_view
+from ._common import rows_view, width_block
 
 _M32 = 0xFFFFFFFF
 
@@ -98,7 +98,7 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, seed: int, request_i
         _gumbel_argmax_kernel[(r,)](
             x, keep if keep is not None else x, request_ids, positions, out, x.stride(0),
             keep.stride(0) if keep is not None else 0, v, seed_hash(seed), float(temperature),
-            HAS_KEEP=keep is not None, BLOCK_V=256 if interpreting() else 4096, num_warps=8,
+            HAS_KEEP=keep is not None, BLOCK_V=width_block(v, 4096, 256), num_warps=8,
         )
     return out.view(logits.shape[:-1])
 

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_float, interpreting, next_power_of_2, rows_view
+from ._common import check_device, check_float, next_power_of_2, rows_view, width_block
 from .mode import get_mode
 
 
@@ -126,18 +126,19 @@ def _logprob_rows_kernel(x_ptr, stats_ptr, out_ptr, stride_x, stride_o, V, scale
 
 _LOG2E = math.log2(math.e)
 
-# Fixed per machine kind, never a function of the rows (bench/tune_rowwise.py chose the GPU one).
+# Fixed per machine kind and vocabulary width, never a function of the rows (bench/tune_rowwise.py chose
+# the GPU one; the interpreter's small blocks apply to small vocabularies only: `width_block`).
 _GPU_CONFIG = {"chunk_v": 4096, "forward_num_warps": 4, "backward_block_v": 1024, "backward_num_warps": 4}
 _INTERPRETER_CONFIG = {"chunk_v": 256, "forward_num_warps": 4, "backward_block_v": 128, "backward_num_warps": 4}
 
 
-def _config() -> dict:
-    return _INTERPRETER_CONFIG if interpreting() else _GPU_CONFIG
+def _config(v: int) -> dict:
+    return {k: width_block(v, _GPU_CONFIG[k], _INTERPRETER_CONFIG[k]) for k in _GPU_CONFIG}
 
 
 def tile_config() -> dict:
-    """The launch config in force here (for the environment record)."""
-    return dict(_config())
+    """The launch config in force here (for the environment record), small and real vocabularies."""
+    return {"vocab_8k_or_less" if v <= 8192 else "vocab_above_8k": _config(v) for v in (512, 151936)}
 
 
 def _check(logits: torch.Tensor, tokens: torch.Tensor | None, temperature: float) -> None:
@@ -167,7 +168,7 @@ def _check(logits: torch.Tensor, tokens: torch.Tensor | None, temperature: float
 def _stats(x2: torch.Tensor, tok: torch.Tensor, temperature: float, with_entropy: bool) -> torch.Tensor:
     """[4, rows] fp32: log-prob, entropy (or NaN), lse2, E[x2] (the last two in base 2)."""
     r, v = x2.shape
-    cfg = _config()
+    cfg = _config(v)
     n_chunks = triton.cdiv(v, cfg["chunk_v"])
     part = torch.empty((r, n_chunks, 3), device=x2.device, dtype=torch.float32)
     out = torch.empty((4, r), device=x2.device, dtype=torch.float32)
@@ -210,7 +211,7 @@ class LogProbsFn(torch.autograd.Function):
         with_entropy = ctx.with_entropy and g_ent is not None
         g_ent = zeros if g_ent is None else g_ent.reshape(r).float().contiguous()
         dx = torch.empty((r, v), device=x2.device, dtype=x2.dtype)
-        cfg = _config()
+        cfg = _config(v)
         if r > 0:
             _logprobs_bwd_kernel[(r, triton.cdiv(v, cfg["backward_block_v"]))](
                 x2, tok, stats, g_lp, g_ent, dx, x2.stride(0), dx.stride(0), v, ctx.scale, ctx.inv_t, r,
@@ -268,7 +269,7 @@ def logprob_rows(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor
     r, v = x2.shape
     stats = _stats(x2, torch.zeros(r, dtype=torch.int64, device=x2.device), temperature, False)
     out = torch.empty((r, v), device=x2.device, dtype=torch.float32)
-    cfg = _config()
+    cfg = _config(v)
     if r > 0:
         _logprob_rows_kernel[(r, triton.cdiv(v, cfg["backward_block_v"]))](
             x2, stats, out, x2.stride(0), out.stride(0), v, _LOG2E / float(temperature), r,

@@ -159,8 +159,10 @@ class MatmulConfig:
     """One program per SM looping over tiles (TMA path only)."""
 
 
-# Interpreter: small tiles keep a CPU test in the tens of milliseconds.
-_INTERPRETER = MatmulConfig(32, 32, 32, group_m=4, num_warps=4, num_stages=1)
+# Interpreter: its cost is per interpreted program step, not per flop, so wide N/K tiles (a real model's
+# lm_head in 960 steps instead of 27,648: 2 s instead of 21 s); BLOCK_K 64 keeps the tests' K = 96
+# accumulating over two blocks. Fixed, never a function of M: every row goes through the same shapes.
+_INTERPRETER = MatmulConfig(32, 256, 64, group_m=4, num_warps=4, num_stages=1)
 
 # GPU, bf16: (largest M of the bucket, config), chosen by `bench/tune_matmul.py`
 # on an H200. Every candidate config (BLOCK_K 64 or 128, any M/N tiles, warps,

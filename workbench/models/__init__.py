@@ -6,7 +6,6 @@ from .checkpoint import (
     config_to_hf,
     hf_to_titan,
     load_pretrained,
-    load_tokenizer,
     merge_gate_up,
     read_config,
     save_pretrained,
@@ -14,6 +13,8 @@ from .checkpoint import (
     titan_to_hf,
     weights_checksum,
 )
+from .hub import FetchError, cache_dir, fetch_model, resolve_model
+from .tokenizer import encode_prompt, has_chat_template, load_tokenizer
 from .transformer import (
     FAMILIES,
     SIZES,
@@ -29,6 +30,7 @@ from .transformer import (
 
 __all__ = [
     "FAMILIES",
+    "FetchError",
     "SIZES",
     "CausalLM",
     "CheckpointError",
@@ -36,16 +38,21 @@ __all__ = [
     "ModelConfig",
     "RopeScaling",
     "build",
+    "cache_dir",
     "check_weights",
     "config",
     "config_from_hf",
     "config_to_hf",
     "copy_weights",
+    "encode_prompt",
+    "fetch_model",
+    "has_chat_template",
     "hf_to_titan",
     "load_pretrained",
     "load_tokenizer",
     "merge_gate_up",
     "read_config",
+    "resolve_model",
     "save_pretrained",
     "split_gate_up",
     "titan_to_hf",

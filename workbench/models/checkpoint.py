@@ -225,16 +225,6 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike, tokenizer=None) ->
     return path
 
 
-def load_tokenizer(path: str | os.PathLike):
-    """The checkpoint's tokenizer through `transformers.AutoTokenizer` (local files only)."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: no tokenizer could be loaded ({e})") from None
-
-
 _TITAN_LAYER = {
     "self_attn.q_proj.weight": "attention.wq.weight",
     "self_attn.k_proj.weight": "attention.wk.weight",

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from .checkpoint import CheckpointError
 
-# GGUF architecture -> (transformers model_type, class). Families with llama.cpp's q/k permutation are marked.
+# GGUF architecture -> (transformers model_type, class); llama.cpp permutes q/k only for those in _PERMUTED.
 ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                  "qwen3": ("qwen3", "Qwen3ForCausalLM")}
 _PERMUTED = {"llama"}
@@ -126,7 +126,7 @@ def hf_config(reader, where: Path) -> dict:
     cfg = {
         "architectures": [cls],
         "model_type": model_type,
-        "vocab_size": int([t for t in reader.tensors if t.name == "token_embd.weight"][0].shape[-1]),
+        "vocab_size": int(next(t for t in reader.tensors if t.name == "token_embd.weight").shape[-1]),
         "hidden_size": hidden,
         "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length", where)),
         "num_hidden_layers": int(_field(reader, f"{arch}.block_count", where)),

@@ -25,7 +25,7 @@ from .trainer import TrainConfig, config_changes, train
 @dataclass(frozen=True)
 class OnOffConfig:
     policy: str = ""
-    """Starting checkpoint; empty: train one (policy_size, difficulty) into out_dir/policy first."""
+    """Starting policy (registry name, folder, .gguf or hub id); empty: train one into out_dir/policy first."""
     policy_size: str = "tiny"
     """Size of the self-trained starting policy: 'tiny' (CPU) or 'small' (GPU)."""
     out_dir: str = "runs/on-off"

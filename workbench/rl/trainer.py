@@ -39,7 +39,8 @@ from ..config import check_at_least_one, check_positive
 from ..env import resolve_device
 from ..generation import SamplingParams, generate, parity_summary, parity_table, sampled_logprobs
 from ..kernels import entropy, mode
-from ..models import build, copy_weights, load_pretrained, load_tokenizer, save_pretrained, weights_checksum
+from ..models import (build, copy_weights, encode_prompt, load_pretrained, load_tokenizer, resolve_model,
+                      save_pretrained, weights_checksum)
 from .losses import AGGREGATIONS, LossConfig, aggregate, get_loss, group_advantages, importance_weights, kl_estimate
 from .policy import PolicyConfig, train_policy
 from .tasks import TASKS, make_task
@@ -52,7 +53,9 @@ class ParityError(RuntimeError):
 @dataclass(frozen=True)
 class TrainConfig:
     policy: str = ""
-    """Starting checkpoint (a Hugging Face folder with tokenizer); empty: train the tiny arithmetic policy."""
+    """Starting policy: registry name (smollm2-135m-instruct), folder, .gguf or hub id; empty: self-trained."""
+    chat_template: bool = True
+    """Wrap each prompt in the tokenizer's chat template (instruct models), where it has one."""
     out_dir: str = "runs/train"
     """Where metrics and checkpoints go."""
     kernel_mode: str = "invariant"
@@ -226,7 +229,8 @@ def _last_good(out: Path) -> str:
 
 def _starting_policy(cfg: TrainConfig, out: Path, device: str):
     if cfg.policy:
-        return load_pretrained(cfg.policy, dtype=torch.float32, device=device), load_tokenizer(cfg.policy)
+        folder = resolve_model(cfg.policy)
+        return load_pretrained(folder, dtype=torch.float32, device=device), load_tokenizer(folder)
     if cfg.task != "arithmetic":
         raise ValueError(f"task {cfg.task!r} needs a starting checkpoint (policy=...); the self-trained policy "
                          "only knows arithmetic")
@@ -448,7 +452,7 @@ def _step(run: _Run, step: int) -> tuple[float, int]:
     t_sync = time.perf_counter()
 
     problems = task.problems(cfg.prompts_per_step, start=step * cfg.prompts_per_step)
-    prompts = [tok(p.prompt)["input_ids"] for p in problems for _ in range(cfg.group_size)]
+    prompts = [encode_prompt(tok, p.prompt, cfg.chat_template) for p in problems for _ in range(cfg.group_size)]
     sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                               stop_token_ids=(tok.eos_token_id,), seed=cfg.seed * 1_000_003 + step)
     if run.engine is not None:

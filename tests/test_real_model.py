@@ -1,0 +1,89 @@
+"""The real SmolLM2-135M-Instruct on the CPU (fetched once by the `smollm2` fixture): the workbench model
+against transformers' LlamaForCausalLM on the same weights, the parity triangle bitwise through the
+interpreter (short: a real model's forward takes seconds there), and a GRPO step that trains it.
+
+The long versions (8 prompts x 96 tokens per dtype and mode, greedy generation, sample completions) are
+`scripts/check_real_model.py`; the GPU ones are tests/test_gpu_real_model.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from workbench.generation import SamplingParams
+from workbench.generation.parity import parity_triangle
+from workbench.kernels import mode
+from workbench.models import encode_prompt, load_pretrained, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+
+
+def _chat(tok, n: int, length: int) -> torch.Tensor:
+    """n chat-formatted questions, cut to `length` tokens."""
+    qs = [f"Tom has {i + 3} apples and buys {2 * i + 5} more. Then he gives away {i + 1}. How many apples "
+          f"does Tom have now? Explain every step of your reasoning before giving the final number." for i in range(n)]
+    ids = [encode_prompt(tok, q) for q in qs]
+    assert min(map(len, ids)) >= length
+    return torch.tensor([s[:length] for s in ids])
+
+
+def test_real_model_config_and_chat_template(smollm2):
+    cfg = json.loads((smollm2 / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 30 and cfg["vocab_size"] == 49152
+    tok = load_tokenizer(smollm2)
+    ids = encode_prompt(tok, "What is 2 + 3?")
+    text = tok.decode(ids)
+    assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token_id is not None
+    assert encode_prompt(tok, "2+3=", chat_template=False) == tok("2+3=")["input_ids"]
+
+
+def test_real_model_fp32_logits_match_transformers(smollm2, reference):
+    """8 prompts x 64 tokens through the standard path, one prompt through the invariant kernels (the
+    interpreter): max |logit difference| <= 1e-4 in fp32, the same top-1 token everywhere."""
+    tok = load_tokenizer(smollm2)
+    ours = load_pretrained(smollm2, dtype=torch.float32)
+    ids = _chat(tok, 8, 64)
+    with torch.no_grad():
+        want = reference(ids).logits
+        with mode("standard"):
+            got = ours(ids)
+        assert (got - want).abs().max().item() <= 1e-4
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        with mode("invariant"):
+            got = ours(ids[:1, :24])
+    assert (got - want[:1, :24]).abs().max().item() <= 1e-4
+    assert torch.equal(got.argmax(-1), want[:1, :24].argmax(-1))
+
+
+def test_real_model_triangle_is_bitwise_in_the_interpreter(smollm2):
+    """All 30 layers, one short plain prompt, two sampled tokens: decode == prefill == training forward, bit for
+    bit. (Each interpreted forward of the real model takes about 15 s on 2 cores: the 64 x 128-token version is
+    tests/test_gpu_real_model.py.)"""
+    tok = load_tokenizer(smollm2)
+    model = load_pretrained(smollm2, dtype=torch.bfloat16)
+    prompt = encode_prompt(tok, "The capital of France is", chat_template=False)
+    with mode("invariant"), torch.no_grad():
+        tokens, pairs = parity_triangle(model, [prompt], SamplingParams(temperature=1.0, max_new_tokens=2, seed=1))
+    assert len(tokens) == 2 and pairs.tokens_differing.sum() == 0, pairs.to_string()
+
+
+def test_real_model_trains(smollm2, tmp_path):
+    """One GRPO step from the real policy, given as a folder (standard kernels: the interpreter's backward
+    through 30 layers would take minutes): chat-formatted prompts, completions that stop at <|im_end|>, and
+    an update that moves every layer exactly when the group's rewards differ (else the advantages are 0)."""
+    from workbench.rl.trainer import TrainConfig, train
+
+    cfg = TrainConfig(policy=str(smollm2), kernel_mode="standard", steps=1, prompts_per_step=1, group_size=4,
+                      max_new_tokens=6, lr=1e-5, out_dir=str(tmp_path / "run"), progress=False, seed=3)
+    table = train(cfg)
+    last = table.set_index("metric")["value"]
+    assert last["response_length"] > 0
+    moved = last["reward_std"] > 0
+    assert (last["weight_delta_l2/layer_29"] > 0) == moved and (last["weight_delta_l2/embed"] > 0) == moved
