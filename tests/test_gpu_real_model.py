@@ -48,12 +48,25 @@ def test_gpu_real_model_triangle_bitwise_and_standard_differs(real):
 
 
 def test_gpu_real_model_logits_match_transformers(smollm2, real):
+    """Top-1 tokens over 8 chat prompts (the shared system turn counted once): the workbench's bf16 (invariant
+    kernels) against transformers' bf16 and against transformers' fp32, the model both approximate. bf16
+    rounding alone flips some near-ties, so ours must be as close to fp32 as transformers' bf16 is."""
     transformers = pytest.importorskip("transformers")
     model, tok = real
-    ref = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.bfloat16).cuda().eval()
-    ids = torch.tensor([p[:48] for p in _prompts(tok, 8) if len(p) >= 48][:4], device="cuda")
+    prompts = _prompts(tok, 8)
+    t = min(map(len, prompts))
+    ids = torch.tensor([p[:t] for p in prompts], device="cuda")
+    shared = int((ids == ids[:1]).all(0).int().cumprod(0).sum())
+    keep = torch.ones(ids.shape, dtype=torch.bool, device="cuda")
+    keep[1:, :shared] = False
     with torch.no_grad():
-        want = ref(ids).logits.float()
-        got = model(ids).float()
-    top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-    assert top1 >= 0.99, f"bf16 top-1 agreement {top1:.3f}"
+        top = {dtype: transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=dtype).cuda().eval()(ids)
+               .logits.argmax(-1) for dtype in (torch.float32, torch.bfloat16)}
+        with mode("invariant"):
+            ours = model(ids).argmax(-1)
+    rate = lambda a, b: ((a == b) & keep).sum().item() / keep.sum().item()  # noqa: E731
+    ours_ref, ours_true, ref_true = rate(ours, top[torch.bfloat16]), rate(ours, top[torch.float32]), \
+        rate(top[torch.bfloat16], top[torch.float32])
+    print(f"top-1 over {int(keep.sum())} positions: ours = transformers bf16 {ours_ref:.2%}, ours = fp32 "
+          f"{ours_true:.2%}, transformers bf16 = fp32 {ref_true:.2%}")
+    assert ours_true >= ref_true - 0.01 and ours_ref >= 0.95

@@ -349,12 +349,20 @@ class CausalLM(nn.Module):
 
 
 def build(cfg: ModelConfig | str, device="cpu", dtype=torch.bfloat16, seed: int | None = 0) -> CausalLM:
-    """A model of the given size with random weights (seed) or uninitialised ones (seed=None)."""
+    """A model of the given size with random weights (seed) or uninitialised ones (seed=None).
+
+    Built on the meta device and allocated once in `dtype` on `device`: no throw-away initialisation
+    (nn.Embedding's own costs seconds at a 150k vocabulary). The random weights are drawn on the CPU in
+    fp32 and cast by `copy_`, so every device and dtype gets the same draws.
+    """
     cfg = config(cfg) if isinstance(cfg, str) else cfg
-    model = CausalLM(cfg)
+    with torch.device("meta"):
+        model = CausalLM(cfg).to(dtype)
+    if str(device) != "meta":
+        model = model.to_empty(device=device)
     if seed is not None:
         model.init_weights(seed)
-    return model.to(device=device, dtype=dtype)
+    return model
 
 
 def check_weights(src: dict[str, torch.Tensor], model: nn.Module) -> None:
