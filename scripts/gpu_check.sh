@@ -6,6 +6,8 @@
 # experiment, BENCHES="vllm" the vLLM backends (default when unset: kernels model generate).
 # TESTS="tests/test_gpu_vllm.py" runs only those `gpu` tests, TESTS="" none (default: all of tests/).
 # vLLM tests and benchmarks run where `import vllm` works (e.g. PYTHONPATH=/path/to/unpacked/vllm).
+# tests/test_gpu_real_model.py needs SmolLM2 in the model cache: fetched where the package index is reachable,
+# else skipped; on a host without network, scripts/device_real_model.sh converts a carried GGUF first.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out="${OUT:-runs/gpu_check}"
