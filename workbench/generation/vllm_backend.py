@@ -5,8 +5,9 @@ trainer (a configurable share of the GPU memory), in one of two model implementa
 - `model_impl='workbench'` (the default): vLLM runs the workbench's own model and kernels
   (`vllm_model.py`), so in `invariant` mode its log-probs are the trainer's, bit for bit, at any
   batch, chunking or paging. vLLM keeps its scheduler, paged KV cache and random draws.
-- `model_impl='vllm'`: vLLM's own implementation of the family and its kernels. Its batch-invariant mode makes a request's
-  result independent of its batch, but not equal to the trainer's (other kernels): the control.
+- `model_impl='vllm'`: vLLM's own implementation of the family and its kernels. Its batch-invariant
+  mode makes a request's result independent of its batch, but not equal to the trainer's (other
+  kernels): the control.
 
 `batch_invariant` sets `VLLM_BATCH_INVARIANT=1` before vLLM is imported, as vLLM requires.
 `generate` returns the same `GenerationOutput` as the embedded generator: the tokens, fp32
