@@ -95,6 +95,23 @@ def test_gspo_sequence_ratio():
     assert loss.item() == pytest.approx((-ratio + (1 - 3e-4)) / 2, rel=1e-5)
 
 
+def test_gspo_reads_sequence_weights_at_the_completion_tokens():
+    """The trainer's layout: [B, T] over prompt + completion, the mask on the completion only. A sequence-level
+    weight (constant over the row's completion, as `importance_weights` gives it) scales that sequence's loss;
+    what sits at prompt positions (column 0 included) plays no part."""
+    logp, old, adv, mask = _batch()
+    pad = lambda t, v: torch.cat([torch.full((t.shape[0], 2), v, dtype=t.dtype), t], 1)  # noqa: E731
+    logp, old, mask = pad(logp, 0.0), pad(old, 0.0), pad(mask, 0.0)
+    cfg = get_loss("gspo").defaults
+    base, _ = sequence_ppo_loss(logp, old, adv, mask, cfg)
+    weights = torch.where(mask.bool(), torch.tensor([[0.5], [2.0]]), torch.tensor(1.0))  # 1 at the prompt
+    weighted, _ = sequence_ppo_loss(logp, old, adv, mask, cfg, weights)
+    per_seq, _ = zip(*(sequence_ppo_loss(logp[i:i + 1], old[i:i + 1], adv[i:i + 1], mask[i:i + 1], cfg)
+                       for i in range(2)))
+    assert weighted.item() == pytest.approx((0.5 * per_seq[0].item() + 2.0 * per_seq[1].item()) / 2, rel=1e-6)
+    assert weighted.item() != pytest.approx(base.item())
+
+
 def test_importance_weights():
     old = torch.log(torch.tensor([[0.5, 0.5]]))
     beh = torch.log(torch.tensor([[0.25, 0.5]]))

@@ -163,6 +163,9 @@ def test_bad_training_inputs(policy, tmp_path):
         TrainConfig(lr=-1.0)
     with pytest.raises(ValueError, match="unknown correction"):
         TrainConfig(correction="magic")
+    for correction in ("tis-token", "mask-token"):
+        with pytest.raises(ValueError, match="use tis-sequence or mask-sequence"):
+            TrainConfig(loss="gspo", correction=correction)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train(_cfg(policy, tmp_path / "none", resume=True))
     from workbench.models import CheckpointError

@@ -130,13 +130,16 @@ def token_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None):
 
 def sequence_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None):
     """GSPO: one ratio per sequence, exp(mean over its tokens of logp - old_logp), clipped per sequence.
-    `weights` [B, T] multiply each sequence's loss by their first column (sequence-level weights)."""
+    `weights` [B, T] are sequence-level (`importance_weights(level='sequence')`, one value per row): each
+    sequence's loss is multiplied by their mean over its masked tokens. Read at the masked tokens, never at a
+    fixed column: a [B, T] layout over prompt + completion holds no completion token at column 0."""
     m = mask.to(logp.dtype)
-    log_ratio = ((logp - old_logp) * m).sum(1) / m.sum(1).clamp_min(1.0)
+    n = m.sum(1).clamp_min(1.0)
+    log_ratio = ((logp - old_logp) * m).sum(1) / n
     ratio = torch.exp(log_ratio)
     loss, low, high = _clipped_pg(ratio, adv, cfg)
     if weights is not None:
-        loss = loss * weights[:, 0]
+        loss = loss * (weights * m).sum(1) / n
     stats = {"ratio_mean": ratio.mean(), "clip_low": low.float().mean(), "clip_high": high.float().mean()}
     return loss.mean(), stats
 

@@ -135,6 +135,9 @@ class TrainConfig:
             raise ValueError(f"parity must be 'error' or 'warn', got {self.parity!r}")
         if self.correction not in ("none", "tis-token", "tis-sequence", "mask-token", "mask-sequence"):
             raise ValueError(f"unknown correction {self.correction!r}")
+        if self.loss == "gspo" and self.correction.endswith("-token"):
+            raise ValueError(f"loss 'gspo' has one ratio per sequence: a per-token correction ({self.correction}) "
+                             "has no place in it; use tis-sequence or mask-sequence")
         if self.kl_coef < 0 or not math.isfinite(self.kl_coef):
             raise ValueError(f"kl_coef must be a finite number >= 0, got {self.kl_coef!r}")
         if self.kl_to not in ("reference", "sampler"):
