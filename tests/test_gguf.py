@@ -194,11 +194,15 @@ def test_missing_tensor(tmp_path):
 
 def test_tensor_type_without_dequantisation(tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "i.gguf"), "llama")
-    for key, value in [("block_count", 0), ("context_length", 64), ("embedding_length", 32),
+    for key, value in [("block_count", 1), ("context_length", 64), ("embedding_length", 32),
                        ("feed_forward_length", 64), ("attention.head_count", 2)]:
         w.add_uint32(f"llama.{key}", value)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    for name, shape in [("attn_norm", (32,)), ("ffn_norm", (32,)), ("attn_q", (32, 32)), ("attn_k", (32, 32)),
+                        ("attn_v", (32, 32)), ("attn_output", (32, 32)), ("ffn_gate", (64, 32)),
+                        ("ffn_up", (64, 32)), ("ffn_down", (32, 64))]:
+        w.add_tensor(f"blk.0.{name}.weight", np.zeros(shape, np.float32))
     w.add_tensor("output_norm.weight", np.ones(32, np.int32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     with pytest.raises(CheckpointError, match="output_norm.weight has type I32, which gguf .* cannot dequantise"):

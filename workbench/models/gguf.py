@@ -23,11 +23,12 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, config_to_hf
+from .transformer import ModelConfig
 
-# GGUF architecture -> (transformers model_type, class); llama.cpp permutes q/k only for those in _PERMUTED.
-ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-                 "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+# GGUF architectures that convert (each is the transformers model_type of the same name); llama.cpp
+# permutes q/k only for those in _PERMUTED.
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _PERMUTED = {"llama"}
 MARKER = "workbench_source.json"
 """Written last into a converted folder: its presence means the folder is complete."""
@@ -108,7 +109,6 @@ def hf_config(reader, where: Path) -> dict:
                               f"workbench converts {sorted(ARCHITECTURES)} (dense decoder-only models)")
     if _field(reader, f"{arch}.expert_count", where, 0):
         raise CheckpointError(f"{where}: a mixture-of-experts {arch} model; only dense models convert")
-    model_type, cls = ARCHITECTURES[arch]
     names = {t.name for t in reader.tensors}
     if "token_embd.weight" not in names:
         raise CheckpointError(f"{where}: no token_embd.weight tensor; the file is incomplete")
@@ -123,35 +123,29 @@ def hf_config(reader, where: Path) -> dict:
         raise CheckpointError(f"{where}: RoPE on {rotary} of {head_dim} head dimensions (partial rotary) "
                               "is not supported")
     tok = {k: _field(reader, f"tokenizer.ggml.{k}_token_id", where, None) for k in ("bos", "eos", "padding")}
-    cfg = {
-        "architectures": [cls],
-        "model_type": model_type,
-        "vocab_size": int(next(t for t in reader.tensors if t.name == "token_embd.weight").shape[-1]),
-        "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length", where)),
-        "num_hidden_layers": int(_field(reader, f"{arch}.block_count", where)),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": _f32(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", where)),
-        "rope_theta": _f32(_field(reader, f"{arch}.rope.freq_base", where, 10000.0)),  # llama.cpp's default
-        "rope_scaling": _rope_scaling(reader, arch, where),
-        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", where)),
-        "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": tok["bos"],
-        "eos_token_id": tok["eos"],
-        "pad_token_id": tok["padding"],
-        "attention_dropout": 0.0,
-        "use_cache": True,
-        "torch_dtype": "float32",
-    }
-    if arch == "llama":
-        cfg |= {"attention_bias": False, "mlp_bias": False}
-    if arch in ("qwen2", "qwen3"):
-        cfg |= {"use_sliding_window": False, "sliding_window": None}
-    if arch == "qwen3":
-        cfg["attention_bias"] = False
+    try:
+        model = ModelConfig(
+            model_type=arch,
+            vocab_size=int(next(t for t in reader.tensors if t.name == "token_embd.weight").shape[-1]),
+            hidden_size=hidden,
+            intermediate_size=int(_field(reader, f"{arch}.feed_forward_length", where)),
+            num_hidden_layers=int(_field(reader, f"{arch}.block_count", where)),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=_f32(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", where)),
+            rope_theta=_f32(_field(reader, f"{arch}.rope.freq_base", where, 10000.0)),  # llama.cpp's default
+            rope_scaling=_rope_scaling(reader, arch, where),
+            qk_norm=arch == "qwen3",
+            attention_bias=arch == "qwen2",
+            tie_word_embeddings="output.weight" not in names,
+            max_position_embeddings=int(_field(reader, f"{arch}.context_length", where)),
+        )
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    # The family's config.json, written by the one function that writes them (`config_to_hf`).
+    cfg = config_to_hf(model, torch.float32)
+    cfg |= {"bos_token_id": tok["bos"], "eos_token_id": tok["eos"], "pad_token_id": tok["padding"]}
     return cfg
 
 
