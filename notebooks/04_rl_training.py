@@ -16,6 +16,17 @@
 # kernels (`standard`, OFF), over seeds. A small starting policy is trained first when none is
 # given. Every step checks parity; in invariant mode a single differing token stops the run.
 #
+# Where the PPO ratio's "old" log-probs come from matters for what OFF means (`old_logprobs`):
+# - `recompute` (the default, as verl and OpenRLHF do): the trainer's own forward on the weights that
+#   sampled, before the first update. The ratio of the first mini-batch is exactly 1 in both modes; the
+#   kernel mismatch stays out of the ratio and shows only as the sampler-trainer gap, which the
+#   off-policy corrections (`correction`: TIS or masking) weigh.
+# - `sampler` (as TorchTitan's `simple_rl.py` and most vLLM-based trainers use them): the generator's
+#   log-probs. In `invariant` mode they are the same bits as `recompute`; in `standard` mode the mismatch
+#   enters the ratio itself, and with it the clipping, from the first mini-batch on.
+# With `mini_batches` > 1 (or `epochs` > 1) the ratio leaves 1 from the second mini-batch on and the clip
+# fractions measure how far each update moved the policy.
+#
 # `smoke`: the tiny policy, two steps per mode (seconds on a CPU). Otherwise: the small policy,
 # 100 steps x 3 seeds per mode (minutes on a GPU). The metrics table goes to
 # `run_dir/metrics/on_off.csv`; notebook 05 plots it.

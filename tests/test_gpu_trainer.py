@@ -2,7 +2,8 @@
 
 import pytest
 
-from workbench.rl.trainer import TrainConfig, train
+from workbench.rl.config import TrainConfig
+from workbench.rl.trainer import train
 
 pytestmark = pytest.mark.gpu
 
@@ -17,3 +18,19 @@ def test_gpu_grpo_steps_hold_parity_and_resume(tmp_path):
     standard = train(TrainConfig(**{**cfg.__dict__, "out_dir": str(tmp_path / "std"), "kernel_mode": "standard",
                                     "policy": str(tmp_path / "inv" / "policy")}))
     assert (standard.metric == "parity_max_abs_diff").sum() == 4
+
+
+def test_gpu_ppo_mini_batches_and_the_old_logprobs_source(tmp_path):
+    base = dict(steps=3, prompts_per_step=8, group_size=4, max_new_tokens=3, checkpoint_every=3, device="cuda",
+                mini_batches=2, epochs=2, lr=3e-3, max_tokens_per_microbatch=40, activation_checkpointing=True)
+    inv = train(TrainConfig(out_dir=str(tmp_path / "inv"), kernel_mode="invariant", old_logprobs="sampler", **base))
+    by = inv.pivot(index="step", columns="metric", values="value")
+    assert (by["parity_tokens_differing"] == 0).all() and (by["optimizer_steps"] == 4).all()
+    assert (by["ratio_mean"] != 1.0).any(), "from the second mini-batch on the ratio leaves 1"
+    policy = str(tmp_path / "inv" / "policy")
+    std = {src: train(TrainConfig(out_dir=str(tmp_path / src), kernel_mode="standard", old_logprobs=src,
+                                  policy=policy, **{**base, "mini_batches": 1, "epochs": 1}))
+           for src in ("recompute", "sampler")}
+    ratio = {src: t[t.metric == "ratio_mean"].value for src, t in std.items()}
+    assert (ratio["recompute"] == 1.0).all(), "recompute: one mini-batch on the weights that sampled"
+    assert (ratio["sampler"] != 1.0).any(), "sampler: the kernel mismatch enters the ratio"

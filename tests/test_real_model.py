@@ -79,7 +79,8 @@ def test_real_model_trains(smollm2, tmp_path):
     through 30 layers would take minutes): chat-formatted prompts, completions that stop at <|im_end|>, and an
     update. With a k2 KL to the sampler, a gradient exists exactly when the group's rewards differ or the
     trainer's log-probs differ from the sampler's (the standard kernels' mismatch), and then every layer moves."""
-    from workbench.rl.trainer import TrainConfig, train
+    from workbench.rl.config import TrainConfig
+    from workbench.rl.trainer import train
 
     cfg = TrainConfig(policy=str(smollm2), kernel_mode="standard", steps=1, prompts_per_step=1, group_size=4,
                       max_new_tokens=6, lr=1e-5, kl_coef=0.1, kl_to="sampler", kl_estimator="k2",

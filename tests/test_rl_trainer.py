@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from workbench.__main__ import main
+from workbench.rl.config import TrainConfig
 from workbench.rl.policy import PolicyConfig, train_policy
-from workbench.rl.trainer import TrainConfig, train
+from workbench.rl.trainer import train
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +218,7 @@ def test_kl_to_the_frozen_start_is_zero_then_grows(policy, tmp_path, in_reward):
 def test_a_checkpoint_from_before_a_field_existed_still_resumes():
     from dataclasses import asdict
 
-    from workbench.rl.trainer import config_changes
+    from workbench.rl.checkpoint import config_changes
 
     cfg = TrainConfig(steps=7)
     older = {k: v for k, v in asdict(cfg).items() if k not in ("policy_lag", "kl_to", "task")}

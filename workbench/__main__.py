@@ -13,7 +13,8 @@ from .models.hub import FetchConfig, FetchError
 from .nightly import NightlyConfig
 from .rl.experiment import OnOffConfig
 from .rl.policy import PolicyConfig
-from .rl.trainer import ParityError, TrainConfig
+from .rl.config import TrainConfig
+from .rl.trainer import ParityError
 
 
 def _demo(cfg: BatchVarianceConfig, args) -> int:

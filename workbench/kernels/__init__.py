@@ -9,6 +9,7 @@ from .registry import REGISTRY, Op  # before the op functions below shadow their
 from .attention import attention, attention_paged, attention_with_cache, paged_kv_write
 from .cumsum import row_cumsum
 from .gumbel import gumbel_argmax
+from .linear_logprobs import linear_logprobs
 from .logprobs import entropy, logprob_rows, logsumexp, token_logprobs, token_logprobs_and_entropy
 from .matmul import linear, matmul_config
 from .mode import MODES, current_state, get_mode, mode, set_mode
@@ -29,6 +30,7 @@ __all__ = [
     "get_mode",
     "gumbel_argmax",
     "linear",
+    "linear_logprobs",
     "logprob_rows",
     "logsumexp",
     "matmul_config",

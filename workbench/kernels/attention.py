@@ -380,15 +380,22 @@ def _sdpa(q, k, v, q_start, kv_len):
 
 
 def attention_standard(q, k, v, seq_lens=None):
-    """PyTorch SDPA (flash attention when there is no padding, a masked kernel otherwise)."""
+    """PyTorch SDPA's causal kernel (flash attention on the GPU), padding or not.
+
+    Right padding needs no mask: a real query (position < seq_len) sees only keys at positions <= its own, all
+    real, so the causal kernel gives it exactly what a masked one would. Padding queries are then zeroed, the
+    invariant kernel's rule, which also stops their gradient; a masked SDPA call would fall back from flash
+    attention to a slower kernel and materialise a [B, 1, T, T] mask.
+    """
     _check("attention", q, k, v)
     b, t = q.shape[:2]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         is_causal=True, enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
     if seq_lens is None:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, enable_gqa=q.shape[2] != k.shape[2])
-        return out.transpose(1, 2)
+        return out
     lens = _lengths("attention", "seq_lens", seq_lens, b, t, q.device)
-    return _sdpa(q, k, v, torch.zeros_like(lens), lens)
+    padding = torch.arange(t, device=q.device)[None, :] >= lens[:, None]                # [B, T]
+    return out.masked_fill(padding[:, :, None, None], 0.0)
 
 
 def attention(q, k, v, seq_lens=None):

@@ -16,14 +16,16 @@ intermediate, Hq/Hkv heads, D head dim, V vocab.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from ..kernels import (apply_rope, attention, attention_paged, attention_with_cache, linear, paged_kv_write, rms_norm,
-                       rope_cos_sin, rope_inv_freq, silu_mul)
+from ..kernels import (apply_rope, attention, attention_paged, attention_with_cache, current_state, linear, mode,
+                       paged_kv_write, rms_norm, rope_cos_sin, rope_inv_freq, silu_mul)
 
 
 @dataclass(frozen=True)
@@ -307,8 +309,16 @@ class CausalLM(nn.Module):
         scaling = cfg.rope_scaling.to_hf() if cfg.rope_scaling else None
         return rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling, device=device)
 
-    def hidden_states(self, input_ids, seq_lens=None, cache: KVCache | None = None, start=None):
-        """Final-norm hidden states [B, T, H]; see `forward`."""
+    def hidden_states(self, input_ids, seq_lens=None, cache: KVCache | None = None, start=None,
+                      checkpoint_layers: bool = False):
+        """Final-norm hidden states [B, T, H]; see `forward`.
+
+        checkpoint_layers: keep only each decoder layer's input and recompute the layer in the backward
+        (training only). The recomputation runs the same kernels in the same mode, so the gradients are the
+        same bits as without it.
+        """
+        if checkpoint_layers and cache is not None:
+            raise ValueError("checkpoint_layers is for training forwards; a KV cache forward has no backward")
         b, t = input_ids.shape                                              # input_ids [B, T]
         dev = input_ids.device
         if start is not None and cache is None:
@@ -321,7 +331,10 @@ class CausalLM(nn.Module):
         cos, sin = rope_cos_sin(positions, self.inv_freq(dev))             # [B, T, D/2] fp32
         x = self.model.embed_tokens(input_ids)                              # [B, T, H]
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, seq_lens, cache, i, start)
+            if checkpoint_layers and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, seq_lens, use_reentrant=False, context_fn=_same_mode())
+            else:
+                x = layer(x, cos, sin, seq_lens, cache, i, start)
         return self.model.norm(x)
 
     def hidden_states_paged(self, input_ids, positions, cache: PagedKVCache):
@@ -346,6 +359,17 @@ class CausalLM(nn.Module):
         start + T <= cache.max_len.
         """
         return linear(self.hidden_states(input_ids, seq_lens, cache, start), self.lm_head_weight)
+
+
+def _same_mode():
+    """checkpoint's context_fn: the recomputation runs under the kernel mode of the forward. (The backward may
+    run on autograd's device thread, where the mode ContextVar holds its default.)"""
+    state = current_state()
+
+    def contexts():
+        return contextlib.nullcontext(), mode(state.default, **state.overrides)
+
+    return contexts
 
 
 def build(cfg: ModelConfig | str, device="cpu", dtype=torch.bfloat16, seed: int | None = 0) -> CausalLM:

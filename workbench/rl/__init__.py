@@ -1,4 +1,6 @@
-"""The RL side: the GRPO-family losses and their pieces, and the tasks (the trainer loop comes next)."""
+"""The RL side: the GRPO-family losses and their pieces, the tasks, and the trainer (`trainer.train`, its
+config in `config.py`, one step's pieces in rollout / logprobs / update / weights / sync / checkpoint /
+metrics)."""
 
 from .losses import (
     AGGREGATIONS,

@@ -18,8 +18,10 @@ import pandas as pd
 
 from ..config import check_at_least_one
 from ..env import resolve_device
+from .checkpoint import config_changes
+from .config import TrainConfig
 from .policy import POLICY_SIZES, PolicyConfig, train_policy
-from .trainer import TrainConfig, config_changes, train
+from .trainer import train
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,12 @@ class OnOffConfig:
     """AdamW learning rate."""
     loss: str = "grpo"
     """grpo, dr_grpo, dapo or gspo."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch over a step's sequences (PPO mini-batches)."""
+    epochs: int = 1
+    """Passes over a step's sequences."""
+    old_logprobs: str = "recompute"
+    """The PPO ratio's old policy: 'recompute' (the trainer's forward) or 'sampler' (the generator's log-probs)."""
     difficulty: int = 1
     """Arithmetic difficulty (of the starting policy's training and of the RL task)."""
     policy_steps: int = 400
@@ -73,7 +81,8 @@ class OnOffConfig:
         return TrainConfig(policy=policy or self.policy, out_dir=str(Path(self.out_dir) / f"{kernel_mode}-seed{seed}"),
                            kernel_mode=kernel_mode, task="arithmetic", difficulty=self.difficulty, loss=self.loss,
                            steps=self.steps, prompts_per_step=self.prompts_per_step, group_size=self.group_size,
-                           max_new_tokens=self.max_new_tokens, lr=self.lr, seed=seed, device=self.device,
+                           max_new_tokens=self.max_new_tokens, lr=self.lr, mini_batches=self.mini_batches,
+                           epochs=self.epochs, old_logprobs=self.old_logprobs, seed=seed, device=self.device,
                            checkpoint_every=max(1, self.steps // 4), progress=self.progress)
 
 

@@ -1,10 +1,19 @@
 """The GRPO family: advantages, the policy-gradient losses, their aggregation, KL estimators and
 off-policy corrections. Pure tensor functions; every one has a hand-computed test.
 
-Shapes: B sequences, T completion tokens (right-padded); `mask` [B, T] is 1 on real completion
-tokens. Log-probs are fp32 [B, T]: `logp` of the policy being trained (with gradient), `old_logp`
-of the policy that produced the rollouts (no gradient). In `invariant` mode the generator's
-log-probs are that policy's, bit for bit, so the ratio at the first update is exactly 1.
+The tensor contract, one for every function here: B sequences, T completion positions (column t is
+the t-th completion token of its sequence, right-padded; no prompt positions); `mask` [B, T] is 1 on
+real completion tokens. Log-probs are fp32 [B, T]:
+- `logp`: the policy being trained (with gradient);
+- `old_logp`: the PPO ratio's denominator, no gradient. The trainer's `old_logprobs` setting picks it:
+  `recompute`, the trainer's own kernels on the weights that sampled (computed once, before the first
+  update), or `sampler`, the generator's log-probs, as most vLLM-based trainers use them. In `invariant`
+  mode the two are the same bits, so the ratio of the first mini-batch is exactly 1; in `standard` mode
+  `sampler` puts the kernel mismatch into the ratio (and its clipping), `recompute` keeps it out of the
+  ratio and leaves it to the off-policy corrections (`importance_weights`, old vs the sampler).
+
+A loss cut into micro-batches is the sum of its micro-batches' losses when each gets the whole update's
+`Totals` (its numbers of sequences and tokens): the normalisation is over the update, not per piece.
 """
 
 from __future__ import annotations
@@ -15,6 +24,18 @@ from dataclasses import dataclass
 import torch
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@dataclass(frozen=True)
+class Totals:
+    """The denominators of an update's loss: its sequences and real completion tokens (all micro-batches)."""
+
+    sequences: int
+    tokens: int
+
+    @classmethod
+    def of(cls, mask: torch.Tensor) -> Totals:
+        return cls(mask.shape[0], int(mask.sum()))
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -35,24 +56,27 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
     return adv.view(-1)
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: float | None = None) -> torch.Tensor:
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: float | None = None,
+              totals: Totals | None = None) -> torch.Tensor:
     """Reduce a [B, T] per-token loss to a scalar.
 
     - token-mean: sum over every real token / number of real tokens (DAPO);
     - seq-mean-token-mean: each sequence's token mean, then the mean over sequences (GRPO);
     - seq-mean-token-sum-norm: sum over every real token / (B * norm), norm a constant such as the
       largest completion length (Dr.GRPO).
+    The counts are `totals` (a micro-batch's share of its update), by default this tensor's own.
     """
     m = mask.to(per_token.dtype)
+    totals = totals or Totals.of(mask)
     if mode == "token-mean":
-        return (per_token * m).sum() / m.sum().clamp_min(1.0)
+        return (per_token * m).sum() / max(totals.tokens, 1)
     if mode == "seq-mean-token-mean":
-        return ((per_token * m).sum(1) / m.sum(1).clamp_min(1.0)).mean()
+        return ((per_token * m).sum(1) / m.sum(1).clamp_min(1.0)).sum() / max(totals.sequences, 1)
     if mode == "seq-mean-token-sum-norm":
         if not norm or norm <= 0:
             raise ValueError("seq-mean-token-sum-norm needs a positive constant `norm` "
                              "(e.g. the max completion length)")
-        return (per_token * m).sum() / (per_token.shape[0] * norm)
+        return (per_token * m).sum() / (max(totals.sequences, 1) * norm)
     raise ValueError(f"unknown aggregation {mode!r}; choose one of {AGGREGATIONS}")
 
 
@@ -115,24 +139,27 @@ def _clipped_pg(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig):
     return loss, low, high
 
 
-def token_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None):
+def token_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None, totals: Totals | None = None):
     """PPO-clip on per-token ratios (GRPO, Dr.GRPO, DAPO): returns (loss, stats).
-    `weights` [B, T] (off-policy corrections) multiply the per-token loss."""
+    `weights` [B, T] (off-policy corrections) multiply the per-token loss. Stats are token means over
+    `totals` (so micro-batches' stats add up to the update's)."""
+    totals = totals or Totals.of(mask)
     ratio = torch.exp(logp - old_logp)
     loss, low, high = _clipped_pg(ratio, adv[:, None].expand_as(ratio), cfg)
     if weights is not None:
         loss = loss * weights
     m = mask.bool()
-    n = m.sum().clamp_min(1)
+    n = max(totals.tokens, 1)
     stats = {"ratio_mean": (ratio * m).sum() / n, "clip_low": (low & m).sum() / n, "clip_high": (high & m).sum() / n}
-    return aggregate(loss, mask, cfg.aggregation, cfg.norm), stats
+    return aggregate(loss, mask, cfg.aggregation, cfg.norm, totals), stats
 
 
-def sequence_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None):
-    """GSPO: one ratio per sequence, exp(mean over its tokens of logp - old_logp), clipped per sequence.
-    `weights` [B, T] are sequence-level (`importance_weights(level='sequence')`, one value per row): each
-    sequence's loss is multiplied by their mean over its masked tokens. Read at the masked tokens, never at a
-    fixed column: a [B, T] layout over prompt + completion holds no completion token at column 0."""
+def sequence_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None, totals: Totals | None = None):
+    """GSPO: one ratio per sequence, exp(mean over its tokens of logp - old_logp), clipped per sequence,
+    the sequences' losses averaged over `totals.sequences`. `weights` [B, T] are sequence-level
+    (`importance_weights(level='sequence')`, one value per row): each sequence's loss is multiplied by
+    their mean over its real tokens."""
+    totals = totals or Totals.of(mask)
     m = mask.to(logp.dtype)
     n = m.sum(1).clamp_min(1.0)
     log_ratio = ((logp - old_logp) * m).sum(1) / n
@@ -140,14 +167,15 @@ def sequence_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None):
     loss, low, high = _clipped_pg(ratio, adv, cfg)
     if weights is not None:
         loss = loss * (weights * m).sum(1) / n
-    stats = {"ratio_mean": ratio.mean(), "clip_low": low.float().mean(), "clip_high": high.float().mean()}
-    return loss.mean(), stats
+    s = max(totals.sequences, 1)
+    stats = {"ratio_mean": ratio.sum() / s, "clip_low": low.float().sum() / s, "clip_high": high.float().sum() / s}
+    return loss.sum() / s, stats
 
 
 @dataclass(frozen=True)
 class LossSpec:
     fn: Callable
-    """(logp, old_logp, advantages, mask, LossConfig, weights=None) -> (loss, stats)."""
+    """(logp, old_logp, advantages, mask, LossConfig, weights=None, totals=None) -> (loss, stats)."""
     scale_advantages: bool
     """Divide advantages by the group's standard deviation."""
     defaults: LossConfig

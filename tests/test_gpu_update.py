@@ -1,0 +1,83 @@
+"""The trainer's update on a real GPU at the Qwen3-1.7B shape (random weights): the fused log-probs are the
+generator's bits, a token's log-prob does not depend on its micro-batch, activation checkpointing keeps the
+gradient bits (with the backward on autograd's device thread), and the standard control differs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench.kernels import linear, linear_logprobs, mode, token_logprobs
+from workbench.models import build
+from workbench.rl.logprobs import completion_logprobs, score
+from workbench.rl.rollout import RolloutBatch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = build("qwen3-1.7B", device="meta", dtype=torch.bfloat16, seed=None).to_empty(device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02, generator=g)
+    return m
+
+
+def _batch(seed: int, n: int = 24) -> RolloutBatch:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(8, 200, (n, 2), generator=g).tolist()
+    prompts = [torch.randint(0, 151936, (p,), generator=g).tolist() for p, _ in lens]
+    comps = [torch.randint(0, 151936, (c,), generator=g).tolist() for _, c in lens]
+    width = max(map(len, comps))
+    mask = torch.zeros(n, width)
+    for i, c in enumerate(comps):
+        mask[i, : len(c)] = 1
+    return RolloutBatch(prompts, comps, torch.zeros(n, width, device="cuda"), mask.cuda(), pad_id=0)
+
+
+def test_fused_logprobs_are_the_generators_bits_at_any_chunk():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    h = torch.randn(3000, 2048, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(151936, 2048, device="cuda", generator=g) * 0.02).bfloat16()
+    tok = torch.randint(0, 151936, (3000,), device="cuda", generator=g)
+    with mode("invariant"):
+        want = token_logprobs(linear(h, w), tok, 0.7)
+        for chunk in (1, 333, 1024, 4096):
+            got, _ = linear_logprobs(h, w, tok, 0.7, chunk_rows=chunk)
+            assert torch.equal(got, want), f"chunk_rows={chunk}"
+        assert torch.equal(linear_logprobs(h[:5], w, tok[:5], 0.7)[0], want[:5])
+    with mode("standard"):
+        std, _ = linear_logprobs(h, w, tok, 0.7)
+    assert not torch.equal(std, want), "the standard control must differ from the invariant path"
+    torch.testing.assert_close(std, want, atol=0.1, rtol=0)
+
+
+def test_logprobs_do_not_depend_on_the_micro_batch_split(model):
+    batch = _batch(2)
+    with mode("invariant"):
+        full, _ = score(model, batch, 1 << 20, 1.0)
+        for budget in (256, 1000, 4096):
+            assert torch.equal(score(model, batch, budget, 1.0)[0], full), f"budget {budget}"
+    with mode("standard"):
+        std = [score(model, batch, budget, 1.0)[0] for budget in (256, 1 << 20)]
+    real = batch.mask.bool()
+    assert not torch.equal(std[0][real], full[real]), "standard kernels differ from the invariant ones"
+    assert not torch.equal(std[0][real], std[1][real]), "standard: the split changes a token's log-prob"
+
+
+@pytest.mark.parametrize("kernel_mode", ["invariant", "standard"])
+def test_activation_checkpointing_keeps_the_gradient_bits(model, kernel_mode):
+    mb = _batch(3, n=4).micro_batches(None, 1 << 20)[0]
+    grads = []
+    for ckpt in (False, True):
+        model.zero_grad(set_to_none=True)
+        with mode(kernel_mode):
+            logp, _ = completion_logprobs(model, mb, 1.0, checkpoint_layers=ckpt)
+            weights = torch.linspace(-1, 1, logp.numel(), device="cuda").view_as(logp)
+        (logp * weights).sum().backward()   # outside the mode: the recomputation must still use the forward's
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters() if "layers.0." in k or "layers.27" in k})
+    model.zero_grad(set_to_none=True)
+    for k in grads[0]:
+        assert torch.equal(grads[0][k], grads[1][k]), k

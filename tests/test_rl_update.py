@@ -1,0 +1,210 @@
+"""The update at scale on CPU: micro-batches, PPO mini-batches, the old log-probs' source, every loss with every
+correction, activation checkpointing and the memory layout of the weights (tiny model, Triton interpreter)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from workbench.kernels import mode
+from workbench.models import build
+from workbench.rl.config import TrainConfig
+from workbench.rl.logprobs import completion_logprobs, score
+from workbench.rl.losses import get_loss, group_advantages, importance_weights
+from workbench.rl.rollout import RolloutBatch
+from workbench.rl.update import UpdateInputs, update
+from workbench.rl.weights import TrainWeights
+
+TEMPERATURE = 0.9
+
+
+def _batch(seed: int, n: int = 6, vocab: int = 512) -> RolloutBatch:
+    """Sequences of fresh random lengths and tokens; behavior log-probs filled in by the caller."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    comps = [torch.randint(1, vocab, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+             for _ in range(n)]
+    width = max(map(len, comps))
+    mask = torch.zeros(n, width)
+    for i, c in enumerate(comps):
+        mask[i, : len(c)] = 1
+    return RolloutBatch(prompts, comps, torch.zeros(n, width), mask, pad_id=0)
+
+
+def _model(seed: int = 0):
+    return build("tiny", device="cpu", dtype=torch.float32, seed=seed)
+
+
+def _score(weights, batch, kernel_mode="standard"):
+    with mode(kernel_mode):
+        return score(weights.model, batch, 10_000, TEMPERATURE)[0]
+
+
+def test_micro_batches_cover_every_sequence_once_under_the_budget():
+    batch = _batch(1, n=9)
+    for budget in (1, 17, 40, 10_000):
+        mbs = batch.micro_batches(None, budget)
+        rows = sorted(int(i) for mb in mbs for i in mb.index)
+        assert rows == list(range(9))
+        for mb in mbs:
+            assert mb.ids.numel() <= budget or len(mb.index) == 1, "over budget only for a lone long sequence"
+            assert int(mb.targets.numel()) == int(batch.mask[mb.index].sum())
+    assert len(batch.micro_batches(None, 10_000)) == 1
+
+
+@pytest.mark.parametrize("kernel_mode", ["invariant", "standard"])
+def test_logprobs_do_not_depend_on_the_micro_batch_split(kernel_mode):
+    weights = TrainWeights(_model(), "float32", 1e-3, "cpu")
+    batch = _batch(2)
+    with mode(kernel_mode):
+        full, ent = score(weights.model, batch, 10_000, TEMPERATURE, with_entropy=True)
+        splits = [score(weights.model, batch, budget, TEMPERATURE)[0] for budget in (1, 25)]
+    assert torch.isfinite(full).all() and (ent[batch.mask.bool()] > 0).all()
+    assert (full[batch.mask == 0] == 0).all()
+    for other in splits:
+        if kernel_mode == "invariant":
+            assert torch.equal(other, full), "a token's log-prob must not depend on its micro-batch"
+        else:
+            torch.testing.assert_close(other, full, atol=2e-2, rtol=0)
+
+
+def _inputs(batch, logp, loss="grpo", correction="none", group=3):
+    rewards = torch.arange(len(batch), dtype=torch.float32) % 2
+    adv = group_advantages(rewards, group, scale=get_loss(loss).scale_advantages)
+    w = None
+    if correction != "none":
+        kind, level = correction.split("-")
+        w = importance_weights(logp, batch.behavior, batch.mask, level, "truncate" if kind == "tis" else "mask", 1.5)
+    return UpdateInputs(adv, logp, w, None)
+
+
+def _grads(cfg, batch, inputs, start_seed=0):
+    """The masters' fp32 gradient of one update (lr tiny) and the update's stats."""
+    weights = TrainWeights(_model(start_seed), cfg.master_dtype, 1e-30, "cpu")
+    captured = {}
+    step = weights.step
+
+    def capture():
+        captured.update({k: v.grad.clone() for k, v in weights.masters.items()})
+        return step()
+
+    weights.step = capture
+    with mode(cfg.kernel_mode):
+        stats = update(cfg, get_loss(cfg.loss), weights, batch, inputs, 1, lambda loss: pytest.fail("bad loss"))
+    return captured, stats
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "gspo"])
+def test_micro_batched_gradient_is_the_whole_batch_gradient(loss):
+    batch = _batch(3)
+    weights = TrainWeights(_model(), "float32", 1e-3, "cpu")
+    logp = _score(weights, batch)
+    batch.behavior = logp.clone()
+    cfg = TrainConfig(loss=loss, temperature=TEMPERATURE, group_size=3, prompts_per_step=2, max_new_tokens=6,
+                      kernel_mode="standard")
+    whole, stats = _grads(dataclasses.replace(cfg, max_tokens_per_microbatch=10_000), batch, _inputs(batch, logp, loss))
+    pieces, stats2 = _grads(dataclasses.replace(cfg, max_tokens_per_microbatch=12), batch, _inputs(batch, logp, loss))
+    assert stats["ratio_mean"] == pytest.approx(1.0) and stats2["loss"] == pytest.approx(stats["loss"], abs=1e-6)
+    # Each micro-batch's bf16 gradient is rounded before the fp32 accumulation: equal up to bf16 rounding. A
+    # per-micro-batch normalisation would be off by a factor of about the number of micro-batches.
+    a, b = (torch.cat([g[k].flatten() for k in sorted(g)]) for g in (pieces, whole))
+    assert float((a - b).norm() / b.norm()) < 1e-2 and float(b.norm()) > 0
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "gspo"])
+@pytest.mark.parametrize("correction", ["none", "tis-token", "tis-sequence", "mask-token", "mask-sequence"])
+def test_every_loss_with_every_correction(loss, correction):
+    if loss == "gspo" and correction.endswith("-token"):
+        with pytest.raises(ValueError, match="use tis-sequence or mask-sequence"):
+            TrainConfig(loss=loss, correction=correction)
+        return
+    batch = _batch(4)
+    weights = TrainWeights(_model(), "float32", 1e-3, "cpu")
+    logp = _score(weights, batch)
+    cfg = TrainConfig(loss=loss, correction=correction, temperature=TEMPERATURE, group_size=3, prompts_per_step=2,
+                      max_new_tokens=6, kernel_mode="standard", max_tokens_per_microbatch=20)
+    batch.behavior = logp.clone()
+    exact, _ = _grads(cfg, batch, _inputs(batch, logp, loss, correction))
+    plain, _ = _grads(cfg, batch, _inputs(batch, logp, loss))
+    assert all(torch.equal(exact[k], plain[k]) for k in exact), "sampler = trainer: the correction weighs 1"
+    # A mismatched sampler, one sequence far off: a correction must change the gradient.
+    off = torch.zeros_like(logp)
+    off[0] = 2.0
+    batch.behavior = logp + off * batch.mask
+    moved, _ = _grads(cfg, batch, _inputs(batch, logp, loss, correction))
+    if correction == "none":
+        assert all(torch.equal(moved[k], plain[k]) for k in moved)
+    else:
+        assert any(not torch.equal(moved[k], plain[k]) for k in moved), f"{correction} is a no-op with {loss}"
+
+
+def test_ppo_mini_batches_move_the_ratio_and_the_old_logprobs_source_matters():
+    batch = _batch(5, n=6)
+    weights = TrainWeights(_model(), "float32", 1e-3, "cpu")
+    logp = _score(weights, batch)
+    batch.behavior = logp.clone()
+    cfg = TrainConfig(temperature=TEMPERATURE, group_size=3, prompts_per_step=2, kernel_mode="standard",
+                      mini_batches=3, epochs=2, lr=3e-2)
+    w = TrainWeights(_model(), "float32", cfg.lr, "cpu")
+    with mode("standard"):
+        stats = update(cfg, get_loss("grpo"), w, batch, _inputs(batch, logp), 1, lambda loss: pytest.fail())
+    assert stats["optimizer_steps"] == 6
+    assert stats["ratio_mean"] != 1.0, "after the first mini-batch the ratio leaves 1"
+    assert stats["clip_low"] + stats["clip_high"] > 0, "lr 3e-2 over 6 steps moves some tokens out of the clip"
+    # old_logprobs='sampler': the sampler's log-probs are the denominator, so a mismatch enters the ratio at once.
+    shifted = logp - 0.05 * batch.mask
+    single = dataclasses.replace(cfg, mini_batches=1, epochs=1)
+    _, recompute = _grads(single, batch, UpdateInputs(_inputs(batch, logp).advantages, logp, None, None))
+    _, sampler = _grads(single, batch, UpdateInputs(_inputs(batch, logp).advantages, shifted, None, None))
+    assert recompute["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert sampler["ratio_mean"] == pytest.approx(torch.exp(torch.tensor(0.05)).item(), rel=1e-4)
+    with pytest.raises(ValueError, match="old_logprobs='sampler'"):
+        TrainConfig(old_logprobs="sampler", correction="tis-token")
+    with pytest.raises(ValueError, match="mini_batches=9 exceeds"):
+        TrainConfig(mini_batches=9)
+
+
+@pytest.mark.parametrize("kernel_mode", ["invariant", "standard"])
+def test_activation_checkpointing_gives_the_same_gradient_bits(kernel_mode):
+    batch = _batch(6, n=3)
+    model = build("tiny", device="cpu", dtype=torch.bfloat16, seed=3)
+    mb = batch.micro_batches(None, 10_000)[0]
+    grads = []
+    for ckpt in (False, True):
+        model.zero_grad(set_to_none=True)
+        with mode(kernel_mode):
+            logp, _ = completion_logprobs(model, mb, TEMPERATURE, checkpoint_layers=ckpt)
+            (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+    for k in grads[0]:
+        assert torch.equal(grads[0][k], grads[1][k]), f"{k}: the recomputation ran other kernels ({kernel_mode})"
+
+
+@pytest.mark.parametrize("master_dtype", ["float32", "bfloat16"])
+def test_weights_keep_one_copy_and_measure_the_exact_change(master_dtype):
+    start = _model(7)
+    weights = TrainWeights(start, master_dtype, 1e-2, "cpu")
+    if master_dtype == "float32":
+        assert all(weights.masters[k].data_ptr() == v.data_ptr() for k, v in start.state_dict().items()), \
+            "the starting model's fp32 tensors are the masters (no second copy)"
+    before = {k: v.detach().float().clone() for k, v in weights.masters.items()}
+    batch = _batch(8, n=3)
+    mb = batch.micro_batches(None, 10_000)[0]
+    for _ in range(2):  # two micro-batches' worth of gradient, accumulated
+        logp, _ = completion_logprobs(weights.model, mb, TEMPERATURE)
+        logp.sum().backward()
+    if master_dtype == "float32":
+        assert all(p.grad is None for p in weights.model.parameters()), "no bf16 gradient stays resident"
+        assert all(m.grad.dtype == torch.float32 for m in weights.masters.values())
+    stats = weights.step()
+    exact = sum(float(((weights.masters[k].detach().float() - before[k]).double() ** 2).sum()) for k in before)
+    assert stats["weight_delta_l2"] == pytest.approx(exact ** 0.5, rel=1e-4) and exact > 0
+    assert stats["grad_norm"] > 0
+    model_w = dict(weights.model.named_parameters())
+    assert all(torch.equal(model_w[k].detach(), weights.masters[k].detach().to(torch.bfloat16)) for k in before), \
+        "the bf16 model is the cast of the updated weights"
+    with pytest.raises(ValueError, match="master_dtype"):
+        TrainConfig(master_dtype="float16")

@@ -1,0 +1,148 @@
+"""`TrainConfig`: every setting of a GRPO-family run, shared by `python -m workbench train`, the
+experiments and the notebooks' parameter cells. Cross-field checks live here, so a bad combination is
+refused before anything runs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..config import check_at_least_one, check_positive
+from .losses import get_loss
+from .tasks import TASKS
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    policy: str = ""
+    """Starting policy: registry name (smollm2-135m-instruct), folder, .gguf or hub id; empty: self-trained."""
+    chat_template: bool = True
+    """Wrap each prompt in the tokenizer's chat template (instruct models), where it has one."""
+    out_dir: str = "runs/train"
+    """Where metrics and checkpoints go."""
+    kernel_mode: str = "invariant"
+    """'invariant' (bitwise generator = trainer) or 'standard' (the mismatched control)."""
+    task: str = "arithmetic"
+    """'arithmetic' (synthetic, offline) or 'gsm8k' (needs task_source)."""
+    task_source: str = ""
+    """GSM8K only: a folder holding train.jsonl and test.jsonl, a JSONL file, or a hub id."""
+    difficulty: int = 1
+    """Arithmetic difficulty."""
+    loss: str = "grpo"
+    """grpo, dr_grpo, dapo or gspo."""
+    steps: int = 2
+    """Policy updates (the defaults are a CPU smoke run of about 45 s)."""
+    prompts_per_step: int = 2
+    """Prompts sampled per step."""
+    group_size: int = 4
+    """Completions per prompt."""
+    max_new_tokens: int = 4
+    """Completion length limit."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0)."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    master_dtype: str = "float32"
+    """'float32': AdamW on fp32 master weights, cast to bf16 once per update; 'bfloat16': AdamW on the bf16
+    weights themselves (no masters; bf16 optimizer state and gradient accumulation)."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch: the step's sequences are cut into this many mini-batches (PPO)."""
+    epochs: int = 1
+    """Passes over the step's sequences (each pass reshuffled into mini-batches)."""
+    old_logprobs: str = "recompute"
+    """The PPO ratio's old policy: 'recompute' (the trainer's forward on the sampling weights) or 'sampler'
+    (the generator's own log-probs, as vLLM-based trainers use them)."""
+    max_tokens_per_microbatch: int = 16384
+    """Padded tokens per forward/backward; length-sorted sequences are packed into micro-batches under it."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input and recompute the layer in the backward (less memory, ~1/3 more
+    compute; the same gradient bits)."""
+    seed: int = 0
+    """Seed of the data order, the sampling and the starting policy."""
+    parity: str = "error"
+    """In invariant mode, what a log-prob difference does: 'error' or 'warn'."""
+    correction: str = "none"
+    """Off-policy correction: none, tis-token, tis-sequence, mask-token, mask-sequence."""
+    correction_cap: float = 2.0
+    """Cap C of the correction (truncate at C, or mask outside [1/C, C])."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty (0: none, and no reference model is built)."""
+    kl_to: str = "reference"
+    """What the KL is measured to: 'reference' (the frozen starting policy) or 'sampler' (the generator)."""
+    kl_estimator: str = "k3"
+    """k1, k2 or k3 (see losses.kl_estimate)."""
+    kl_in_reward: bool = False
+    """Subtract the KL from each sequence's reward instead of adding it to the loss."""
+    generator: str = "embedded"
+    """'embedded' (the workbench's sampler) or 'vllm' (vLLM running the workbench model: needs vLLM, a GPU)."""
+    vllm_memory: float = 0.3
+    """generator='vllm': the share of the GPU's memory vLLM may take."""
+    sync: str = "shared"
+    """Weight sync into the generator: shared (same bf16 model), copy, or checkpoint (through disk)."""
+    policy_lag: int = 0
+    """0: synchronous; 1: the generator samples with the weights one update behind (needs sync='copy')."""
+    checkpoint_every: int = 5
+    """Write a resumable checkpoint every this many steps (and at the end)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in out_dir."""
+    tensorboard: bool = False
+    """Also write every metric to TensorBoard event files in out_dir/tensorboard."""
+    device: str = "auto"
+    """'cpu', 'cuda' or 'auto' (cuda when there is one)."""
+    progress: bool = True
+    """A progress bar on the terminal (reward, parity) while training."""
+
+    def __post_init__(self):
+        get_loss(self.loss)
+        if self.kernel_mode not in ("invariant", "standard"):
+            raise ValueError(f"kernel_mode must be 'invariant' or 'standard', got {self.kernel_mode!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; choose one of {', '.join(TASKS)}")
+        if self.task == "gsm8k" and not self.task_source:
+            raise ValueError("task 'gsm8k' needs task_source: a folder holding train.jsonl/test.jsonl, "
+                             "a file, or a hub id")
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be at least 2 (GRPO compares samples of one prompt), "
+                             f"got {self.group_size}")
+        check_positive("lr", self.lr)
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 for RL sampling, got {self.temperature!r}")
+        check_at_least_one(self, "steps", "prompts_per_step", "max_new_tokens", "checkpoint_every", "difficulty",
+                           "mini_batches", "epochs", "max_tokens_per_microbatch")
+        if self.mini_batches > self.prompts_per_step * self.group_size:
+            raise ValueError(f"mini_batches={self.mini_batches} exceeds the step's "
+                             f"{self.prompts_per_step * self.group_size} sequences")
+        if self.master_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"master_dtype must be 'float32' or 'bfloat16', got {self.master_dtype!r}")
+        if self.old_logprobs not in ("recompute", "sampler"):
+            raise ValueError(f"old_logprobs must be 'recompute' or 'sampler', got {self.old_logprobs!r}")
+        if self.old_logprobs == "sampler" and self.correction != "none":
+            raise ValueError(f"correction {self.correction!r} weighs the trainer's old policy against the sampler; "
+                             "with old_logprobs='sampler' they are one policy and the weight is 1: "
+                             "use old_logprobs='recompute' or correction='none'")
+        if self.parity not in ("error", "warn"):
+            raise ValueError(f"parity must be 'error' or 'warn', got {self.parity!r}")
+        if self.correction not in ("none", "tis-token", "tis-sequence", "mask-token", "mask-sequence"):
+            raise ValueError(f"unknown correction {self.correction!r}")
+        if self.loss == "gspo" and self.correction.endswith("-token"):
+            raise ValueError(f"loss 'gspo' has one ratio per sequence: a per-token correction ({self.correction}) "
+                             "has no place in it; use tis-sequence or mask-sequence")
+        if self.kl_coef < 0 or not math.isfinite(self.kl_coef):
+            raise ValueError(f"kl_coef must be a finite number >= 0, got {self.kl_coef!r}")
+        if self.kl_to not in ("reference", "sampler"):
+            raise ValueError(f"kl_to must be 'reference' or 'sampler', got {self.kl_to!r}")
+        if self.kl_estimator not in ("k1", "k2", "k3"):
+            raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; choose k1, k2 or k3")
+        if self.sync not in ("shared", "copy", "checkpoint"):
+            raise ValueError(f"sync must be 'shared', 'copy' or 'checkpoint', got {self.sync!r}")
+        if self.policy_lag not in (0, 1):
+            raise ValueError(f"policy_lag must be 0 (synchronous) or 1 (one step behind), got {self.policy_lag}")
+        if self.policy_lag and self.sync != "copy":
+            raise ValueError("policy_lag=1 keeps the generator's weights apart from the trainer's: use sync='copy'")
+        if self.generator not in ("embedded", "vllm"):
+            raise ValueError(f"generator must be 'embedded' or 'vllm', got {self.generator!r}")
+        if self.generator == "vllm" and self.sync == "shared":
+            raise ValueError("generator='vllm' holds its own copy of the weights: use sync='copy' (in place into "
+                             "the running engine) or sync='checkpoint' (through disk)")
+        if not 0 < self.vllm_memory < 1:
+            raise ValueError(f"vllm_memory must lie in (0, 1), got {self.vllm_memory!r}")

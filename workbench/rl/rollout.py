@@ -1,0 +1,105 @@
+"""One step's rollouts in the losses' layout, and their micro-batches.
+
+`RolloutBatch` holds B sequences (prompt + completion token ids) and, per completion position (column t
+is the t-th completion token, right-padded to the longest completion), the generator's log-probs and the
+mask of real tokens: the [B, T] contract of `losses.py`.
+
+`micro_batches` cuts any subset of the sequences into forwards of at most `max_tokens` padded tokens:
+sorted by length (longest first, ties by index), packed greedily, each padded to its own longest sequence.
+A sequence longer than the budget gets a micro-batch of its own. The split is a function of the lengths
+and the budget only, so a run is reproducible; in `invariant` mode a token's log-prob does not depend on
+it at all (every kernel is batch-invariant and padding is never read by a real token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MicroBatch:
+    index: torch.Tensor
+    """[b] rows of the RolloutBatch."""
+    ids: torch.Tensor
+    """[b, T] prompt + completion ids, right-padded."""
+    lens: torch.Tensor
+    """[b] int32 sequence lengths."""
+    rows: torch.Tensor
+    """[n] row of each completion token's predicting position (n = real completion tokens)."""
+    positions: torch.Tensor
+    """[n] the position whose hidden state predicts the token (its own position - 1)."""
+    columns: torch.Tensor
+    """[n] the token's column in the [b, width] completion layout."""
+    targets: torch.Tensor
+    """[n] the completion tokens."""
+    width: int
+    """The longest completion in this micro-batch."""
+
+
+@dataclass
+class RolloutBatch:
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    behavior: torch.Tensor
+    """[B, T] fp32: the generator's log-probs of the tokens it sampled (0 on padding)."""
+    mask: torch.Tensor
+    """[B, T] fp32: 1 on real completion tokens."""
+    pad_id: int
+
+    @classmethod
+    def from_generation(cls, prompts: list[list[int]], completions, pad_id: int, device) -> RolloutBatch:
+        """From the generator's `Completion`s (each with its `tokens` and `sampled_logprobs`)."""
+        width = max(len(c.tokens) for c in completions)
+        behavior = torch.zeros(len(completions), width)
+        mask = torch.zeros(len(completions), width)
+        for i, c in enumerate(completions):
+            behavior[i, : len(c.tokens)] = c.sampled_logprobs
+            mask[i, : len(c.tokens)] = 1
+        return cls([list(p) for p in prompts], [list(c.tokens) for c in completions], behavior.to(device),
+                   mask.to(device), pad_id)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def device(self) -> torch.device:
+        return self.mask.device
+
+    def micro_batches(self, index: torch.Tensor | None, max_tokens: int) -> list[MicroBatch]:
+        """The rows `index` (default all) cut into micro-batches of at most `max_tokens` padded tokens."""
+        rows = list(range(len(self))) if index is None else [int(i) for i in index]
+        length = {i: len(self.prompts[i]) + len(self.completions[i]) for i in rows}
+        order = sorted(rows, key=lambda i: (-length[i], i))
+        groups, current = [], []
+        for i in order:
+            # Longest first: the group's padded width is its first member's length.
+            if current and (len(current) + 1) * length[current[0]] > max_tokens:
+                groups.append(current)
+                current = []
+            current.append(i)
+        if current:
+            groups.append(current)
+        return [self._micro_batch(g) for g in groups]
+
+    def _micro_batch(self, rows: list[int]) -> MicroBatch:
+        seqs = [self.prompts[i] + self.completions[i] for i in rows]
+        t = max(map(len, seqs))
+        ids = torch.full((len(rows), t), self.pad_id, dtype=torch.long)
+        r, pos, col, tgt = [], [], [], []
+        for j, (i, s) in enumerate(zip(rows, seqs)):
+            ids[j, : len(s)] = torch.tensor(s)
+            p, n = len(self.prompts[i]), len(self.completions[i])
+            r += [j] * n
+            pos += range(p - 1, p - 1 + n)
+            col += range(n)
+            tgt += self.completions[i]
+        dev = self.device
+
+        def as_long(x):
+            return torch.tensor(x, dtype=torch.long, device=dev)
+
+        lens = torch.tensor(list(map(len, seqs)), dtype=torch.int32, device=dev)
+        return MicroBatch(as_long(rows), ids.to(dev), lens, as_long(r), as_long(pos), as_long(col), as_long(tgt),
+                          max(len(self.completions[i]) for i in rows))
