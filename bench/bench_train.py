@@ -86,11 +86,24 @@ def old_update(weights, n: int, t: int, kernel_mode: str) -> float:
     def step():
         with mode(kernel_mode):
             logits = model(ids, seq_lens=lens)
-            logp = token_logprobs(logits[:, :-1], ids[:, 1:])
+            logp = token_logprobs(logits, torch.roll(ids, -1, dims=1))[:, :-1]
             (-logp.mean()).backward()
         weights.step()
 
     return _timed(step)[1]
+
+
+def profile(weights, modes) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    batch = make_batch(16, 1024, weights.model.config.vocab_size, seed=0)
+    for kernel_mode in modes:
+        new_update(weights, batch, kernel_mode, 16384, False)
+        with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            t_score, t_update = new_update(weights, batch, kernel_mode, 16384, False)
+        print(f"## {kernel_mode}: scoring {t_score:.3f} s, update {t_update:.3f} s (16 x 1,024 tokens)")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
 
 
 def main() -> None:
@@ -99,10 +112,15 @@ def main() -> None:
     ap.add_argument("--out", help="also write the table (markdown) to this file")
     ap.add_argument("--quick", action="store_true", help="only steps up to 64 x 1,024 tokens")
     ap.add_argument("--modes", nargs="+", default=["invariant", "standard"])
+    ap.add_argument("--profile", action="store_true",
+                    help="instead of the table: the GPU kernels of one 16 x 1,024 update per mode, by total time")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_train.py needs a CUDA GPU")
     weights = make_weights(a.shape)
+    if a.profile:
+        profile(weights, a.modes)
+        return
     n_params = sum(p.numel() for p in weights.masters.values())
     vocab = weights.model.config.vocab_size
     resident = torch.cuda.memory_allocated() / 2**30

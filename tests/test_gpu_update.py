@@ -67,6 +67,20 @@ def test_logprobs_do_not_depend_on_the_micro_batch_split(model):
     assert not torch.equal(std[0][real], std[1][real]), "standard: the split changes a token's log-prob"
 
 
+def test_the_update_forward_gives_the_scoring_bits(model):
+    """The ratio's numerator (a forward with autograd recording, no entropy) equals its denominator (the no-grad
+    scoring pass, with entropy) bit for bit: the first mini-batch's ratio is exactly 1."""
+    batch = _batch(4, n=8)
+    with mode("invariant"):
+        scored, _ = score(model, batch, 1 << 20, 0.8, with_entropy=True)
+        mb = batch.micro_batches(None, 1 << 20)[0]
+        logp, _ = completion_logprobs(model, mb, 0.8)
+    got = torch.zeros_like(scored)
+    got[mb.index, : mb.width] = logp.detach()
+    real = batch.mask.bool()
+    assert torch.equal(got[real], scored[real]), f"{int((got != scored)[real].sum())} tokens differ"
+
+
 @pytest.mark.parametrize("kernel_mode", ["invariant", "standard"])
 def test_activation_checkpointing_keeps_the_gradient_bits(model, kernel_mode):
     mb = _batch(3, n=4).micro_batches(None, 1 << 20)[0]

@@ -4,13 +4,17 @@ and the gradients in both modes and mixed overrides, the mode captured at forwar
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from helpers import rel_err, tolerance
 
-from workbench.kernels import linear, mode, token_logprobs, token_logprobs_and_entropy
-from workbench.kernels import linear_logprobs as fused_module
-from workbench.kernels.linear_logprobs import linear_logprobs, linear_logprobs_reference
+from workbench.kernels import linear, linear_logprobs, mode, token_logprobs, token_logprobs_and_entropy
+from workbench.kernels.linear_logprobs import linear_logprobs_reference
+
+# The module itself (the package's `linear_logprobs` is the function).
+fused_module = importlib.import_module("workbench.kernels.linear_logprobs")
 
 DTYPES = [torch.float32, torch.bfloat16]
 V = 600  # more than one of the interpreter's 256-column matmul tiles and of the row kernels' vocabulary chunks

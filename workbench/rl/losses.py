@@ -129,6 +129,12 @@ class LossConfig:
     """The constant of seq-mean-token-sum-norm (e.g. max completion length)."""
 
 
+def _mean(total: torch.Tensor, count: int) -> torch.Tensor:
+    """total / count by a true division (CUDA divides by a Python number through its reciprocal: 82 x (1/82)
+    is 0.99999994, and a ratio that is exactly 1 on every token must average to exactly 1)."""
+    return total / torch.tensor(float(max(count, 1)), dtype=total.dtype, device=total.device)
+
+
 def _clipped_pg(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig):
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * adv
@@ -149,8 +155,9 @@ def token_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None, tot
     if weights is not None:
         loss = loss * weights
     m = mask.bool()
-    n = max(totals.tokens, 1)
-    stats = {"ratio_mean": (ratio * m).sum() / n, "clip_low": (low & m).sum() / n, "clip_high": (high & m).sum() / n}
+    n = totals.tokens
+    stats = {"ratio_mean": _mean((ratio * m).sum(), n), "clip_low": _mean((low & m).sum().float(), n),
+             "clip_high": _mean((high & m).sum().float(), n)}
     return aggregate(loss, mask, cfg.aggregation, cfg.norm, totals), stats
 
 
@@ -167,9 +174,10 @@ def sequence_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None, 
     loss, low, high = _clipped_pg(ratio, adv, cfg)
     if weights is not None:
         loss = loss * (weights * m).sum(1) / n
-    s = max(totals.sequences, 1)
-    stats = {"ratio_mean": ratio.sum() / s, "clip_low": low.float().sum() / s, "clip_high": high.float().sum() / s}
-    return loss.sum() / s, stats
+    s = totals.sequences
+    stats = {"ratio_mean": _mean(ratio.sum(), s), "clip_low": _mean(low.float().sum(), s),
+             "clip_high": _mean(high.float().sum(), s)}
+    return loss.sum() / max(s, 1), stats
 
 
 @dataclass(frozen=True)
