@@ -99,9 +99,9 @@ def profile(weights, modes) -> None:
 
     batch = make_batch(16, 1024, weights.model.config.vocab_size, seed=0)
     for kernel_mode in modes:
-        new_update(weights, batch, kernel_mode, 16384, False)
+        new_update(weights, batch, kernel_mode, 8192, False)
         with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            t_score, t_update = new_update(weights, batch, kernel_mode, 16384, False)
+            t_score, t_update = new_update(weights, batch, kernel_mode, 8192, False)
         print(f"## {kernel_mode}: scoring {t_score:.3f} s, update {t_update:.3f} s (16 x 1,024 tokens)")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
 
@@ -113,7 +113,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only steps up to 64 x 1,024 tokens")
     ap.add_argument("--modes", nargs="+", default=["invariant", "standard"])
     ap.add_argument("--profile", action="store_true",
-                    help="instead of the table: the GPU kernels of one 16 x 1,024 update per mode, by total time")
+                    help="instead of the table: the GPU kernels of one 16 x 1,024 update (8,192-token micro-batches) per mode, by total time")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_train.py needs a CUDA GPU")
