@@ -33,5 +33,8 @@ def test_gpu_ppo_mini_batches_and_the_old_logprobs_source(tmp_path):
                                   policy=policy, **{**base, "mini_batches": 1, "epochs": 1}))
            for src in ("recompute", "sampler")}
     ratio = {src: t[t.metric == "ratio_mean"].value for src, t in std.items()}
-    assert (ratio["recompute"] == 1.0).all(), "recompute: one mini-batch on the weights that sampled"
+    # recompute: the ratio compares the standard trainer with itself (its no-grad pass and its training forward,
+    # which need not give the same bits: only invariant mode promises that), so it stays near 1; sampler: the
+    # decode-vs-training kernel mismatch enters the ratio.
+    assert ((ratio["recompute"] - 1).abs() < 1e-3).all(), list(ratio["recompute"])
     assert (ratio["sampler"] != 1.0).any(), "sampler: the kernel mismatch enters the ratio"
