@@ -217,7 +217,7 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Te
                     with_entropy: bool = False, chunk_rows: int | None = None):
     """hidden [N, H] (bf16 or fp32), weight [V, H] same dtype, tokens [N] int64/int32 ->
     (logp [N] fp32, entropy [N] fp32 or None), of softmax(hidden @ weight.T / T), never holding [N, V] logits.
-    Differentiable in hidden and weight (and through the entropy when with_entropy). chunk_rows=None: 1024 rows
+    Differentiable in hidden and weight (and through the entropy when with_entropy). chunk_rows=None: 4096 rows
     on the GPU, 64 in the interpreter. Modes of `linear` and `token_logprobs`, read here, once."""
     chunk_rows = _default_chunk_rows() if chunk_rows is None else chunk_rows
     _check(hidden, weight, tokens, temperature, chunk_rows)
