@@ -32,3 +32,14 @@ def smollm2():
         return fetch_model("smollm2-135m-instruct")
     except FetchError as e:
         pytest.skip(f"SmolLM2-135M-Instruct could not be fetched: {e}")
+
+
+@pytest.fixture(scope="session")
+def policy(tmp_path_factory):
+    """A small self-trained arithmetic policy (CPU), trained until greedy accuracy leaves room for RL, so groups
+    have reward variance and weights move."""
+    from workbench.rl.policy import PolicyConfig, train_policy
+
+    out = tmp_path_factory.mktemp("policy")
+    train_policy(PolicyConfig(eval_every=25, eval_problems=16, device="cpu"), out)
+    return str(out)

@@ -12,17 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from workbench.__main__ import main
+from workbench.rl.checkpoint import latest_checkpoint
 from workbench.rl.config import TrainConfig
-from workbench.rl.policy import PolicyConfig, train_policy
 from workbench.rl.trainer import train
-
-
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    out = tmp_path_factory.mktemp("policy")
-    # Trained until greedy accuracy leaves room for RL, so groups have reward variance and weights move.
-    train_policy(PolicyConfig(eval_every=25, eval_problems=16, device="cpu"), out)
-    return str(out)
 
 
 def _cfg(policy, out, **kw):
@@ -102,7 +94,7 @@ def test_a_nan_loss_stops_and_keeps_the_last_good_checkpoint(policy, tmp_path, m
     assert set(written.step) == {1, 2}, "the metrics so far are written"
     assert set(written[written.step == 2].metric) == {"parity_max_abs_diff", "parity_mean_abs_diff",
                                                       "parity_tokens_differing", "sampler_trainer_kl"}
-    state = (tmp_path / "checkpoint" / "state.json").read_text()
+    state = (latest_checkpoint(tmp_path) / "state.json").read_text()
     assert '"step": 1' in state
 
 
@@ -144,8 +136,8 @@ def test_same_seed_same_metrics_and_resume_is_bitwise(policy, tmp_path):
     resumed = train(_cfg(policy, tmp_path / "c", steps=3, resume=True))
     pd.testing.assert_frame_equal(full[~timing].reset_index(drop=True),
                                   resumed[~timing[: len(resumed)].values].reset_index(drop=True))
-    a = load_file(tmp_path / "a" / "checkpoint" / "masters.safetensors")
-    c = load_file(tmp_path / "c" / "checkpoint" / "masters.safetensors")
+    a = load_file(latest_checkpoint(tmp_path / "a") / "masters.safetensors")
+    c = load_file(latest_checkpoint(tmp_path / "c") / "masters.safetensors")
     assert all(torch.equal(a[k], c[k]) for k in a), "resumed weights differ from the uninterrupted run"
 
 

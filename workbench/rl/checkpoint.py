@@ -1,16 +1,25 @@
 """Resumable training checkpoints: the trained weights, AdamW's state, the lagged generator's weights,
-the config and the metrics so far, written atomically (a crash keeps the previous checkpoint)."""
+the config and the metrics so far.
+
+Every instant of a save is recoverable. A checkpoint is a folder `checkpoints/step-NNNNNN`, written under a
+temporary name, every file and the folder fsynced, then renamed into place (one atomic rename) and the parent
+fsynced; only then are older ones pruned (the newest `KEEP` stay). A run resumes from the newest complete folder,
+so a kill before the rename leaves the previous checkpoint, and one after it the new one. The layout of earlier
+versions (`checkpoint/`, and `.checkpoint-old` left by a kill between its two renames) still resumes.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 import pandas as pd
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import TrainConfig
@@ -21,6 +30,9 @@ from .weights import TrainWeights
 # memory can resume with a smaller one.
 _RESUMABLE_CHANGES = {"steps", "resume", "checkpoint_every", "device", "out_dir", "progress", "tensorboard",
                       "vllm_memory", "max_tokens_per_microbatch", "activation_checkpointing"}
+KEEP = 2
+"""Complete checkpoints kept (the newest), so a file damaged after its save still leaves one to resume from."""
+_STEP = re.compile(r"step-(\d+)")
 
 
 def config_changes(saved: dict, cfg: TrainConfig) -> dict:
@@ -31,54 +43,126 @@ def config_changes(saved: dict, cfg: TrainConfig) -> dict:
             if k not in _RESUMABLE_CHANGES and saved.get(k, defaults[k]) != (list(v) if isinstance(v, tuple) else v)}
 
 
+def _complete(folder: Path) -> int | None:
+    """The step of a complete checkpoint folder (its state.json, written last, parses), or None."""
+    try:
+        return int(json.loads((folder / "state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def checkpoints(out: Path) -> list[Path]:
+    """The run's complete checkpoints, oldest first (the earlier layout's folders before the current ones)."""
+    found = []
+    root = out / "checkpoints"
+    if root.is_dir():
+        for folder in root.iterdir():
+            if _STEP.fullmatch(folder.name) and (step := _complete(folder)) is not None:
+                found.append((step, 1, folder))
+    for legacy in (out / "checkpoint", out / ".checkpoint-old"):
+        if (step := _complete(legacy)) is not None:
+            found.append((step, 0, legacy))
+    return [f for *_, f in sorted(found)]
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The newest complete checkpoint of the run in `out`, or None."""
+    found = checkpoints(out)
+    return found[-1] if found else None
+
+
 def last_good(out: Path) -> str:
     """Where the last good checkpoint is, for error messages."""
-    state = out / "checkpoint" / "state.json"
-    if not state.exists():
+    folder = latest_checkpoint(out)
+    if folder is None:
         return "no checkpoint was written yet"
-    return f"the last good checkpoint (step {json.loads(state.read_text())['step']}) is in {out / 'checkpoint'}"
+    return f"the last good checkpoint (step {_complete(folder)}) is in {folder}"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_checkpoint(out: Path, step: int, weights: TrainWeights, metrics: pd.DataFrame, cfg: TrainConfig,
-                    lagged: tuple[int, dict] | None) -> None:
-    tmp = out / f".checkpoint-{step}.tmp"
+                    lagged: tuple[int, dict] | None) -> Path:
+    root = out / "checkpoints"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        return _save(root, out, step, weights, metrics, cfg, lagged)
+    except OSError as e:
+        raise OSError(f"step {step}: the checkpoint could not be written to {root} ({e.strerror or e}); "
+                      f"{last_good(out)}. Free space or make the folder writable, then resume.") from e
+
+
+def _save(root: Path, out: Path, step: int, weights: TrainWeights, metrics: pd.DataFrame, cfg: TrainConfig,
+          lagged: tuple[int, dict] | None) -> Path:
+    final = root / f"step-{step:06d}"
+    tmp = root / f".step-{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp.mkdir()
     save_file({k: v.detach().contiguous() for k, v in weights.masters.items()}, tmp / "masters.safetensors")
     state = weights.opt.state_dict()
     tensors = {f"{i}.{k}": v for i, s in state["state"].items() for k, v in s.items() if torch.is_tensor(v)}
     save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "optimizer.safetensors")
     if lagged is not None:
         save_file({k: v.contiguous() for k, v in lagged[1].items()}, tmp / "generator.safetensors")
+    metrics.to_csv(tmp / "metrics.csv", index=False)
     (tmp / "state.json").write_text(json.dumps({"step": step, "config": asdict(cfg),
                                                 "generator_version": None if lagged is None else lagged[0],
                                                 "param_groups": state["param_groups"]}, indent=1))
-    metrics.to_csv(tmp / "metrics.csv", index=False)
-    final = out / "checkpoint"
-    old = out / ".checkpoint-old"
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    for f in tmp.iterdir():
+        _fsync(f)
+    _fsync(tmp)
+    if final.exists():  # the same step saved again (a resumed run repeating its last save): not newer, replace
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync(root)
+    steps = sorted((int(m.group(1)), f) for f in root.iterdir() if (m := _STEP.fullmatch(f.name)))
+    for _, old in steps[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+    for f in root.glob(".step-*.tmp"):  # left by a killed save
+        shutil.rmtree(f, ignore_errors=True)
+    for legacy in (out / "checkpoint", out / ".checkpoint-old"):
+        shutil.rmtree(legacy, ignore_errors=True)
+    return final
+
+
+def _read(path: Path, older: list[Path], **kw) -> dict:
+    try:
+        return load_file(path, **kw)
+    except (SafetensorError, OSError, ValueError) as e:
+        other = f"the previous checkpoint is {older[-1]}: remove {path.parent} to resume from it" if older \
+            else "no older checkpoint is left: start a new run"
+        raise ValueError(f"resume: {path} is damaged or truncated ({e}); {other}") from e
 
 
 def load_checkpoint(out: Path, weights: TrainWeights, cfg: TrainConfig, device: str):
-    """Restores the weights and AdamW in place; returns (step, metrics so far, lagged generator weights)."""
-    ck = out / "checkpoint"
-    if not (ck / "state.json").exists():
-        raise FileNotFoundError(f"resume: no checkpoint in {ck}; run without resume first")
+    """Restores the weights and AdamW in place from the newest complete checkpoint; returns (step, metrics so far,
+    lagged generator weights). A damaged file is an error naming it and the checkpoint before it."""
+    *older, ck = checkpoints(out) or [None]
+    if ck is None:
+        raise FileNotFoundError(f"resume: no checkpoint in {out / 'checkpoints'}; run without resume first")
     state = json.loads((ck / "state.json").read_text())
     changed = config_changes(state["config"], cfg)
     if changed:
         raise ValueError(f"resume: the config differs from the checkpoint's in {changed} (saved, now); "
                          "resume with the same settings or start a new out_dir")
-    saved = load_file(ck / "masters.safetensors")
+    saved = _read(ck / "masters.safetensors", older)
+    wanted = {k: tuple(v.shape) for k, v in weights.masters.items()}
+    found = {k: tuple(v.shape) for k, v in saved.items()}
+    if found != wanted:
+        diff = sorted(set(wanted) ^ set(found)) or [k for k in wanted if wanted[k] != found[k]]
+        raise ValueError(f"resume: {ck / 'masters.safetensors'} holds another model's weights (first differences: "
+                         f"{diff[:3]}); resume with the policy this run started from, or start a new out_dir")
     with torch.no_grad():
         for k, v in weights.masters.items():
             v.copy_(saved[k])
     weights.sync_model()
-    tensors = load_file(ck / "optimizer.safetensors")  # load_state_dict moves them to the parameters' device
+    tensors = _read(ck / "optimizer.safetensors", older)  # load_state_dict moves them to the parameters' device
     opt_state = {"param_groups": state["param_groups"], "state": {}}
     for key, v in tensors.items():
         i, name = key.split(".", 1)
@@ -86,5 +170,6 @@ def load_checkpoint(out: Path, weights: TrainWeights, cfg: TrainConfig, device: 
     weights.opt.load_state_dict(opt_state)
     lagged = None
     if state.get("generator_version") is not None:
-        lagged = (state["generator_version"], load_file(ck / "generator.safetensors", device=device))
-    return state["step"], pd.read_csv(ck / "metrics.csv"), lagged
+        lagged = (state["generator_version"], _read(ck / "generator.safetensors", older, device=device))
+    metrics = pd.read_csv(ck / "metrics.csv")
+    return state["step"], metrics, lagged

@@ -18,7 +18,7 @@ import pandas as pd
 
 from ..config import check_at_least_one
 from ..env import resolve_device
-from .checkpoint import config_changes
+from .checkpoint import config_changes, latest_checkpoint
 from .config import TrainConfig
 from .policy import POLICY_SIZES, PolicyConfig, train_policy
 from .trainer import train
@@ -113,10 +113,10 @@ def starting_policy(cfg: OnOffConfig) -> str:
 
 def _finished(run: TrainConfig) -> pd.DataFrame | None:
     """The metrics of a run already complete in run.out_dir; a run there with other settings is an error."""
-    state = Path(run.out_dir) / "checkpoint" / "state.json"
-    if not state.exists():
+    folder = latest_checkpoint(Path(run.out_dir))
+    if folder is None:
         return None
-    saved = json.loads(state.read_text())
+    saved = json.loads((folder / "state.json").read_text())
     changed = config_changes(saved["config"], run)
     if changed:
         raise ValueError(f"{run.out_dir} holds a run with other settings {changed} (saved, now); "
@@ -133,7 +133,7 @@ def run_on_off(cfg: OnOffConfig) -> pd.DataFrame:
             run = cfg.run_config(kernel_mode, seed, policy)
             done = _finished(run)
             if done is None:
-                resume = (Path(run.out_dir) / "checkpoint" / "state.json").exists()
+                resume = latest_checkpoint(Path(run.out_dir)) is not None
                 done = train(dataclasses.replace(run, resume=resume))
             tables.append(done)
     table = pd.concat(tables, ignore_index=True)

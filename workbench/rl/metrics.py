@@ -4,6 +4,7 @@ asked, to TensorBoard with the same numbers; and the per-layer grouping of weigh
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -69,5 +70,7 @@ class MetricsLog:
         if self.writer is not None:
             self.writer.close()
         table = self.table()
-        table.to_csv(self.out / "metrics.csv", index=False)
+        tmp = self.out / ".metrics.csv.tmp"
+        table.to_csv(tmp, index=False)
+        os.replace(tmp, self.out / "metrics.csv")  # a kill while writing keeps the previous table whole
         return table

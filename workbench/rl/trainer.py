@@ -29,7 +29,7 @@ from ..generation import SamplingParams, generate
 from ..kernels import mode
 from ..models import (build, copy_weights, encode_prompt, load_pretrained, load_tokenizer, resolve_model,
                       save_pretrained)
-from .checkpoint import last_good, load_checkpoint, save_checkpoint
+from .checkpoint import last_good, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .logprobs import parity_stats, score
 from .losses import get_loss, group_advantages, importance_weights, kl_estimate
@@ -81,6 +81,8 @@ class Run:
             from ..generation.vllm_backend import require_vllm
 
             require_vllm()  # before the starting policy is trained: say at once what is missing
+        if cfg.resume and latest_checkpoint(self.out) is None:  # before any work: say it at once
+            raise FileNotFoundError(f"resume: no checkpoint in {self.out / 'checkpoints'}; run without resume first")
         self.log = MetricsLog(cfg.kernel_mode, cfg.seed, self.out, cfg.tensorboard)
         torch.manual_seed(cfg.seed)
         self.task = make_task(cfg.task, seed=cfg.seed, difficulty=cfg.difficulty, source=cfg.task_source)

@@ -1,0 +1,147 @@
+"""Checkpoints survive a kill at any instant: a process saving checkpoints is SIGKILLed at random instants and
+the newest complete checkpoint is always whole; a training run killed at random instants resumes to the
+uninterrupted run's bits; damaged files are named. (A SIGKILL keeps what reached the OS; the fsyncs are what
+would carry a checkpoint through a power cut, which no test here simulates.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from workbench.rl.checkpoint import checkpoints, latest_checkpoint
+from workbench.rl.config import TrainConfig
+from workbench.rl.trainer import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A child that saves checkpoints step after step, forever: every master of step k holds the value k.
+SAVER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    import pandas as pd
+    import torch
+    from workbench.models import ModelConfig, build
+    from workbench.rl.checkpoint import latest_checkpoint, save_checkpoint
+    from workbench.rl.config import TrainConfig
+    from workbench.rl.weights import TrainWeights
+
+    out = Path(sys.argv[1])
+    cfg = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=64)
+    weights = TrainWeights(build(cfg, device="cpu", dtype=torch.float32, seed=0), "float32", 1e-3, "cpu")
+    for m in weights.masters.values():
+        m.grad = torch.zeros_like(m)
+    weights.step()  # AdamW state exists
+    last = latest_checkpoint(out)
+    step = 0 if last is None else int(last.name.split("-")[1])
+    print("ready", flush=True)
+    while True:
+        step += 1
+        with torch.no_grad():
+            for m in weights.masters.values():
+                m.fill_(float(step))
+        table = pd.DataFrame({"step": range(1, step + 1), "metric": "x", "value": 0.0, "variant": "v", "seed": 0})
+        save_checkpoint(out, step, weights, table, TrainConfig(steps=step), None)
+""")
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def test_a_save_killed_at_any_instant_leaves_a_whole_checkpoint(tmp_path):
+    rng = random.Random(os.getpid() ^ time.time_ns())  # fresh instants every run
+    out = tmp_path / "run"
+    seen = 0
+    for _ in range(5):
+        child = subprocess.Popen([sys.executable, "-c", SAVER, str(out)], stdout=subprocess.PIPE, env=_env(), text=True)
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.05, 1.5))
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        last = latest_checkpoint(out)
+        if last is None:
+            continue
+        step = int(last.name.split("-")[1])
+        assert step >= seen, "a kill never loses a checkpoint that was complete before it"
+        seen = step
+        masters = load_file(last / "masters.safetensors")
+        assert all(bool((v == step).all()) for v in masters.values()), f"{last}: another step's weights"
+        load_file(last / "optimizer.safetensors")
+        assert len(pd.read_csv(last / "metrics.csv")) == step
+        assert len(checkpoints(out)) <= 3, "older checkpoints are pruned (KEEP, plus one a kill left mid-prune)"
+    assert seen >= 2, "the saver made progress between kills"
+
+
+def _cfg(policy, out, **kw):
+    base = TrainConfig(policy=policy, out_dir=str(out), steps=4, prompts_per_step=3, group_size=3, max_new_tokens=3,
+                       kernel_mode="invariant", checkpoint_every=1, lr=3e-3, progress=False, device="cpu")
+    return dataclasses.replace(base, **kw)
+
+
+def _cli(cfg: TrainConfig) -> list[str]:
+    args = [sys.executable, "-m", "workbench", "train"]
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        args += ([flag] if v else ["--no-" + flag[2:]]) if isinstance(v, bool) else [flag, str(v)]
+    return args
+
+
+def test_training_killed_at_random_instants_resumes_bitwise(policy, tmp_path):
+    rng = random.Random(os.getpid() ^ time.time_ns())
+    full = train(_cfg(policy, tmp_path / "full"))
+    timing = full.metric.str.startswith("time_") | (full.metric == "tokens_per_s")
+    want = load_file(latest_checkpoint(tmp_path / "full") / "masters.safetensors")
+    for k in range(2):
+        cfg = _cfg(policy, tmp_path / f"killed{k}")
+        child = subprocess.Popen(_cli(cfg), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while latest_checkpoint(Path(cfg.out_dir)) is None and child.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 2.0))
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        assert latest_checkpoint(Path(cfg.out_dir)) is not None
+        resumed = train(dataclasses.replace(cfg, resume=True))
+        pd.testing.assert_frame_equal(full[~timing].reset_index(drop=True),
+                                      resumed[~resumed.metric.isin(full[timing].metric)].reset_index(drop=True))
+        got = load_file(latest_checkpoint(Path(cfg.out_dir)) / "masters.safetensors")
+        assert all(torch.equal(got[n], want[n]) for n in want), "resumed weights differ from the uninterrupted run"
+
+
+def test_damaged_checkpoint_files_are_named(policy, tmp_path):
+    cfg = _cfg(policy, tmp_path, steps=2)
+    train(cfg)
+    last = latest_checkpoint(tmp_path)
+    data = (last / "masters.safetensors").read_bytes()
+    (last / "masters.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"masters.safetensors is damaged or truncated.*previous checkpoint is"):
+        train(dataclasses.replace(cfg, steps=3, resume=True))
+    (last / "masters.safetensors").unlink()
+    with pytest.raises(ValueError, match="masters.safetensors is damaged"):
+        train(dataclasses.replace(cfg, steps=3, resume=True))
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train(dataclasses.replace(cfg, out_dir=str(tmp_path / "empty"), resume=True))
+    assert not (tmp_path / "empty" / "policy").exists()
+
+
+def test_an_unwritable_checkpoint_folder_is_named(policy, tmp_path):
+    out = tmp_path / "blocked"
+    out.mkdir()
+    (out / "checkpoints").write_text("a file where the checkpoint folder should be")  # fails for root too
+    with pytest.raises(OSError, match="checkpoint could not be written .*Free space or make the folder writable"):
+        train(_cfg(policy, out, steps=1))
+    assert (out / "metrics.csv").exists(), "the metrics so far are still written"
