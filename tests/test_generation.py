@@ -150,8 +150,12 @@ def test_standard_mode_report_measures_the_mismatch(model):
         tokens = [c.tokens for c in out.completions]
         table = parity_table([c.logprobs for c in out.completions], trainer_logprobs(model, prompts, tokens), tokens)
     s = parity_summary(table)
-    assert s["tokens"] == sum(map(len, tokens)) and s["max_abs_diff"] >= 0
+    assert s["tokens"] == sum(map(len, tokens))
     assert "bitwise identical:" in format_report(table)
+    # The report must see a mismatch where one is certain: the generator's log-probs nudged by one fp32 ulp.
+    nudged = [torch.nextafter(c.logprobs, torch.zeros_like(c.logprobs)) for c in out.completions]
+    off = parity_summary(parity_table(nudged, [c.logprobs for c in out.completions], tokens))
+    assert off["tokens_differing"] == off["tokens"] and not off["bitwise_identical"] and off["max_abs_diff"] > 0
 
 
 def test_bad_requests_are_refused(model):
@@ -178,8 +182,18 @@ def test_fused_gumbel_draw_is_the_pytorch_formula_and_row_invariant():
     keep = torch.rand(48, 1000, generator=g) < 0.7
     for t, k in ((1.0, None), (0.6, None), (1.3, keep)):
         got = gumbel_argmax(logits, t, 5, req, pos, k)
-        want = gumbel_argmax_reference(logits, t, uniforms(5, req, pos, 1000), k)
-        assert torch.equal(got, want), f"temperature {t}"
+        u = uniforms(5, req, pos, 1000)
+        want = gumbel_argmax_reference(logits, t, u, k)
+        # The contract: the same draw up to fp32 rounding of the log (GPU's or numpy's vs torch's), so a row may
+        # differ only where the two winners' scores are a near tie under the reference's arithmetic.
+        score = logits.float() / t - torch.log(-torch.log(u))
+        if k is not None:
+            score = score.masked_fill(~k, float("-inf"))
+        rows = torch.arange(48)
+        gap = (score[rows, want] - score[rows, got]).abs()
+        assert (gap[got != want] <= 1e-5 * score[rows, want].abs().clamp_min(1.0)[got != want]).all(), \
+            f"temperature {t}: a draw differs beyond a near tie"
+        assert (got == want).float().mean() >= 0.9, f"temperature {t}: most draws are the reference's"
         alone = gumbel_argmax(logits[9:10], t, 5, req[9:10], pos[9:10], None if k is None else k[9:10])
         assert alone.item() == got[9].item()
         if k is not None:

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from workbench.__main__ import main
+from workbench.config import read_config_file
 from workbench.rl.checkpoint import latest_checkpoint
 from workbench.rl.config import TrainConfig
 from workbench.rl.trainer import train
@@ -24,10 +25,13 @@ def _cfg(policy, out, **kw):
 
 
 def test_invariant_step_has_exact_parity(policy, tmp_path):
-    table = train(_cfg(policy, tmp_path, kernel_mode="invariant", steps=1))
+    cfg = _cfg(policy, tmp_path, kernel_mode="invariant", steps=1)
+    table = train(cfg)
+    assert TrainConfig(**read_config_file(tmp_path / "config.yaml", TrainConfig)) == cfg, "the resolved settings"
     value = table.set_index("metric")["value"]
     assert value["parity_tokens_differing"] == 0 and value["parity_max_abs_diff"] == 0
-    assert value["ratio_mean"] == 1.0, "on-policy: the PPO ratio is exactly 1"
+    # Not parity evidence (it holds in standard mode too): the old log-probs are recomputed on these weights.
+    assert value["ratio_mean"] == 1.0, "one mini-batch on the weights that sampled: the ratio is exactly 1"
     assert set(table.columns) == {"step", "metric", "value", "variant", "seed"}
     assert value["entropy"] > 0 and value["policy_lag"] == 0 and 0 <= value["accuracy_exact"] <= 1
     layers = [m for m in value.index if m.startswith("weight_rel_change/layer_")]
@@ -36,16 +40,18 @@ def test_invariant_step_has_exact_parity(policy, tmp_path):
 
 
 def test_one_step_lag_keeps_parity_against_the_weights_that_sampled(policy, tmp_path):
-    cfg = _cfg(policy, tmp_path / "inv", kernel_mode="invariant", steps=2, prompts_per_step=2, group_size=2,
-               max_new_tokens=2, policy_lag=1, sync="copy", kl_coef=0.1, kl_to="sampler")
+    cfg = _cfg(policy, tmp_path / "inv", kernel_mode="invariant", steps=4, policy_lag=1, sync="copy", kl_coef=0.1,
+               kl_to="sampler")
     by = train(cfg).pivot(index="step", columns="metric", values="value")
-    assert list(by["policy_lag"]) == [0, 1]
+    assert list(by["policy_lag"]) == [0, 1, 1, 1]
     assert (by["parity_tokens_differing"] == 0).all(), "the lagged generator still matches the trainer bitwise"
+    # Step s samples with version s - 2: parity must hold at a step whose sampling weights had moved.
+    moved = by["weight_delta_l2"].cumsum()
+    assert any(moved[s - 2] > 0 for s in (3, 4)), "no step sampled with moved weights: the check proved nothing"
     assert by["kl"][1] == 0.0, "KL to the sampler is exactly 0 when generator = trainer"
     # Standard mode, 4 steps: the first update lands at step 2 (step 1's groups have no reward
     # variance), so step 3 samples with older weights than it trains.
-    cfg = dataclasses.replace(cfg, out_dir=str(tmp_path / "std"), kernel_mode="standard", steps=4,
-                              prompts_per_step=3, group_size=3, max_new_tokens=3)
+    cfg = dataclasses.replace(cfg, out_dir=str(tmp_path / "std"), kernel_mode="standard")
     by = train(cfg).pivot(index="step", columns="metric", values="value")
     assert list(by["policy_lag"]) == [0, 1, 1, 1]
     assert by["weight_delta_l2"][2] > 0 and by["ratio_mean"][3] != 1.0 and by["kl"][3] > 0
@@ -141,10 +147,18 @@ def test_same_seed_same_metrics_and_resume_is_bitwise(policy, tmp_path):
     assert all(torch.equal(a[k], c[k]) for k in a), "resumed weights differ from the uninterrupted run"
 
 
-def test_sync_modes_check_the_weights(policy, tmp_path):
+def test_sync_modes_deliver_the_weights_and_check_them(policy, tmp_path, monkeypatch):
     for sync in ("copy", "checkpoint"):
-        table = train(_cfg(policy, tmp_path / sync, steps=1, sync=sync))
-        assert (table.metric == "time_sync").any()
+        by = train(_cfg(policy, tmp_path / sync, sync=sync, kernel_mode="invariant")).pivot(
+            index="step", columns="metric", values="value")
+        # The generator holds its own copy: had a sync not delivered the update, the next step's rollouts would
+        # come from the old weights and the parity check (against the trainer's) would fail.
+        assert (by["weight_delta_l2"][:2] > 0).any() and (by["parity_tokens_differing"] == 0).all(), sync
+    from workbench.rl import sync as sync_module
+
+    monkeypatch.setattr(sync_module, "copy_weights", lambda src, model: None)  # a sync that delivers nothing
+    with pytest.raises(RuntimeError, match="sync path is broken"):
+        train(_cfg(policy, tmp_path / "broken", sync="copy", steps=2, lr=1e-2))
 
 
 def test_bad_training_inputs(policy, tmp_path):

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
-from .config import add_arguments, from_namespace
 from .compare import CompareConfig
+from .config import add_arguments, from_namespace, parse_overrides, read_config_file
 from .demo import BatchVarianceConfig
 from .generation.vllm_backend import BackendUnavailable
 from .models.hub import FetchConfig, FetchError
 from .nightly import NightlyConfig
+from .rl.config import TrainConfig
 from .rl.experiment import OnOffConfig
 from .rl.policy import PolicyConfig
-from .rl.config import TrainConfig
 from .rl.trainer import ParityError
 
 
@@ -112,6 +113,24 @@ COMMANDS = {
 }
 
 
+CONFIGURABLE = ("train", "on-off", "nightly")
+"""The commands that take --config FILE and key=value overrides."""
+
+
+def _resolve(cls, args, argv: list[str]):
+    """The settings: defaults < --config file < options given on the command line < key=value overrides."""
+    values = vars(from_namespace(cls, args)).copy()
+    given = set()
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        if any(t in (flag, "--no-" + flag[2:]) or t.startswith(flag + "=") for t in argv):
+            given.add(f.name)
+    if args.config:
+        values.update({k: v for k, v in read_config_file(args.config, cls).items() if k not in given})
+    values.update(parse_overrides(args.overrides, cls))
+    return cls(**values)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -122,11 +141,17 @@ def main(argv: list[str] | None = None) -> int:
     parsers["train-policy"].add_argument("--out", default="runs/policy",
                                          help="checkpoint folder (default: runs/policy)")
     parsers["fetch-model"].add_argument("name", nargs="?", help="a registry name (see --list) or an org/name hub id")
+    for name in CONFIGURABLE:
+        parsers[name].add_argument("--config", help="a YAML or TOML file of settings (the options above, by field "
+                                   "name); options given on the command line win over it")
+        parsers[name].add_argument("overrides", nargs="*", metavar="key=value",
+                                   help="settings applied last, e.g. lr=1e-5 seeds=[0,1,2]")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     _, cls, fn = COMMANDS[args.command]
     try:
-        cfg = from_namespace(cls, args)
-    except ValueError as e:
+        cfg = _resolve(cls, args, argv) if args.command in CONFIGURABLE else from_namespace(cls, args)
+    except (ValueError, FileNotFoundError) as e:
         parsers[args.command].error(str(e))
     try:
         return fn(cfg, args)

@@ -1,7 +1,11 @@
-"""Experiment configs: one dataclass per experiment, shared by the command line and the notebooks.
+"""Experiment configs: one dataclass per experiment, shared by the command line, config files and the notebooks.
 
 Each field carries a one-line docstring (the string literal right under it);
 `field_docs` reads them back so the command line can show them as help.
+
+A run's settings can live in a file (YAML, or TOML as torchtitan keeps them), with `key=value` overrides on
+the command line; both are checked against the same dataclass (`read_config_file`, `parse_overrides`), and
+`write_config` records the resolved settings next to a run's metrics.
 """
 
 from __future__ import annotations
@@ -9,11 +13,16 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
 import math
 import textwrap
+import tomllib
 import typing
+from pathlib import Path
 from typing import Any, TypeVar
+
+import yaml
 
 T = TypeVar("T")
 
@@ -69,3 +78,86 @@ def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
         v = getattr(ns, f.name)
         values[f.name] = tuple(v) if isinstance(v, list) else v
     return cls(**values)
+
+
+def _unknown(where: str, key: str, cls: type) -> ValueError:
+    names = [f.name for f in dataclasses.fields(cls)]
+    near = difflib.get_close_matches(key, names, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else f"; valid settings: {', '.join(names)}"
+    return ValueError(f"{where}: unknown setting {key!r} for {cls.__name__}{hint}")
+
+
+def _typed(where: str, name: str, value, tp):
+    """`value` (from YAML, TOML or a key=value) as field type `tp`, or a ValueError naming the field."""
+    origin = typing.get_origin(tp)
+    if origin is tuple and isinstance(value, (list, tuple)):
+        (item, *_) = typing.get_args(tp)
+        return tuple(_typed(where, name, v, item) for v in value)
+    if tp in (int, float) and isinstance(value, str):
+        try:  # PyYAML reads 1e-5 (no dot) as a string
+            value = tp(value)
+        except ValueError:
+            pass
+    ok = {bool: isinstance(value, bool),
+          int: isinstance(value, int) and not isinstance(value, bool),
+          float: isinstance(value, (int, float)) and not isinstance(value, bool),
+          str: isinstance(value, str)}.get(tp)
+    if not ok:
+        raise ValueError(f"{where}: {name} must be {getattr(tp, '__name__', tp)}, got {value!r}")
+    return float(value) if tp is float else value
+
+
+def check_values(where: str, values: dict, cls: type) -> dict:
+    """The values, typed by `cls`'s fields; unknown keys and wrong types are errors naming the key."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    out = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise _unknown(where, key, cls)
+        out[key] = _typed(where, key, value, hints[key])
+    return out
+
+
+def read_config_file(path: str | Path, cls: type) -> dict:
+    """A run's settings from a .yaml/.yml or .toml file (a flat table of `cls`'s fields), typed and checked."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config file {p} does not exist")
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(p.read_text())
+        elif p.suffix == ".toml":
+            data = tomllib.loads(p.read_text())
+        else:
+            raise ValueError(f"config file {p}: unknown format {p.suffix!r}; use .yaml, .yml or .toml")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"config file {p} does not parse: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {p} must hold a table of settings (key: value), got {type(data).__name__}")
+    return check_values(f"config file {p}", data, cls)
+
+
+def parse_overrides(items: list[str], cls: type) -> dict:
+    """['lr=1e-5', 'seeds=[0, 1, 2]', ...] -> typed values (each value read as YAML: numbers, booleans, lists)."""
+    values = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} must be key=value")
+        try:
+            values[key.strip()] = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            values[key.strip()] = text
+        if isinstance(values[key.strip()], (int, float, bool)) and typing.get_type_hints(cls).get(key.strip()) is str:
+            values[key.strip()] = text  # a name or a path that happens to read as a number
+    return check_values("override", values, cls)
+
+
+def write_config(cfg, path: str | Path) -> None:
+    """The resolved settings of a run, as YAML (readable back by `read_config_file`)."""
+    values = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
+    Path(path).write_text(f"# {type(cfg).__name__}: the resolved settings of this run\n"
+                          + yaml.safe_dump(values, sort_keys=False))

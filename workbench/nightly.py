@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from .config import write_config
 from .env import environment_record, git_sha, resolve_device
 
 
@@ -241,6 +242,7 @@ def run_nightly(cfg: NightlyConfig) -> tuple[Path, pd.DataFrame, bool]:
     folder = run_folder(cfg.out_root)
     for sub in ("executed", "params", "logs", "metrics", "figures"):
         (folder / sub).mkdir(parents=True, exist_ok=True)
+    write_config(cfg, folder / "config.yaml")
     env = environment_record()
     (folder / "env.json").write_text(json.dumps(env, indent=1, default=str))
     print(f"nightly ({scale}, {resolve_device(cfg.device)}): {len(paths)} notebooks -> {folder}", flush=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..config import check_at_least_one
+from ..config import check_at_least_one, write_config
 from ..env import resolve_device
 from .checkpoint import config_changes, latest_checkpoint
 from .config import TrainConfig
@@ -126,6 +126,8 @@ def _finished(run: TrainConfig) -> pd.DataFrame | None:
 
 def run_on_off(cfg: OnOffConfig) -> pd.DataFrame:
     """Every (mode, seed) run; returns the combined long table (also out_dir/metrics.csv)."""
+    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    write_config(cfg, Path(cfg.out_dir) / "config.yaml")
     policy = starting_policy(cfg)
     tables = []
     for seed in cfg.seeds:

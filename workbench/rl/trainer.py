@@ -24,11 +24,11 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from ..config import write_config
 from ..env import resolve_device
 from ..generation import SamplingParams, generate
 from ..kernels import mode
-from ..models import (build, copy_weights, encode_prompt, load_pretrained, load_tokenizer, resolve_model,
-                      save_pretrained)
+from ..models import build, copy_weights, encode_prompt, load_pretrained, load_tokenizer, resolve_model, save_pretrained
 from .checkpoint import last_good, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .logprobs import parity_stats, score
@@ -83,6 +83,7 @@ class Run:
             require_vllm()  # before the starting policy is trained: say at once what is missing
         if cfg.resume and latest_checkpoint(self.out) is None:  # before any work: say it at once
             raise FileNotFoundError(f"resume: no checkpoint in {self.out / 'checkpoints'}; run without resume first")
+        write_config(cfg, self.out / "config.yaml")
         self.log = MetricsLog(cfg.kernel_mode, cfg.seed, self.out, cfg.tensorboard)
         torch.manual_seed(cfg.seed)
         self.task = make_task(cfg.task, seed=cfg.seed, difficulty=cfg.difficulty, source=cfg.task_source)
