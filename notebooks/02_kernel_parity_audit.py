@@ -39,7 +39,9 @@ from workbench.audit import (
 from workbench.env import resolve_device
 from workbench.models import build
 from workbench.plots import audit_heatmap, save_figure
-from workbench.tables import save_table
+from workbench.tables import project_path, save_table
+
+run_dir = str(project_path(run_dir))  # against the project root, not the kernel's folder
 
 # %%
 dev = resolve_device(device)

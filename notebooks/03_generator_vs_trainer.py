@@ -37,7 +37,9 @@ from workbench.kernels import mode
 from workbench.models import build, encode_prompt, load_pretrained, load_tokenizer
 from workbench.models.hub import resolve_model
 from workbench.plots import logprob_diff_histogram, save_figure
-from workbench.tables import save_table
+from workbench.tables import project_path, save_table
+
+run_dir = str(project_path(run_dir))  # against the project root, not the kernel's folder
 
 # %%
 n = 2 if smoke else 64

@@ -39,7 +39,9 @@ policy = ""
 
 # %%
 from workbench.rl.experiment import preset, run_on_off, summarize_on_off
-from workbench.tables import save_table
+from workbench.tables import project_path, save_table
+
+run_dir = str(project_path(run_dir))  # against the project root, not the kernel's folder
 
 # %%
 cfg = preset(smoke, device=device, out_dir=f"{run_dir}/work/on_off", policy=policy, progress=False)

@@ -25,7 +25,9 @@ metrics = ""
 # %%
 from workbench.plots import on_off_curves, save_figure
 from workbench.rl.experiment import summarize_on_off
-from workbench.tables import load_table
+from workbench.tables import load_table, project_path
+
+run_dir = str(project_path(run_dir))  # against the project root, not the kernel's folder
 
 # %%
 table = load_table(metrics or run_dir, "on_off")

@@ -117,3 +117,22 @@ def test_the_plots_notebook_redraws_any_run(tmp_path):
                                                        progress=False))
     assert passed and (folder / "figures" / "on_off.png").exists()
     assert yaml.safe_load((folder / "params" / "05_on_off_plots.yaml").read_text())["metrics"].endswith("old.csv")
+
+
+def test_named_inputs_are_checked_before_any_notebook_runs(tmp_path):
+    from workbench.models import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no checkpoint directory"):
+        run_nightly(NightlyConfig(policy=str(tmp_path / "missing"), out_root=str(tmp_path / "n")))
+    with pytest.raises(FileNotFoundError, match="no table at"):
+        run_nightly(NightlyConfig(metrics=str(tmp_path / "missing"), out_root=str(tmp_path / "n")))
+    assert not (tmp_path / "n").exists(), "refused before the run folder exists"
+
+
+def test_notebook_run_dirs_resolve_against_the_project_root(tmp_path, monkeypatch):
+    from workbench.tables import project_path
+
+    monkeypatch.chdir(tmp_path)  # as a kernel started in notebooks/
+    root = Path(__file__).resolve().parents[1]
+    assert project_path("runs/notebooks") == root / "runs" / "notebooks"
+    assert project_path(tmp_path / "x") == tmp_path / "x"

@@ -201,8 +201,10 @@ def test_cli_reports_a_missing_policy_without_a_traceback(tmp_path, capsys):
     assert "no checkpoint directory" in capsys.readouterr().err
 
 
-def test_resume_refuses_another_config(policy, tmp_path):
+def test_resume_refuses_another_config_and_a_rerun_never_overwrites(policy, tmp_path):
     train(_cfg(policy, tmp_path, steps=1))
+    with pytest.raises(ValueError, match="already holds a run .*resume=True"):
+        train(_cfg(policy, tmp_path, steps=1))
     with pytest.raises(ValueError, match="config differs from the checkpoint's in .*lr"):
         train(_cfg(policy, tmp_path, steps=2, resume=True, lr=1e-2))
 

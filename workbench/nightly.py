@@ -27,6 +27,8 @@ import pandas as pd
 
 from .config import write_config
 from .env import environment_record, git_sha, resolve_device
+from .models.hub import resolve_model
+from .tables import load_table
 
 
 @dataclass(frozen=True)
@@ -237,6 +239,11 @@ def run_nightly(cfg: NightlyConfig) -> tuple[Path, pd.DataFrame, bool]:
     if cfg.scale == "full" and resolve_device(cfg.device) == "cpu":
         raise ValueError("scale 'full' runs the Qwen3-1.7B shape and 600 GRPO steps: it needs a GPU (in Triton's "
                          "CPU interpreter it would take days); use --scale smoke or auto on this machine")
+    # Named inputs are checked before any notebook runs (a missing one would fail minutes in, inside a notebook).
+    if cfg.policy:
+        resolve_model(cfg.policy)
+    if cfg.metrics:
+        load_table(cfg.metrics, "on_off")
     smoke = cfg.scale == "smoke" or (cfg.scale == "auto" and resolve_device(cfg.device) == "cpu")
     scale = "smoke" if smoke else "full"
     folder = run_folder(cfg.out_root)

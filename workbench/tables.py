@@ -8,6 +8,17 @@ from pathlib import Path
 import pandas as pd
 
 
+def project_path(path: str | Path) -> Path:
+    """`path` as given when absolute; a relative one against the project root (the checkout holding
+    pyproject.toml that this package runs from), else against the working directory. A notebook's kernel starts
+    in notebooks/, and its runs/ must be the project's, not notebooks/runs/."""
+    path = Path(path)
+    root = Path(__file__).resolve().parents[1]
+    if path.is_absolute() or not (root / "pyproject.toml").exists():
+        return path
+    return root / path
+
+
 def save_table(table: pd.DataFrame, run_dir: str | Path, name: str) -> Path:
     """Write `table` to run_dir/metrics/name.csv; returns the path."""
     path = Path(run_dir) / "metrics" / f"{name}.csv"

@@ -62,6 +62,8 @@ class OnOffConfig:
     """The self-trained policy's supervised run stops once its greedy accuracy lies in this range."""
     device: str = "auto"
     """'cpu', 'cuda' or 'auto'."""
+    tensorboard: bool = False
+    """Also write each run's metrics to TensorBoard event files (in its folder's tensorboard/)."""
     progress: bool = True
     """Progress bars while training."""
 
@@ -83,7 +85,8 @@ class OnOffConfig:
                            steps=self.steps, prompts_per_step=self.prompts_per_step, group_size=self.group_size,
                            max_new_tokens=self.max_new_tokens, lr=self.lr, mini_batches=self.mini_batches,
                            epochs=self.epochs, old_logprobs=self.old_logprobs, seed=seed, device=self.device,
-                           checkpoint_every=max(1, self.steps // 4), progress=self.progress)
+                           checkpoint_every=max(1, self.steps // 4), tensorboard=self.tensorboard,
+                           progress=self.progress)
 
 
 def starting_policy(cfg: OnOffConfig) -> str:

@@ -81,8 +81,13 @@ class Run:
             from ..generation.vllm_backend import require_vllm
 
             require_vllm()  # before the starting policy is trained: say at once what is missing
-        if cfg.resume and latest_checkpoint(self.out) is None:  # before any work: say it at once
+        # Before any work: say it at once.
+        last = latest_checkpoint(self.out)
+        if cfg.resume and last is None:
             raise FileNotFoundError(f"resume: no checkpoint in {self.out / 'checkpoints'}; run without resume first")
+        if not cfg.resume and last is not None:
+            raise ValueError(f"{self.out} already holds a run (checkpoint {last}); continue it with resume=True "
+                             "(--resume), or give another out_dir (or delete that one)")
         write_config(cfg, self.out / "config.yaml")
         self.log = MetricsLog(cfg.kernel_mode, cfg.seed, self.out, cfg.tensorboard)
         torch.manual_seed(cfg.seed)
