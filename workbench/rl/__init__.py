@@ -13,7 +13,8 @@ from .losses import (
     importance_weights,
     kl_estimate,
 )
-from .tasks import GSM8K, Arithmetic, Problem, extract_answer, normalize_number
+from .answers import extract_answer, lenient_correct, normalize_number
+from .tasks import GSM8K, Arithmetic, Problem
 
 __all__ = [
     "AGGREGATIONS",
@@ -29,5 +30,6 @@ __all__ = [
     "group_advantages",
     "importance_weights",
     "kl_estimate",
+    "lenient_correct",
     "normalize_number",
 ]

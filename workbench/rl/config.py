@@ -25,7 +25,11 @@ class TrainConfig:
     task: str = "arithmetic"
     """'arithmetic' (synthetic, offline) or 'gsm8k' (needs task_source)."""
     task_source: str = ""
-    """GSM8K only: a folder holding train.jsonl and test.jsonl, a JSONL file, or a hub id."""
+    """GSM8K only: a folder holding train/test .jsonl or .parquet, one such file, or a hub id."""
+    question_field: str = "question"
+    """GSM8K only: the data's column holding the question (for your own question/answer files)."""
+    answer_field: str = "answer"
+    """GSM8K only: the data's column holding the answer ('... #### 42', or just the number)."""
     difficulty: int = 1
     """Arithmetic difficulty."""
     loss: str = "grpo"

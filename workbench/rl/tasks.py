@@ -1,5 +1,6 @@
-"""Tasks: prompts, a reference answer, and a reward. GSM8K from a local JSONL (or a hub id where
-there is a network), and a synthetic arithmetic task generated from a seed (the offline default).
+"""Tasks: prompts, a reference answer, and a reward. GSM8K (or any question/answer data) from local JSONL or
+parquet files through Hugging Face `datasets` (or a hub id where there is a network), and a synthetic arithmetic
+task generated from a seed (the offline default).
 
 Every task has the same small interface: `problems(n, start)` (the training stream, deterministic
 in the seed), `eval_problems(n)` (a held-out split), `reward(completion, problem)` (the RL reward)
@@ -11,56 +12,34 @@ from __future__ import annotations
 import json
 import random
 import re
+import tempfile
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-_NUMBER = r"-?\$?\s*-?\d[\d,]*(?:\.\d+)?"
+from .answers import extract_answer, lenient_correct, normalize_number
 
 
 @dataclass(frozen=True)
 class Problem:
     prompt: str
     answer: str
-    """The reference answer, a normalised number (see `normalize_number`)."""
-
-
-def normalize_number(text: str) -> str | None:
-    """'$1,234.50' -> '1234.5', '-7' -> '-7', '42.0' -> '42'; None if it is no number."""
-    cleaned = text.replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
-    try:
-        value = Decimal(cleaned)
-    except InvalidOperation:
-        return None
-    if not value.is_finite():
-        return None
-    out = format(value.normalize(), "f")
-    return "0" if out in ("-0", "0") else out
-
-
-def extract_answer(text: str, mode: str = "lenient") -> str | None:
-    """The final answer of a model's output, normalised, or None.
-
-    strict: only GSM8K's '#### <number>' (the last one). lenient: that, else the last
-    '\\boxed{<number>}', else the last 'answer is <number>', else the last number in the text.
-    """
-    if mode not in ("strict", "lenient"):
-        raise ValueError(f"extraction mode must be 'strict' or 'lenient', got {mode!r}")
-    patterns = [rf"####\s*({_NUMBER})"]
-    if mode == "lenient":
-        patterns += [rf"\\boxed\{{\s*({_NUMBER})\s*\}}", rf"answer is\s*:?\s*({_NUMBER})", rf"({_NUMBER})"]
-    for pattern in patterns:
-        found = re.findall(pattern, text, flags=re.IGNORECASE)
-        if found:
-            return normalize_number(found[-1])
-    return None
+    """The reference answer, a normalised number (see `answers.normalize_number`)."""
 
 
 PROMPT_TEMPLATE = "Question: {question}\nAnswer step by step, then give the final number after '####'.\n"
 
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+"""File suffix -> the `datasets` builder that reads it (any other suffix is read as JSON lines)."""
+
 
 class GSM8K:
-    """GSM8K (MIT licence): problems from `{split}.jsonl` in a local folder (or a file), or a hub id.
+    """GSM8K (MIT licence), or any question/answer data: the `split` of a local folder (`{split}.jsonl`,
+    `.json` or `.parquet`), one such file, or a hub id (`load_dataset(id, "main")`, where there is a network).
+
+    Files are read through Hugging Face `datasets`, in memory (its cache goes to a temporary folder, removed
+    after). `question_field` and `answer_field` name the columns; a missing one is an error naming the file
+    and the fields it has. The reference answer is the number after '####' in the answer field or, where
+    there is no '####', the whole field when it is a number (72, "1,234"); anything else is an error.
 
     The training stream walks the split in an order shuffled by the seed, wrapping around; the
     evaluation split is `test` (read lazily, from the same folder or hub id).
@@ -68,13 +47,23 @@ class GSM8K:
 
     name = "gsm8k"
 
-    def __init__(self, source: str | Path, split: str = "train", seed: int = 0):
+    def __init__(self, source: str | Path, split: str = "train", seed: int = 0, question_field: str = "question",
+                 answer_field: str = "answer"):
         self.source, self.split, self.seed = source, split, seed
-        rows = self._read(source, split)
-        self.items = [Problem(PROMPT_TEMPLATE.format(question=r["question"]), self._reference(r, i))
-                      for i, r in enumerate(rows)]
-        if not self.items:
+        self.question_field, self.answer_field = question_field, answer_field
+        data, where = self._read(source, split)
+        if len(data) == 0:
             raise ValueError(f"GSM8K: the {split} split at {source} has no problems")
+        present = list(data.column_names)
+        for role, field in (("question_field", question_field), ("answer_field", answer_field)):
+            if field not in present:
+                raise ValueError(f"GSM8K: {where} has no field {field!r} ({role}); its fields: "
+                                 f"{', '.join(present) or 'none'}")
+        columns = data.select_columns(list(dict.fromkeys((question_field, answer_field)))).to_dict()
+        questions, answers = columns[question_field], columns[answer_field]
+        self.items = [Problem(PROMPT_TEMPLATE.format(question=self._question(q, i, where, question_field)),
+                              self._reference(a, i, where, answer_field))
+                      for i, (q, a) in enumerate(zip(questions, answers))]
         self._order = list(range(len(self.items)))
         random.Random(seed).shuffle(self._order)
 
@@ -88,47 +77,98 @@ class GSM8K:
         """The first n problems of the test split (from the same folder or hub id)."""
         if Path(self.source).is_file():
             raise ValueError(f"GSM8K: evaluation reads the test split, which needs a folder holding test.jsonl "
-                             f"(or a hub id), not the file {self.source}")
-        return GSM8K(self.source, "test").items[:n]
+                             f"(or test.parquet, or a hub id), not the file {self.source}")
+        return GSM8K(self.source, "test", question_field=self.question_field,
+                     answer_field=self.answer_field).items[:n]
 
     @staticmethod
-    def _read(source, split: str) -> list[dict]:
+    def _read(source, split: str):
+        """(a `datasets.Dataset`, where it came from for messages)."""
         path = Path(source)
         if path.is_dir():
-            path = path / f"{split}.jsonl"
-        if path.exists():
-            rows = []
-            for n, line in enumerate(path.read_text().splitlines(), 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
-            return rows
-        if re.fullmatch(r"[\w.-]+/[\w.-]+", str(source)):
+            found = [path / f"{split}{suffix}" for suffix in _BUILDERS if (path / f"{split}{suffix}").is_file()]
+            if not found:
+                raise ValueError(f"GSM8K: no file {path / split}.jsonl (nor .json, .parquet); pass a folder holding "
+                                 f"{split}.jsonl or the file itself")
+            path = found[0]
+        if path.is_file():
+            return _load_file(path), str(path)
+        if path.suffix.lower() not in _BUILDERS and re.fullmatch(r"[\w.-]+/[\w.-]+", str(source)):
             try:
                 from datasets import load_dataset
 
-                return list(load_dataset(str(source), "main", split=split))
+                return load_dataset(str(source), "main", split=split), f"{source} ({split})"
             except Exception as e:  # no datasets package, offline, unknown id
+                reason = (str(e).strip().splitlines() or [""])[0]
                 raise ValueError(f"GSM8K: {source!r} is no local file or folder, and loading it from the hub "
-                                 f"failed ({type(e).__name__}: {e}); pass the folder holding {split}.jsonl") from None
+                                 f"failed ({type(e).__name__}: {reason}); pass the folder holding {split}.jsonl"
+                                 ) from None
         raise ValueError(f"GSM8K: no file {path}; pass a folder holding {split}.jsonl or the file itself")
 
     @staticmethod
-    def _reference(row: dict, i: int) -> str:
-        if "question" not in row or "answer" not in row:
-            raise ValueError(f"GSM8K row {i} lacks 'question' or 'answer': {sorted(row)}")
-        ref = extract_answer(row["answer"], "strict")
+    def _question(value, i: int, where: str, field: str) -> str:
+        if value is None:
+            raise ValueError(f"GSM8K: {where} row {i} has no {field!r}")
+        return str(value)
+
+    @staticmethod
+    def _reference(value, i: int, where: str, field: str) -> str:
+        if value is None:
+            raise ValueError(f"GSM8K: {where} row {i} has no {field!r}")
+        text = str(value)
+        ref = extract_answer(text, "strict") if "####" in text else normalize_number(text.strip())
         if ref is None:
-            raise ValueError(f"GSM8K row {i}: no '#### <number>' in its answer")
+            raise ValueError(f"GSM8K: {where} row {i}: no '#### <number>' in its {field!r}, nor is it a number: "
+                             f"{text[:80]!r}")
         return ref
 
     def reward(self, completion: str, problem: Problem, mode: str = "lenient") -> float:
+        """The RL reward: the lenient score (`lenient_correct`); mode='strict' gives the strict one."""
+        if mode == "lenient":
+            return float(lenient_correct(completion, problem.answer))
         return float(extract_answer(completion, mode) == problem.answer)
 
     def scores(self, completion: str, problem: Problem) -> dict[str, float]:
+        """strict: the last '#### <number>' equals the answer. lenient: `lenient_correct` (the reward)."""
         return {m: self.reward(completion, problem, m) for m in ("strict", "lenient")}
+
+
+def _load_file(path: Path):
+    """One JSON(L) or parquet file as a `datasets.Dataset`, in memory, offline, without a lasting cache."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError("reading task files needs Hugging Face datasets: pip install datasets") from e
+    builder = _BUILDERS.get(path.suffix.lower(), "json")
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # "Generating train split: 7473 examples" for a local file is noise
+    try:
+        with tempfile.TemporaryDirectory(prefix="workbench-datasets-") as cache:
+            return datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache,
+                                         keep_in_memory=True)
+    except StopIteration:  # what `datasets` raises for an empty JSON file
+        return datasets.Dataset.from_dict({})
+    except Exception as e:  # pyarrow and datasets raise many kinds for a file they cannot read
+        if builder == "json":
+            _first_bad_json_line(path)
+        cause = e.__cause__ or e
+        reason = (str(cause).strip().splitlines() or [""])[0]
+        raise ValueError(f"GSM8K: {path}: `datasets` could not read it as {builder} ({type(cause).__name__}: "
+                         f"{reason})") from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _first_bad_json_line(path: Path) -> None:
+    """Name the first line of a JSON-lines file that is no JSON (datasets says only that parsing failed)."""
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
 
 
 class Arithmetic:
@@ -173,15 +213,18 @@ class Arithmetic:
 TASKS = ("arithmetic", "gsm8k")
 
 
-def make_task(name: str, seed: int = 0, difficulty: int = 1, source: str = ""):
-    """A task by name: 'arithmetic' (needs nothing) or 'gsm8k' (needs `source`)."""
+def make_task(name: str, seed: int = 0, difficulty: int = 1, source: str = "", question_field: str = "question",
+              answer_field: str = "answer"):
+    """A task by name: 'arithmetic' (needs nothing) or 'gsm8k' (needs `source`: a folder holding
+    train.jsonl/test.jsonl or .parquet, one such file, or a hub id; `question_field`/`answer_field` name its
+    columns)."""
     if name == "arithmetic":
         return Arithmetic(seed=seed, difficulty=difficulty)
     if name == "gsm8k":
         if not source:
             raise ValueError("task 'gsm8k' needs a source: a folder holding train.jsonl/test.jsonl, a file, "
                              "or a hub id such as openai/gsm8k")
-        return GSM8K(source, "train", seed=seed)
+        return GSM8K(source, "train", seed=seed, question_field=question_field, answer_field=answer_field)
     raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
 
 

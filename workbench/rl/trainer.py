@@ -91,7 +91,8 @@ class Run:
         write_config(cfg, self.out / "config.yaml")
         self.log = MetricsLog(cfg.kernel_mode, cfg.seed, self.out, cfg.tensorboard)
         torch.manual_seed(cfg.seed)
-        self.task = make_task(cfg.task, seed=cfg.seed, difficulty=cfg.difficulty, source=cfg.task_source)
+        self.task = make_task(cfg.task, seed=cfg.seed, difficulty=cfg.difficulty, source=cfg.task_source,
+                              question_field=cfg.question_field, answer_field=cfg.answer_field)
         start, self.tok = _starting_policy(cfg, self.out, self.device)
         self.weights = TrainWeights(start, cfg.master_dtype, cfg.lr, self.device)
         del start
