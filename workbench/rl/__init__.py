@@ -2,6 +2,7 @@
 config in `config.py`, one step's pieces in rollout / logprobs / update / weights / sync / checkpoint /
 metrics)."""
 
+from .answers import extract_answer, lenient_correct, normalize_number
 from .losses import (
     AGGREGATIONS,
     LOSSES,
@@ -13,7 +14,6 @@ from .losses import (
     importance_weights,
     kl_estimate,
 )
-from .answers import extract_answer, lenient_correct, normalize_number
 from .tasks import GSM8K, Arithmetic, Problem
 
 __all__ = [
