@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import nbformat
+import pandas as pd
 import pytest
 import yaml
 
@@ -65,6 +66,11 @@ def test_smoke_nightly_runs_every_notebook(tmp_path):
     assert f"{len(NOTEBOOKS)} of {len(NOTEBOOKS)} ok" in summary and "parity: pass (4 of 4 checks ran)" in summary
     assert "| invariant |" in summary and "| standard |" in summary, "final rewards per mode"
     assert summary.count("| pass |") == 4
+    assert "Smoke scale" in summary and "not results" in summary, "a smoke run says its figures are no results"
+    std = pd.read_csv(folder / "metrics" / "on_off.csv").query("metric == 'parity_tokens_differing' and "
+                                                               "variant == 'standard'")
+    assert ("ON and OFF are the same run here" in summary) == (std.value.sum() == 0), \
+        "the summary says so exactly when the OFF arm matched the ON arm on every step"
 
 
 def _notebook(folder: Path, name: str, body: str) -> None:
@@ -109,8 +115,6 @@ def test_bad_nightly_inputs(tmp_path):
 def test_the_plots_notebook_redraws_any_run(tmp_path):
     rows = [{"step": s, "metric": "reward_mean", "value": s / 10, "variant": v, "seed": 0}
             for s in (1, 2, 3) for v in ("invariant", "standard")]
-    import pandas as pd
-
     pd.DataFrame(rows).to_csv(tmp_path / "old.csv", index=False)
     folder, status, passed = run_nightly(NightlyConfig(scale="smoke", device="cpu", out_root=str(tmp_path / "r"),
                                                        only=("05",), metrics=str(tmp_path / "old.csv"),

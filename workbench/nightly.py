@@ -205,6 +205,25 @@ def parity_verdict(checks: pd.DataFrame) -> str:
     return "pass" if (checks.result == "pass").any() else "not run"
 
 
+def caveats(folder: Path, scale: str, env: dict) -> list[str]:
+    """What this run's figures cannot show, said where a reader of summary.md sees it first."""
+    out = []
+    if scale == "smoke":
+        out.append("Smoke scale: a tiny model, a few steps, one seed. The figures check that the pipeline runs; "
+                   "they are not results (no trend, no confidence interval).")
+    path = folder / "metrics" / "on_off.csv"
+    if path.exists():
+        t = pd.read_csv(path)
+        std = t[(t.metric == "parity_tokens_differing") & (t.variant == "standard")]
+        if not std.empty and int(std.value.sum()) == 0:
+            where = "this CPU (Triton interpreter)" if env.get("triton_interpreter") else "this machine"
+            out.append(f"The OFF arm (standard) matched the ON arm bit for bit on every step on {where}: its "
+                       "standard kernels did not vary with the batch, so ON and OFF are the same run here and the "
+                       "reward curves can show no ON/OFF effect. The mismatch appears on a GPU (cuBLAS, flash "
+                       "attention).")
+    return out
+
+
 def summary_markdown(folder: Path, status: pd.DataFrame, env: dict, scale: str) -> str:
     ok = (status.status == "ok").all()
     checks = parity_checks(folder)
@@ -215,8 +234,11 @@ def summary_markdown(folder: Path, status: pd.DataFrame, env: dict, scale: str) 
              f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, python {env['python']}",
              f"- notebooks: {int((status.status == 'ok').sum())} of {len(status)} ok"
              f"{'' if ok else ' (FAILED)'}; parity: {parity_verdict(checks)} ({ran} of {len(checks)} checks ran)",
-             "",
-             "| notebook | status | seconds | error |", "|---|---|---|---|"]
+             ""]
+    notes = caveats(folder, scale, env)
+    if notes:
+        lines += [f"> **Note.** {n}" for n in notes] + [""]
+    lines += ["| notebook | status | seconds | error |", "|---|---|---|---|"]
     for r in status.itertuples(index=False):
         lines.append(f"| {r.notebook} | {r.status} | {r.seconds:.1f} | {r.error.replace('|', '/')} |")
     lines += ["", "| parity check | result | detail |", "|---|---|---|"]
