@@ -18,7 +18,8 @@ def test_gpu_grpo_steps_hold_parity_and_resume(tmp_path):
     assert (ratio == 1.0).all(), [repr(v) for v in ratio]
     standard = train(TrainConfig(**{**cfg.__dict__, "out_dir": str(tmp_path / "std"), "kernel_mode": "standard",
                                     "policy": str(tmp_path / "inv" / "policy")}))
-    assert (standard.metric == "parity_max_abs_diff").sum() == 4
+    differing = standard[standard.metric == "parity_tokens_differing"].value
+    assert len(differing) == 4 and differing.sum() > 0, "the standard control must measure a mismatch on the GPU"
 
 
 def test_gpu_ppo_mini_batches_and_the_old_logprobs_source(tmp_path):
