@@ -33,7 +33,11 @@ run_dir = str(project_path(run_dir))  # against the project root, not the kernel
 table = load_table(metrics or run_dir, "on_off")
 
 # %%
-figure = on_off_curves(table, smooth=1 if smoke else 5, title="GRPO on arithmetic: invariant (ON) vs standard (OFF)")
+seeds = table.seed.nunique()
+note = (f"smoke run ({seeds} seed{'s' if seeds > 1 else ''}, {table.step.max()} steps): checks the pipeline, "
+        "not a result" if smoke else f"{seeds} seeds; band: min to max over seeds")
+figure = on_off_curves(table, smooth=1 if smoke else 5, title="GRPO on arithmetic: invariant (ON) vs standard (OFF)",
+                       note=note)
 save_figure(figure, f"{run_dir}/figures", "on_off")
 figure
 

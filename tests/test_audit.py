@@ -81,6 +81,17 @@ def test_plots_are_drawn_from_tables_and_saved(tmp_path):
     assert [ax.get_title() for ax in fig.axes if ax.get_visible()] == ["reward", "entropy (nats)"]
     written = save_figure(fig, tmp_path / "figures", "on_off")
     assert all(p.exists() and p.stat().st_size > 1000 for p in written)
+    ticks = fig.axes[0].get_xticks()
+    assert all(float(t).is_integer() for t in ticks), "steps are whole numbers on the axis"
+    noted = on_off_curves(again, note="smoke run: not a result")
+    assert noted.get_supxlabel() == "smoke run: not a result"
+    audit = pd.DataFrame({"op": ["linear", "linear", "attention"], "mode": "invariant", "rows": [1, 37, 1],
+                          "max_ulp": [0, 0, 0]})
+    heat = audit_heatmap(audit)
+    assert "n/a" in [t.get_text() for t in heat.axes[0].texts] and "not measured" in heat.get_supxlabel()
+    equal = pd.DataFrame({"decode": [-1.0, -2.0], "train": [-1.0, -2.0]})
+    hist = logprob_diff_histogram({"invariant": equal, "standard": equal})
+    assert any("no difference to histogram" in t.get_text() for t in hist.axes[0].texts), "an empty plot says why"
     with pytest.raises(ValueError, match="none of the metrics"):
         on_off_curves(again, metrics=("nope",))
     with pytest.raises(FileNotFoundError, match="no table at"):

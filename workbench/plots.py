@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 # ON = invariant (generator = trainer bitwise), OFF = standard (the usual mismatched kernels).
 COLORS = {"invariant": "#1b7837", "standard": "#c51b7d"}
@@ -32,10 +33,12 @@ def save_figure(fig: Figure, folder: str | Path, name: str) -> list[Path]:
     return paths
 
 
-def on_off_curves(table: pd.DataFrame, metrics=ON_OFF_METRICS, smooth: int = 1, title: str = "") -> Figure:
+def on_off_curves(table: pd.DataFrame, metrics=ON_OFF_METRICS, smooth: int = 1, title: str = "",
+                  note: str = "") -> Figure:
     """One panel per metric: the mean over seeds per variant, with a band from the seeds' min to max.
 
-    `smooth` > 1 applies a trailing moving average over steps (per seed) before the band is taken.
+    `smooth` > 1 applies a trailing moving average over steps (per seed) before the band is taken. `note` is
+    printed under the panels (e.g. that a smoke run's curves are no result).
     """
     wanted, metrics = metrics, [m for m in metrics if m in set(table.metric)]
     if not metrics:
@@ -57,12 +60,15 @@ def on_off_curves(table: pd.DataFrame, metrics=ON_OFF_METRICS, smooth: int = 1, 
                 ax.fill_between(wide.index, wide.min(axis=1), wide.max(axis=1), color=color, alpha=0.2, lw=0)
         ax.set_title(TITLES.get(metric, metric), fontsize=10)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.grid(alpha=0.3)
     for ax in axes[len(metrics):]:
         ax.set_visible(False)
     axes[0].legend(fontsize=8)
     if title:
         fig.suptitle(title, fontsize=11)
+    if note:
+        fig.supxlabel(note, fontsize=8, color="0.35")
     return fig
 
 
@@ -78,8 +84,13 @@ def audit_heatmap(table: pd.DataFrame) -> Figure:
     ax.set_yticks(range(grid.shape[0]), grid.index, fontsize=9)
     for i, j in zip(*np.nonzero(~np.isnan(values))):
         ax.text(j, i, f"{int(values[i, j])}", ha="center", va="center", fontsize=8)
+    for i, j in zip(*np.nonzero(np.isnan(values))):
+        ax.text(j, i, "n/a", ha="center", va="center", fontsize=7, color="0.5")
     fig.colorbar(image, ax=ax, label="max ulp distance to the row alone")
     ax.set_title("batch invariance per op (0 everywhere = bitwise)", fontsize=10)
+    if np.isnan(values).any():
+        fig.supxlabel("n/a: not measured at that batch size (an attention row is a whole sequence, so its batches "
+                      "stop at fewer rows)", fontsize=7, color="0.35")
     return fig
 
 
@@ -97,6 +108,10 @@ def logprob_diff_histogram(tables: dict[str, pd.DataFrame], a: str = "decode", b
             ax.hist(nonzero, bins=40, alpha=0.6, color=COLORS.get(variant), label=label)
         else:
             ax.axvline(0, color=COLORS.get(variant), lw=2, label=label)
+    if all(((t[a] - t[b]) == 0).all() for t in tables.values()):
+        ax.text(0.5, 0.5, "every token's log-prob is exactly equal in every mode:\nno difference to histogram "
+                "(on a CPU the standard kernels match here too)", transform=ax.transAxes, ha="center",
+                va="center", fontsize=8, color="0.35")
     ax.set_xlabel(f"log-prob({a}) - log-prob({b})")
     ax.set_ylabel("tokens")
     ax.legend(fontsize=8)
