@@ -64,6 +64,8 @@ def test_gpu_every_matmul_bucket_gives_the_same_bits():
     forcing each onto the same rows changes no bit. Backward layouts too."""
     from workbench.kernels import matmul as mm
 
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("MATMUL_BUCKETS apply on Hopper (sm90) alone; other GPUs take one config for every M")
     g = torch.Generator().manual_seed(4)
     x = torch.randn(700, 2048, generator=g).cuda().bfloat16()
     w = (torch.randn(4096, 2048, generator=g) / 45).cuda().bfloat16()
@@ -123,3 +125,62 @@ def test_gpu_linear_with_bias_rows_bitwise_invariant():
         assert torch.equal(linear_invariant(x[:m], w, b)[:k], alone[:k]), f"bias linear rows differ at M={m}"
     ref = linear_reference(x, w, b)
     assert ((linear_invariant(x, w, b).double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_gpu_matmul_tiles_follow_m_on_hopper_only():
+    """The bf16 tile config follows M (the buckets) on sm90 alone, where every bucket gives the same bits; any
+    other GPU takes one config for every M. `tile_config` (the environment record) says which rule applies."""
+    from workbench.kernels import matmul as mm
+
+    major, minor = torch.cuda.get_device_capability()
+    cfgs = {mm.matmul_config(m, torch.bfloat16) for m in MS}
+    record = mm.tile_config()
+    assert record["capability"] == f"sm{major}{minor}" and record["tma"] == (major >= 9)
+    if major == 9:
+        assert len(cfgs) == len(mm.MATMUL_BUCKETS) and "bf16_buckets" in record
+    else:
+        assert len(cfgs) == 1 and "bf16_buckets" not in record
+    assert len({mm.matmul_config(m, torch.float32) for m in MS}) == 1
+
+
+def test_gpu_attention_launches_past_65535_sequence_heads():
+    """1,040 sequences x 64 query heads (8 KV heads) = 66,560 (sequence, head) programs, past the 65,535 that a
+    grid's axes 1 and 2 allow: the training forward and backward, a prefill and a decode step against the static
+    cache and a paged prefill all launch, and give the rows of a small batch (and of the training forward) bitwise."""
+    from workbench.kernels import attention, attention_paged, attention_with_cache
+
+    b, t, hq, hkv, d = 1040, 16, 64, 8, 64
+    g = torch.Generator(device="cuda").manual_seed(8)
+    q = torch.randn(b, t, hq, d, generator=g, device="cuda").bfloat16()
+    k, v = (torch.randn(b, t, hkv, d, generator=g, device="cuda").bfloat16() for _ in range(2))
+    up = torch.randn(b, t, hq, d, generator=g, device="cuda").bfloat16()
+    lens = torch.randint(1, t + 1, (b,), generator=g, device="cuda", dtype=torch.int32)
+    lens[[0, 1039]] = t
+    # Sequences >= 1,024 hold the (sequence, head) indices past 65,535.
+    pick = torch.tensor([0, 1, 517, 1023, 1024, 1030, 1039], device="cuda")
+
+    big = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = attention(*big, lens)
+    grads = torch.autograd.grad(out, big, up)
+    small = [x[pick].clone().requires_grad_() for x in (q, k, v)]
+    out_small = attention(*small, lens[pick])
+    grads_small = torch.autograd.grad(out_small, small, up[pick])
+    torch.cuda.synchronize()
+    assert torch.equal(out[pick], out_small), "forward rows differ from the small batch"
+    for name, gb, gs in zip(("dq", "dk", "dv"), grads, grads_small):
+        assert torch.equal(gb[pick], gs), f"{name} rows differ from the small batch"
+    out = out.detach()
+
+    with torch.no_grad():
+        zeros = torch.zeros(b, dtype=torch.int32, device="cuda")
+        assert torch.equal(attention_with_cache(q, k, v, zeros, lens), out), "static-cache prefill"
+        rows = torch.arange(b, device="cuda")
+        last = (lens - 1).long()
+        step = attention_with_cache(q[rows, last][:, None], k, v, lens - 1, lens)
+        assert torch.equal(step[:, 0], out[rows, last]), "static-cache decode step"
+        # Paged: sequence i's keys in page i (16 slots), its real tokens flattened.
+        real = torch.arange(t, device="cuda")[None, :] < lens[:, None]
+        cu_q = torch.cat([zeros[:1], lens.cumsum(0, dtype=torch.int32)])
+        table = rows.to(torch.int32)[:, None]
+        paged = attention_paged(q[real], k, v, table, cu_q, lens, t)
+        assert torch.equal(paged, out[real]), "paged prefill"

@@ -3,6 +3,7 @@ fp64, bitwise batch invariance, bitwise run-to-run determinism."""
 
 from __future__ import annotations
 
+import functools
 import random
 import zlib
 
@@ -113,11 +114,9 @@ def test_the_invariance_check_catches_a_batch_dependent_split_k():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_tma_matmul_kernel_is_accurate_in_every_layout(dtype):
-    """The TMA kernel (a GPU's default for aligned operands) in the three layouts of forward and backward.
-
-    Its bits are checked against the pointer kernel on the GPU (tests/test_gpu.py); the
-    interpreter's dots round differently per memory layout, so here it is checked for accuracy.
-    """
+    """The TMA kernel (a GPU's default for aligned operands) in the three layouts of forward and backward:
+    accurate, and the pointer kernel's bits (the interpreter's dot does not see the tiles' memory layout;
+    tests/test_gpu.py checks the same on the GPU)."""
     from workbench.kernels.matmul import matmul
 
     g = torch.Generator().manual_seed(11)
@@ -129,6 +128,7 @@ def test_tma_matmul_kernel_is_accurate_in_every_layout(dtype):
         out = matmul(a, b, tma=True)
         assert rel_err(out, a.double() @ b.double()) < tol
         assert torch.equal(out, matmul(a, b, tma=True))
+        assert torch.equal(out, matmul(a, b, tma=False))
     with pytest.raises(ValueError, match="tma=True needs"):
         matmul(torch.empty(21, 65, dtype=dtype)[:, :64], w.t(), tma=True)
 
@@ -168,3 +168,179 @@ def test_linear_with_bias_is_accurate_and_batch_invariant(dtype):
 
     want = (matmul(x, w.t(), out_dtype=torch.float32, tma=False) + b.float()).to(dtype)
     assert torch.equal(op.invariant(x, w, b), want)
+
+
+def _interpreter_dot_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b as the interpreter's `dot_step` must compute it, in torch's elementwise fp32 ops: per BLOCK_K
+    block (the K tail zero-filled), fp32 products summed pairwise, (2i, 2i+1) first, then added to acc."""
+    from workbench.kernels.matmul import _INTERPRETER
+
+    bk = _INTERPRETER.block_k
+    pad = -a.shape[1] % bk
+    af = torch.nn.functional.pad(a.float(), (0, pad))
+    bf = torch.nn.functional.pad(b.float().t(), (0, pad))
+    acc = torch.zeros(a.shape[0], b.shape[1])
+    for s in range(0, af.shape[1], bk):
+        p = af[:, None, s : s + bk] * bf[None, :, s : s + bk]
+        while p.shape[2] > 1:
+            p = p[..., 0::2] + p[..., 1::2]
+        acc = acc + p[..., 0]
+    return acc
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_interpreter_dot_is_a_fixed_order_fp32_sum_not_numpys_blas(dtype):
+    """In the interpreter every tile's dot is explicit fp32 products summed in one fixed order: the bits are those
+    of the reference sum above, whatever the tile, the memory layout or the kernel (pointer or TMA)."""
+    from workbench.kernels.matmul import matmul
+
+    g = torch.Generator().manual_seed(16)
+    x = torch.randn(37, 96, generator=g).to(dtype)   # two row tiles, two K blocks (the second padded)
+    w = torch.randn(300, 96, generator=g).to(dtype)  # two column tiles
+    want = _interpreter_dot_reference(x, w.t())
+    assert torch.equal(matmul(x, w.t(), out_dtype=torch.float32), want)
+    assert torch.equal(matmul(x, w.t(), out_dtype=torch.float32, tma=True), want)
+    # The backward's layouts: a transposed operand changes nothing.
+    assert torch.equal(matmul(x.t().contiguous().t(), w.t(), out_dtype=torch.float32), want)
+
+
+@functools.cache
+def _blas_probe() -> tuple[list[str], str]:
+    """Rows of the invariant linear (fp32, bf16) alone and in batches of several sizes, and attention's
+    training forward against decode steps and against the sequence alone (forward and backward): the
+    violations found, and a digest of every result. Run in this process and under other OpenBLAS kernels."""
+    import hashlib
+
+    from workbench.kernels import attention, attention_with_cache
+    from workbench.kernels.matmul import linear_invariant
+
+    bad, digest = [], hashlib.sha256()
+    for dtype in DTYPES:
+        g = torch.Generator().manual_seed(17)
+        x = torch.randn(40, 96, generator=g).to(dtype)
+        w = torch.randn(48, 96, generator=g).to(dtype)
+        rows = [0, 5, 6, 15, 16, 17, 31, 32, 39]
+        alone = {r: linear_invariant(x[r : r + 1], w) for r in rows}
+        for m in (2, 6, 7, 17, 32, 33, 40):
+            out = linear_invariant(x[:m], w)
+            digest.update(out.float().numpy().tobytes())
+            bad += [f"linear {dtype} row {r} of M={m}" for r in rows if r < m and not torch.equal(out[r], alone[r][0])]
+
+        q, k, v = (torch.randn(2, 24, h, 16, generator=g).to(dtype).requires_grad_() for h in (2, 1, 1))
+        up = torch.randn(2, 24, 2, 16, generator=g).to(dtype)
+        train = attention(q, k, v)
+        grads = torch.autograd.grad(train, (q, k, v), up)
+        q1, k1, v1 = (t[1:].detach().requires_grad_() for t in (q, k, v))
+        one = attention(q1, k1, v1)
+        grads1 = torch.autograd.grad(one, (q1, k1, v1), up[1:])
+        if not torch.equal(one[0], train[1]):
+            bad.append(f"attention {dtype}: sequence 1 alone")
+        bad += [f"attention {dtype}: grad {i} of sequence 1 alone" for i in range(3)
+                if not torch.equal(grads1[i][0], grads[i][1])]
+        with torch.no_grad():
+            for p in (0, 5, 15, 16, 23):
+                step = attention_with_cache(q[1:, p : p + 1], k[1:], v[1:], torch.tensor([p]), torch.tensor([p + 1]))
+                if not torch.equal(step[0, 0], train[1, p]):
+                    bad.append(f"attention {dtype}: decode at position {p}")
+        for t in (train, *grads):
+            digest.update(t.detach().float().numpy().tobytes())
+    return bad, digest.hexdigest()
+
+
+def test_rows_are_the_same_bits_alone_and_in_batches_of_any_size():
+    """fp32 and bf16, linear and attention (forward and backward), through rows 16 and up of a tile, where
+    OpenBLAS's Haswell kernel rounds differently (the interpreter's dot does not use it)."""
+    bad, _ = _blas_probe()
+    assert not bad, bad
+
+
+_PROBE = """
+import ctypes, glob, json, os, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+core = None
+for lib in glob.glob(os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs", "*openblas*")):
+    for name in ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename", "openblas_get_corename64_",
+                 "openblas_get_corename"):
+        fn = getattr(ctypes.CDLL(lib), name, None)
+        if fn is not None:
+            fn.restype = ctypes.c_char_p
+            core = fn().decode()
+            break
+# The control: does this BLAS kernel itself round a row by its place in a 32-row tile?
+rng = np.random.default_rng(0)
+a, b = rng.standard_normal((32, 64), dtype=np.float32), rng.standard_normal((64, 256), dtype=np.float32)
+copies = np.matmul(np.repeat(a[:1], 32, 0), b)
+from test_kernels import _blas_probe
+bad, digest = _blas_probe()
+print(json.dumps({"core": core, "blas_rows_differ": bool((copies != copies[0]).any()), "bad": bad, "digest": digest}))
+"""
+
+
+def test_interpreter_bits_do_not_follow_the_openblas_kernel():
+    """The same bits under OpenBLAS's kernels for several CPUs (OPENBLAS_CORETYPE): numpy's matmul rounds
+    differently per kernel (and, with Haswell's, per row position), the interpreter's dot never calls it."""
+    import json
+    import os
+    import platform
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    blas = np.show_config(mode="dicts").get("Build Dependencies", {}).get("blas", {})
+    if "openblas" not in str(blas.get("name", "")).lower() or platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip(f"numpy's BLAS is {blas.get('name')!r} on {platform.machine()}: OPENBLAS_CORETYPE means nothing")
+    _, here = _blas_probe()
+    # Haswell's kernel rounds rows 16 and up of a 32-row tile differently from rows 0-15; Sandybridge's gives
+    # other bits again (so does Prescott's: the same as Sandybridge's on a Xeon here, so left out for time).
+    cores = ("Haswell", "Sandybridge")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    procs = {c: subprocess.Popen([sys.executable, "-c", _PROBE, str(Path(__file__).parent)],
+                                 env={**env, "OPENBLAS_CORETYPE": c}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for c in cores}
+    ran, skipped = {}, []
+    for c, p in procs.items():
+        out, err = p.communicate(timeout=300)
+        if p.returncode < 0:  # killed by a signal: an instruction set this CPU lacks
+            skipped.append(f"{c} (signal {-p.returncode})")
+            continue
+        assert p.returncode == 0, f"OPENBLAS_CORETYPE={c}: {err[-3000:]}"
+        res = json.loads(out.strip().splitlines()[-1])
+        if res["core"] is not None and res["core"].lower() != c.lower():
+            skipped.append(f"{c} (numpy's OpenBLAS ran {res['core']})")
+            continue
+        ran[c] = res
+    if not ran:
+        pytest.skip(f"no OPENBLAS_CORETYPE took effect: {skipped}")
+    for c, res in ran.items():
+        assert not res["bad"], f"OPENBLAS_CORETYPE={c}: {res['bad']}"
+        assert res["digest"] == here, (f"OPENBLAS_CORETYPE={c} gives other bits than this process's BLAS "
+                                       f"(its own matmul rounds rows by position: {res['blas_rows_differ']})")
+
+
+def test_matmul_tiles_follow_m_on_hopper_only(monkeypatch):
+    """The bf16 buckets (tiles by M) on sm90, whose MMA gives every bucket the same bits; one config for every M
+    on any other GPU, so invariance there holds by construction. fp32: one config everywhere."""
+    from workbench.kernels import matmul as mm
+
+    monkeypatch.setattr(mm, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    dev = torch.device("cuda", 0)
+    ms = [1, 2, 17, 32, 33, 128, 129, 512, 513, 4096, 1 << 20]
+    for cap in [(7, 5), (8, 0), (8, 6), (8, 9), (10, 0), (12, 0)]:
+        monkeypatch.setattr(mm, "_capability", lambda index, cap=cap: cap)
+        cfgs = {mm.matmul_config(m, torch.bfloat16, dev) for m in ms}
+        assert len(cfgs) == 1 and not cfgs.pop().persistent, cap
+        assert len({mm.matmul_config(m, torch.float32, dev) for m in ms}) == 1
+        cfg = mm.tile_config(dev)
+        assert cfg["capability"] == f"sm{cap[0]}{cap[1]}" and "one config for every M" in cfg["bf16_rule"]
+        assert "bf16_buckets" not in cfg and cfg["tma"] == (cap[0] >= 9)
+    monkeypatch.setattr(mm, "_capability", lambda index: (9, 0))
+    want = [next(c for top, c in mm.MATMUL_BUCKETS if m <= top) for m in ms]
+    assert [mm.matmul_config(m, torch.bfloat16, dev) for m in ms] == want
+    assert len(set(want)) == len(mm.MATMUL_BUCKETS)
+    assert len({mm.matmul_config(m, torch.float32, dev) for m in ms}) == 1
+    cfg = mm.tile_config(dev)
+    assert cfg["capability"] == "sm90" and cfg["bf16_buckets"] and cfg["tma"] and "buckets" in cfg["bf16_rule"]

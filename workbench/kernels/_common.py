@@ -5,10 +5,13 @@ interpreter is chosen when a `@triton.jit` decorator runs, so
 `TRITON_INTERPRET=1` is set here, before any kernel module of this package is
 imported, and only when the user has not chosen either way.
 
-Two interpreter facts shape the kernels (and the tests):
+Three interpreter facts shape the kernels (and the tests):
 - bf16 arithmetic on loaded values is wrong there (values are raw bit
-  patterns), so every kernel upcasts right after each load, and the matmul
-  upcasts its `tl.dot` operands when interpreting (`DOT_IN_FP32`);
+  patterns), so every kernel upcasts right after each load;
+- `tl.dot` there is numpy's BLAS, whose rounding depends on the CPU kernel it
+  picks and on a row's place in the tile, so when interpreting (`DOT_IN_FP32`)
+  matmul and attention never call it: `matmul.dot_step` multiplies in fp32 and
+  adds in one fixed pairwise tree over k;
 - fp32 -> bf16 casts truncate there instead of rounding to nearest even, so
   bf16 outputs differ from a GPU's by at most one ulp.
 """

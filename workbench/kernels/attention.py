@@ -31,6 +31,15 @@ Numerics contract (mode `invariant`):
   saved base-2 log-sum-exp; dK and dV accumulate over query blocks, and over
   the query heads of a KV head, in a fixed order in registers; dQ in a second
   pass. Deterministic run to run.
+- Every product is the matmul's `dot_step`: `tl.dot` on the GPU; in the
+  interpreter (CPU) fp32 products summed in a fixed order, never numpy's BLAS,
+  whose rounding of a row may follow the row's place in the tile (a decode
+  query sits at row 0, the same query of a training forward at its position
+  mod BLOCK_M).
+- Launch: each kernel's programs, (query or key block, sequence x head) with
+  the block fastest, lie on grid axis 0 alone (2^31 - 1 programs): axes 1 and 2
+  stop at 65,535, which 1,024 sequences of 64 heads would pass. Where a
+  program sits changes which one computes a tile, never how.
 """
 
 from __future__ import annotations
@@ -43,25 +52,18 @@ import triton
 import triton.language as tl
 
 from ._common import check_device, check_float, check_same, interpreting
+from .matmul import dot_step
 from .mode import get_mode
 
 _LOG2E = math.log2(math.e)
 
 
 @triton.jit
-def _mm(a, b, acc, IEEE: tl.constexpr):
-    # IEEE: fp32 operands multiplied in fp32 (never tf32), and the interpreter's upcast bf16.
-    if IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
 def _tile_step(q, k, v, m_i, l_i, acc, offs_n, q_pos, kmask, qk_scale,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_IN_FP32: tl.constexpr, IEEE: tl.constexpr):
     # One KV tile of the online softmax: the only arithmetic of every forward kernel here (training,
     # static cache, paged cache), so a query's bits depend on its row and the tiles, not on the caller.
-    s = _mm(q, k, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), IEEE) * qk_scale
+    s = dot_step(q, k, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_IN_FP32, IEEE) * qk_scale
     s = tl.where((offs_n[None, :] <= q_pos[:, None]) & kmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # A row with no visible key yet keeps m = -inf: shift by 0 there.
@@ -69,7 +71,7 @@ def _tile_step(q, k, v, m_i, l_i, acc, offs_n, q_pos, kmask, qk_scale,
     alpha = tl.exp2(m_i - shift)
     p = tl.exp2(s - shift[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = _mm(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+    acc = dot_step(p.to(v.dtype), v, acc * alpha[:, None], DOT_IN_FP32, IEEE)
     return m_new, l_i, acc
 
 
@@ -79,10 +81,13 @@ def _attn_fwd_kernel(
     sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
     n_q_heads, T_q, S_kv, group, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    IEEE: tl.constexpr, STORE_LSE: tl.constexpr,
+    IEEE: tl.constexpr, DOT_IN_FP32: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    # One program per (query block, sequence x head), numbered with the block fastest on grid axis 0
+    # (axes 1 and 2 stop at 65,535 programs: 1,024 sequences of 64 heads would not launch there).
+    n_m = tl.cdiv(T_q, BLOCK_M)
+    pid_m = tl.program_id(0) % n_m
+    bh = tl.program_id(0) // n_m
     b = (bh // n_q_heads).to(tl.int64)
     h = bh % n_q_heads
     kvh = h // group
@@ -104,7 +109,8 @@ def _attn_fwd_kernel(
         kmask = offs_n < kv_len
         k = tl.load(K + b * skb + offs_n[None, :] * sks + kvh * skh + offs_d[:, None], mask=kmask[None, :], other=0.0)
         v = tl.load(V + b * svb + offs_n[:, None] * svs + kvh * svh + offs_d[None, :], mask=kmask[:, None], other=0.0)
-        m_i, l_i, acc = _tile_step(q, k, v, m_i, l_i, acc, offs_n, q_pos, kmask, qk_scale, BLOCK_M, BLOCK_N, IEEE)
+        m_i, l_i, acc = _tile_step(q, k, v, m_i, l_i, acc, offs_n, q_pos, kmask, qk_scale,
+                                   BLOCK_M, BLOCK_N, DOT_IN_FP32, IEEE)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     # A query at a position >= kv_len is padding: zeros.
     out = tl.where(q_pos[:, None] < kv_len, out, 0.0)
@@ -119,15 +125,16 @@ def _attn_fwd_kernel(
 def _paged_attn_fwd_kernel(
     Q, KP, VP, Out, cu_q_ptr, kv_len_ptr, BT,
     sqt, sqh, skp, sks, skh, svp, svs, svh, sot, soh, sbt,
-    n_q_heads, group, max_kv, qk_scale,
+    n_q_heads, group, max_kv, qk_scale, n_m,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     # Sequence b's new tokens are rows cu_q[b]:cu_q[b+1] of Q, at the last positions of its kv_len keys;
     # key j lives in page BT[b, j // PAGE], slot j % PAGE. Tiles, masks and `_tile_step` are the
-    # training kernel's, so a token gets its training-forward bits whatever the paging.
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    # training kernel's, so a token gets its training-forward bits whatever the paging. Programs as in the
+    # training kernel: n_m = cdiv(max_q, BLOCK_M) query blocks per (sequence, head), the block fastest.
+    pid_m = tl.program_id(0) % n_m
+    bh = tl.program_id(0) // n_m
     b = (bh // n_q_heads).to(tl.int64)
     h = bh % n_q_heads
     kvh = h // group
@@ -154,7 +161,8 @@ def _paged_attn_fwd_kernel(
                         mask=kmask[None, :], other=0.0)
             v = tl.load(VP + (page * svp + slot * svs)[:, None] + kvh * svh + offs_d[None, :],
                         mask=kmask[:, None], other=0.0)
-            m_i, l_i, acc = _tile_step(q, k, v, m_i, l_i, acc, offs_n, q_pos, kmask, qk_scale, BLOCK_M, BLOCK_N, IEEE)
+            m_i, l_i, acc = _tile_step(q, k, v, m_i, l_i, acc, offs_n, q_pos, kmask, qk_scale,
+                                       BLOCK_M, BLOCK_N, DOT_IN_FP32, IEEE)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(Out + rows[:, None] * sot + h * soh + offs_d[None, :], out.to(Out.dtype.element_ty),
                  mask=offs_m[:, None] < t_q)
@@ -180,10 +188,13 @@ def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, len_ptr,
     sqb, sqt, sqh, skb, sks, skh, n_q_heads, n_kv_heads, T, group, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
 ):
     # q, dO share q's strides; k, v, dK, dV share k's (all made contiguous by the launcher).
-    pid_n = tl.program_id(0)
-    bhk = tl.program_id(1)
+    # One program per (key block, sequence x KV head), the block fastest, all on grid axis 0.
+    n_n = tl.cdiv(T, BLOCK_N)
+    pid_n = tl.program_id(0) % n_n
+    bhk = tl.program_id(0) // n_n
     b = (bhk // n_kv_heads).to(tl.int64)
     kvh = bhk % n_kv_heads
     seq_len = tl.minimum(tl.maximum(tl.load(len_ptr + b), 0), T)
@@ -207,13 +218,13 @@ def _attn_bwd_dkdv_kernel(
             do = tl.load(DO + q_off, mask=mmask[:, None], other=0.0)
             lse = tl.load(LSE + row_base + offs_m, mask=mmask, other=0.0)
             delta = tl.load(DELTA + row_base + offs_m, mask=mmask, other=0.0)
-            s_t = _mm(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), IEEE) * qk_scale
+            s_t = dot_step(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), DOT_IN_FP32, IEEE) * qk_scale
             valid = (offs_m[None, :] >= offs_n[:, None]) & mmask[None, :] & nmask[:, None]
             p_t = tl.where(valid, tl.exp2(s_t - lse[None, :]), 0.0)
-            dv = _mm(p_t.to(do.dtype), do, dv, IEEE)
-            dp_t = _mm(v, tl.trans(do), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), IEEE)
+            dv = dot_step(p_t.to(do.dtype), do, dv, DOT_IN_FP32, IEEE)
+            dp_t = dot_step(v, tl.trans(do), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), DOT_IN_FP32, IEEE)
             ds_t = p_t * (dp_t - delta[None, :])
-            dk = _mm(ds_t.to(q.dtype), q, dk, IEEE)
+            dk = dot_step(ds_t.to(q.dtype), q, dk, DOT_IN_FP32, IEEE)
     # Padding rows (past seq_len, up to T) get exact zeros.
     tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=offs_n[:, None] < T)
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < T)
@@ -224,9 +235,12 @@ def _attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, len_ptr,
     sqb, sqt, sqh, skb, sks, skh, n_q_heads, T, group, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    # One program per (query block, sequence x head), the block fastest, all on grid axis 0.
+    n_m = tl.cdiv(T, BLOCK_M)
+    pid_m = tl.program_id(0) % n_m
+    bh = tl.program_id(0) // n_m
     b = (bh // n_q_heads).to(tl.int64)
     h = bh % n_q_heads
     kvh = h // group
@@ -248,12 +262,12 @@ def _attn_bwd_dq_kernel(
         kv_off = b * skb + offs_n[:, None] * sks + kvh * skh + offs_d[None, :]
         k = tl.load(K + kv_off, mask=nmask[:, None], other=0.0)
         v = tl.load(V + kv_off, mask=nmask[:, None], other=0.0)
-        s = _mm(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), IEEE) * qk_scale
+        s = dot_step(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_IN_FP32, IEEE) * qk_scale
         valid = (offs_n[None, :] <= offs_m[:, None]) & nmask[None, :] & mmask[:, None]
         p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
-        dp = _mm(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), IEEE)
+        dp = dot_step(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_IN_FP32, IEEE)
         ds = p * (dp - delta[:, None])
-        dq = _mm(ds.to(k.dtype), k, dq, IEEE)
+        dq = dot_step(ds.to(k.dtype), k, dq, DOT_IN_FP32, IEEE)
     tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=offs_m[:, None] < T)
 
 
@@ -304,14 +318,14 @@ def _forward(q, k, v, q_start, kv_len, store_lse: bool):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((b * hq, t), device=q.device, dtype=torch.float32) if store_lse else out
     if b and t:
-        grid = (triton.cdiv(t, cfg["block_m"]), b * hq)
+        grid = (triton.cdiv(t, cfg["block_m"]) * b * hq,)
         _attn_fwd_kernel[grid](
             q, k, v, out, lse, q_start, kv_len,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
             hq, t, k.shape[1], hq // k.shape[2], _LOG2E / math.sqrt(d),
             BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD_DIM=d,
-            IEEE=interpreting() or q.dtype == torch.float32, STORE_LSE=store_lse,
+            IEEE=q.dtype == torch.float32, DOT_IN_FP32=interpreting(), STORE_LSE=store_lse,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return out, lse
@@ -337,16 +351,16 @@ class AttentionFn(torch.autograd.Function):
         delta = (dout.float() * out.float()).sum(-1).permute(0, 2, 1).reshape(b * hq, t).contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         common = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD_DIM=d,
-                      IEEE=interpreting() or q.dtype == torch.float32,
+                      IEEE=q.dtype == torch.float32, DOT_IN_FP32=interpreting(),
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         qk_scale, sm_scale = _LOG2E / math.sqrt(d), 1.0 / math.sqrt(d)
         if b and t:
-            _attn_bwd_dkdv_kernel[(triton.cdiv(t, cfg["block_n"]), b * hkv)](
+            _attn_bwd_dkdv_kernel[(triton.cdiv(t, cfg["block_n"]) * b * hkv,)](
                 q, k, v, dout, lse, delta, dk, dv, seq_lens,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 hq, hkv, t, hq // hkv, qk_scale, sm_scale, **common,
             )
-            _attn_bwd_dq_kernel[(triton.cdiv(t, cfg["block_m"]), b * hq)](
+            _attn_bwd_dq_kernel[(triton.cdiv(t, cfg["block_m"]) * b * hq,)](
                 q, k, v, dout, lse, delta, dq, seq_lens,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 hq, t, hq // hkv, qk_scale, sm_scale, **common,
@@ -476,14 +490,15 @@ def attention_paged(q, k_pages, v_pages, block_table, cu_q, kv_len, max_q: int):
     d = q.shape[2]
     cfg = attention_config(d)
     if n_seq and max_q > 0:
-        _paged_attn_fwd_kernel[(triton.cdiv(max_q, cfg["block_m"]), n_seq * q.shape[1])](
+        n_m = triton.cdiv(max_q, cfg["block_m"])
+        _paged_attn_fwd_kernel[(n_m * n_seq * q.shape[1],)](
             q, k_pages, v_pages, out, cu_q, kv_len, block_table,
             q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
             v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), out.stride(0), out.stride(1),
             block_table.stride(0), q.shape[1], q.shape[1] // k_pages.shape[2], block_table.shape[1] * page,
-            _LOG2E / math.sqrt(d),
+            _LOG2E / math.sqrt(d), n_m,
             PAGE=page, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD_DIM=d,
-            IEEE=interpreting() or q.dtype == torch.float32,
+            IEEE=q.dtype == torch.float32, DOT_IN_FP32=interpreting(),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return out

@@ -12,10 +12,13 @@ Numerics contract (mode `invariant`):
   bias added in fp32, and the sum cast once: the one rounding cuBLAS's
   bias epilogue and the CPU's addmm give too. The add is elementwise, so
   rows stay independent of the batch.
-- The tile config may change with M (`MATMUL_BUCKETS`, a fixed table), because
-  on the GPU the per-element chain of k-steps does not depend on the tiles:
-  every bucket is checked bitwise against the others (`tests/test_gpu.py`),
-  since a row's result must not depend on its bucket. So a row of x gives the
+- The bf16 tile config may change with M (`MATMUL_BUCKETS`, a fixed table) on
+  Hopper (sm90) alone, because there the per-element chain of k-steps does not
+  depend on the tiles: every bucket is checked bitwise against the others
+  (`tests/test_gpu.py`), since a row's result must not depend on its bucket.
+  The capability is read at run time (once per device): on any other GPU bf16
+  takes one config for every M, and fp32 does everywhere, so no row can meet
+  another tiling (and TMA is used from sm90 on only). So a row of x gives the
   same bits alone, in any batch, at any position, next to any other rows,
   with or without padding rows.
 - Two kernels, one arithmetic: `_matmul_kernel` (pointer loads, any strides) and
@@ -29,9 +32,14 @@ Numerics contract (mode `invariant`):
   of dy over the tokens (torch's fixed-order reduction). Gradients come out in
   the dtype of the tensor they belong to.
 
-In the interpreter (CPU) the dot operands are upcast to fp32 (`DOT_IN_FP32`),
-so bf16 products are exact and the final cast truncates: compare bf16 results
-with a tolerance there, bitwise only with themselves.
+In the interpreter (CPU) a dot is `dot_step`'s own (`DOT_IN_FP32`): operands
+upcast to fp32 (bf16 products exact), each block's products summed in one
+fixed order by elementwise fp32 adds, never numpy's matmul, whose BLAS can
+round a row by its place in the tile (OpenBLAS's Haswell kernel does from row
+16 on). So a row's bits there follow neither the batch nor the CPU's BLAS
+kernel, and the pointer and TMA kernels agree. The final cast truncates:
+compare bf16 results with a GPU's with a tolerance, bitwise only with
+themselves.
 """
 
 from __future__ import annotations
@@ -50,11 +58,28 @@ from .mode import get_mode
 
 
 @triton.jit
-def _dot_step(a, b, acc, DOT_IN_FP32: tl.constexpr, IEEE: tl.constexpr):
-    """acc + a @ b, the one accumulation step both kernels share."""
+def dot_step(a, b, acc, DOT_IN_FP32: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ b: the one accumulation step of the matmul kernels and of attention's products.
+
+    DOT_IN_FP32 is set only in the interpreter (the GPU runs the two `tl.dot` lines alone). There
+    `tl.dot` would be numpy's matmul, whose BLAS may round an output row differently at different
+    row positions of the tile (OpenBLAS's Haswell and Zen kernels do, from row 16 on), so a row's
+    bits would follow its position in the batch, and the CPU. Instead the operands are upcast to
+    fp32 (bf16 arithmetic is wrong there), each product is one fp32 multiply, and the K products of
+    an output element are summed in one fixed order, a balanced binary tree over k (pairs
+    (2i, 2i+1), then pairs of those sums, ...), each level one elementwise fp32 add of two arrays;
+    the block's sum is then added to acc. So its bits depend on the element's own operands alone:
+    not on the BLAS, the CPU, the memory layout, the other rows, or numpy's summation order
+    (`np.sum`, hence `tl.sum`, picks its order by the reduced axis's stride; it is not used).
+    K is a power of two (a tile's arange), at most 2^16.
+    """
     if DOT_IN_FP32:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
+        p = a.to(tl.float32)[:, None, :] * tl.trans(b.to(tl.float32))[None, :, :]  # [M, N, K]
+        for _ in tl.static_range(16):
+            if p.shape[2] > 1:
+                lo, hi = tl.split(tl.reshape(p, p.shape[0], p.shape[1], p.shape[2] // 2, 2))
+                p = lo + hi
+        return acc + tl.reshape(p, p.shape[0], p.shape[1])
     if IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
@@ -103,7 +128,7 @@ def _matmul_kernel(
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = _dot_step(a, b, acc, DOT_IN_FP32, IEEE)
+        acc = dot_step(a, b, acc, DOT_IN_FP32, IEEE)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -143,7 +168,7 @@ def _matmul_tma_kernel(
                 b = tl.trans(b_desc.load([off_n, off_k]))
             else:
                 b = b_desc.load([off_k, off_n])
-            acc = _dot_step(a, b, acc, DOT_IN_FP32, IEEE)
+            acc = dot_step(a, b, acc, DOT_IN_FP32, IEEE)
         c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
 
 
@@ -168,35 +193,73 @@ _INTERPRETER = MatmulConfig(32, 256, 64, group_m=4, num_warps=4, num_stages=1)
 # on an H200. Every candidate config (BLOCK_K 64 or 128, any M/N tiles, warps,
 # stages, persistent or not, TMA or pointer loads) gave the same bits on every
 # row: on Hopper a dot over a K block is a chain of k=16 MMA steps in
-# increasing k, whatever the tiling. That is what lets the tiles follow M;
-# tests/test_gpu.py checks it again for these buckets.
+# increasing k, whatever the tiling. That is what lets the tiles follow M, on
+# Hopper alone (`matmul_config` reads the device's capability; other GPUs take
+# `_BF16_ONE`); tests/test_gpu.py checks it again for these buckets.
 MATMUL_BUCKETS: tuple[tuple[int, MatmulConfig], ...] = (
     (32, MatmulConfig(16, 64, 128, group_m=8, num_warps=4, num_stages=4)),
     (128, MatmulConfig(64, 64, 64, group_m=8, num_warps=4, num_stages=4)),
     (512, MatmulConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)),
     (1 << 62, MatmulConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, persistent=True)),
 )
+# GPU, bf16, any architecture but Hopper: one config for every M, so a row's chain of k-steps cannot
+# depend on M whatever the tensor cores do (the buckets' equality was measured on Hopper only). Not
+# persistent, and small enough in shared memory (3 stages of 64x64 + 64x128 bf16: 72 KiB) for the
+# ~100 KiB of an sm86/sm89/sm120 card. Not tuned.
+_BF16_ONE = MatmulConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=3)
 # GPU, fp32 (IEEE dot, FMA units): one config for every M.
 _FP32 = MatmulConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=2)
 
 
-def matmul_config(m: int, dtype: torch.dtype) -> MatmulConfig:
-    """The tile config for a product with `m` rows (a fixed table; every entry gives the same bits)."""
+@cache
+def _capability(device_index: int) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device, read once per device."""
+    return tuple(torch.cuda.get_device_capability(device_index))
+
+
+def _device_capability(device: torch.device | None) -> tuple[int, int]:
+    index = device.index if device is not None and device.index is not None else None
+    return _capability(torch.cuda.current_device() if index is None else index)
+
+
+def _uses_buckets(capability: tuple[int, int]) -> bool:
+    """Whether the bf16 tile config may follow M: on Hopper (sm90) alone, where it was measured bitwise."""
+    return capability[0] == 9
+
+
+def matmul_config(m: int, dtype: torch.dtype, device: torch.device | None = None) -> MatmulConfig:
+    """The tile config for a product with `m` rows on `device` (a CUDA device; None: the current one).
+
+    A fixed table. bf16 on Hopper: `MATMUL_BUCKETS`, by M (every entry gives the same bits there);
+    on any other GPU: one config for every M. fp32 and the interpreter: one config for every M.
+    """
     if interpreting():
         return _INTERPRETER
     if dtype == torch.float32:
         return _FP32
+    if not _uses_buckets(_device_capability(device)):
+        return _BF16_ONE
     for max_m, cfg in MATMUL_BUCKETS:
         if m <= max_m:
             return cfg
     raise AssertionError("unreachable: the last bucket is unbounded")
 
 
-def tile_config() -> dict:
-    """The tile configs in force here (for the environment record)."""
+def tile_config(device: torch.device | None = None) -> dict:
+    """The tile configs in force here (for the environment record), and which rule picks them."""
     if interpreting():
         return {"interpreter": vars(_INTERPRETER)}
-    return {"bf16_buckets": [(m, vars(c)) for m, c in MATMUL_BUCKETS], "fp32": vars(_FP32)}
+    if not torch.cuda.is_available():
+        return {"no_gpu": "the invariant matmul runs on CUDA or in the interpreter"}
+    major, minor = _device_capability(device)
+    out = {"capability": f"sm{major}{minor}", "fp32": vars(_FP32), "tma": major >= 9}
+    if _uses_buckets((major, minor)):
+        out["bf16_rule"] = "buckets by M (Hopper: the buckets give the same bits, checked by tests/test_gpu.py)"
+        out["bf16_buckets"] = [(m, vars(c)) for m, c in MATMUL_BUCKETS]
+    else:
+        out["bf16_rule"] = "one config for every M (not Hopper: no bucket was measured here)"
+        out["bf16"] = vars(_BF16_ONE)
+    return out
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor | None:
@@ -216,10 +279,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = Non
            tma: bool | None = None) -> torch.Tensor:
     """a[M, K] @ b[K, N] with the invariant kernel; any strides.
 
-    tma=None takes the TMA kernel on a GPU where the operands are aligned, the
-    pointer kernel otherwise. The interpreter runs the pointer kernel: there a
-    dot is numpy's matmul, whose rounding changes with the operands' memory
-    layout (a transposed TMA tile), so only one kernel can be self-consistent.
+    tma=None takes the TMA kernel on a GPU of sm90 or newer where the operands
+    are aligned, the pointer kernel otherwise. The interpreter runs the pointer
+    kernel unless tma=True (both give the same bits there: `dot_step`'s
+    fixed-order sum does not see the tiles' memory layout).
     """
     m, k = a.shape
     k2, n = b.shape
@@ -230,9 +293,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = Non
         return c
     if k == 0:
         return c.zero_()
-    cfg = matmul_config(m, a.dtype)
+    cfg = matmul_config(m, a.dtype, a.device)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     interp = interpreting()
+    # TMA (the bulk tensor copy engine) exists from sm90 on.
+    tma_here = interp or _device_capability(a.device)[0] >= 9
     flags = dict(DOT_IN_FP32=interp, IEEE=(a.dtype == torch.float32 or interp))
     a_k_major = a.stride(1) == 1
     b_k_major = b.stride(0) == 1 and not b.stride(1) == 1
@@ -243,7 +308,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = Non
     aligned = a_desc is not None and b_desc is not None and c_desc is not None
     if tma and not aligned:
         raise ValueError("matmul: tma=True needs 16-byte aligned, row-major operands")
-    if aligned and (tma or (tma is None and not interp)):
+    if tma and not tma_here:
+        raise ValueError("matmul: tma=True needs a GPU of compute capability 9.0 or newer (TMA)")
+    if aligned and tma_here and (tma or (tma is None and not interp)):
         programs = min(tiles, _num_sms(a.device.index or 0)) if cfg.persistent and not interp else tiles
         _matmul_tma_kernel[(programs,)](
             a_desc, b_desc, c_desc, m, n, k, programs,
