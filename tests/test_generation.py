@@ -132,15 +132,17 @@ def test_random_numbers_depend_only_on_seed_request_and_position():
     assert not torch.equal(uniforms(8, torch.tensor([5]), torch.tensor([0]), 1000)[0], u[1])
 
 
+@pytest.mark.slow
 def test_gumbel_sampling_follows_the_softmax():
     from workbench.generation import sample
 
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5, 1.5, -0.5, 0.2]]).repeat(4000, 1)
+    n = 1600  # each draw is an interpreted program: the frequencies' standard error is at most 0.0125
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5, 1.5, -0.5, 0.2]]).repeat(n, 1)
     params = SamplingParams(temperature=0.8, seed=2)
-    tokens, _, _ = sample(logits, params, torch.zeros(4000, dtype=torch.long), torch.arange(4000))
-    freq = torch.bincount(tokens, minlength=8).double() / 4000
+    tokens, _, _ = sample(logits, params, torch.zeros(n, dtype=torch.long), torch.arange(n))
+    freq = torch.bincount(tokens, minlength=8).double() / n
     want = torch.softmax(logits[0].double() / 0.8, -1)
-    assert (freq - want).abs().max() < 0.03
+    assert (freq - want).abs().max() < 0.045, "about 3.6 standard errors"
 
 
 def test_standard_mode_report_measures_the_mismatch(model):

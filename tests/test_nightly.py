@@ -43,6 +43,7 @@ def test_notebooks_are_thin_and_parameterised(path):
         assert not isinstance(node, (ast.FunctionDef, ast.ClassDef)), f"{path.name}: logic belongs in the package"
 
 
+@pytest.mark.slow
 def test_smoke_nightly_runs_every_notebook(tmp_path):
     folder, status, passed = run_nightly(NightlyConfig(scale="smoke", device="cpu", out_root=str(tmp_path),
                                                        progress=False))

@@ -17,6 +17,8 @@ from workbench.generation.parity import parity_triangle
 from workbench.kernels import mode
 from workbench.models import encode_prompt, load_pretrained, load_tokenizer
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def reference(smollm2):

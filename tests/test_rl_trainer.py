@@ -39,6 +39,7 @@ def test_invariant_step_has_exact_parity(policy, tmp_path):
     assert all(value[m] >= 0 for m in layers) and value["weight_delta_l2/embed"] >= 0
 
 
+@pytest.mark.slow
 def test_one_step_lag_keeps_parity_against_the_weights_that_sampled(policy, tmp_path):
     cfg = _cfg(policy, tmp_path / "inv", kernel_mode="invariant", steps=4, policy_lag=1, sync="copy", kl_coef=0.1,
                kl_to="sampler")
@@ -147,13 +148,16 @@ def test_same_seed_same_metrics_and_resume_is_bitwise(policy, tmp_path):
     assert all(torch.equal(a[k], c[k]) for k in a), "resumed weights differ from the uninterrupted run"
 
 
+@pytest.mark.slow
 def test_sync_modes_deliver_the_weights_and_check_them(policy, tmp_path, monkeypatch):
-    for sync in ("copy", "checkpoint"):
-        by = train(_cfg(policy, tmp_path / sync, sync=sync, kernel_mode="invariant")).pivot(
-            index="step", columns="metric", values="value")
-        # The generator holds its own copy: had a sync not delivered the update, the next step's rollouts would
-        # come from the old weights and the parity check (against the trainer's) would fail.
-        assert (by["weight_delta_l2"][:2] > 0).any() and (by["parity_tokens_differing"] == 0).all(), sync
+    # The generator holds its own copy: had a sync not delivered an update, the next step's rollouts would come
+    # from the old weights and the parity check (against the trainer's) would fail.
+    by = train(_cfg(policy, tmp_path / "copy", sync="copy", kernel_mode="invariant")).pivot(
+        index="step", columns="metric", values="value")
+    assert (by["weight_delta_l2"][:2] > 0).any() and (by["parity_tokens_differing"] == 0).all()
+    # Through disk: the starting weights' round trip (save_pretrained, load_pretrained) is checked by checksum.
+    by = train(_cfg(policy, tmp_path / "checkpoint", sync="checkpoint", kernel_mode="invariant", steps=1))
+    assert (by[by.metric == "parity_tokens_differing"].value == 0).all()
     from workbench.rl import sync as sync_module
 
     monkeypatch.setattr(sync_module, "copy_weights", lambda src, model: None)  # a sync that delivers nothing
