@@ -37,7 +37,7 @@ def test_normalize_number():
 
 
 @pytest.mark.skipif(not GSM8K_DIR.exists(), reason="the shared GSM8K copy is not beside this checkout")
-def test_gsm8k_from_the_local_copy():
+def test_gsm8k_from_the_local_copy(monkeypatch, tmp_path):
     task = GSM8K(GSM8K_DIR, "test")
     assert len(task) == 1319
     train = GSM8K(GSM8K_DIR / "train.jsonl")
@@ -52,6 +52,7 @@ def test_gsm8k_from_the_local_copy():
     assert GSM8K(GSM8K_DIR).eval_problems(2) == task.items[:2]
     with pytest.raises(ValueError, match="needs a folder holding test.jsonl"):
         train.eval_problems(2)
+    monkeypatch.setenv("WORKBENCH_GSM8K", str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="needs a source"):
         make_task("gsm8k")
     with pytest.raises(ValueError, match="unknown task"):

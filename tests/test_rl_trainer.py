@@ -105,7 +105,7 @@ def test_a_nan_loss_stops_and_keeps_the_last_good_checkpoint(policy, tmp_path, m
     assert '"step": 1' in state
 
 
-def test_gsm8k_trains_from_a_checkpoint_with_its_tokenizer(tmp_path):
+def test_gsm8k_trains_from_a_checkpoint_with_its_tokenizer(tmp_path, monkeypatch):
     gsm8k = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
     if not gsm8k.exists():
         pytest.skip("the shared GSM8K copy is not beside this checkout")
@@ -128,7 +128,13 @@ def test_gsm8k_trains_from_a_checkpoint_with_its_tokenizer(tmp_path):
     cfg = _cfg(str(tmp_path / "ckpt"), tmp_path / "run", task="gsm8k", task_source=str(gsm8k), steps=1)
     metrics = set(train(cfg).metric)
     assert {"accuracy_strict", "accuracy_lenient", "reward_mean"} <= metrics
-    with pytest.raises(ValueError, match="needs task_source"):
+    from workbench.rl.tasks import default_gsm8k, make_task
+
+    monkeypatch.setenv("WORKBENCH_GSM8K", str(gsm8k))
+    assert default_gsm8k() == gsm8k and len(make_task("gsm8k").items) > 1000, "the offline copy is the default"
+    TrainConfig(task="gsm8k")
+    monkeypatch.setenv("WORKBENCH_GSM8K", str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="needs task_source.*WORKBENCH_GSM8K"):
         TrainConfig(task="gsm8k")
     with pytest.raises(ValueError, match="needs a starting checkpoint"):
         train(_cfg("", tmp_path / "none", task="gsm8k", task_source=str(gsm8k)))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..config import check_at_least_one, check_positive
 from .losses import get_loss
-from .tasks import TASKS
+from .tasks import TASKS, default_gsm8k
 
 
 @dataclass(frozen=True)
@@ -23,9 +23,9 @@ class TrainConfig:
     kernel_mode: str = "invariant"
     """'invariant' (bitwise generator = trainer) or 'standard' (the mismatched control)."""
     task: str = "arithmetic"
-    """'arithmetic' (synthetic, offline) or 'gsm8k' (needs task_source)."""
+    """'arithmetic' (synthetic, offline) or 'gsm8k'."""
     task_source: str = ""
-    """GSM8K only: a folder holding train/test .jsonl or .parquet, one such file, or a hub id."""
+    """GSM8K only: a folder of train/test .jsonl or .parquet, a file, or a hub id; empty: the offline copy."""
     question_field: str = "question"
     """GSM8K only: the data's column holding the question (for your own question/answer files)."""
     answer_field: str = "answer"
@@ -102,9 +102,9 @@ class TrainConfig:
             raise ValueError(f"kernel_mode must be 'invariant' or 'standard', got {self.kernel_mode!r}")
         if self.task not in TASKS:
             raise ValueError(f"unknown task {self.task!r}; choose one of {', '.join(TASKS)}")
-        if self.task == "gsm8k" and not self.task_source:
+        if self.task == "gsm8k" and not self.task_source and default_gsm8k() is None:
             raise ValueError("task 'gsm8k' needs task_source: a folder holding train.jsonl/test.jsonl, "
-                             "a file, or a hub id")
+                             "a file, or a hub id (no offline copy here: set WORKBENCH_GSM8K)")
         if self.group_size < 2:
             raise ValueError(f"group_size must be at least 2 (GRPO compares samples of one prompt), "
                              f"got {self.group_size}")

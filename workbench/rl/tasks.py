@@ -10,6 +10,7 @@ and `scores(completion, problem)` (every way of scoring it, reported side by sid
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import tempfile
@@ -213,6 +214,13 @@ class Arithmetic:
 TASKS = ("arithmetic", "gsm8k")
 
 
+def default_gsm8k() -> Path | None:
+    """The offline GSM8K copy: $WORKBENCH_GSM8K, else `shared/data/gsm8k` beside this checkout, if it exists."""
+    env = os.environ.get("WORKBENCH_GSM8K")
+    folder = Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
+    return folder if (folder / "train.jsonl").exists() else None
+
+
 def make_task(name: str, seed: int = 0, difficulty: int = 1, source: str = "", question_field: str = "question",
               answer_field: str = "answer"):
     """A task by name: 'arithmetic' (needs nothing) or 'gsm8k' (needs `source`: a folder holding
@@ -221,9 +229,10 @@ def make_task(name: str, seed: int = 0, difficulty: int = 1, source: str = "", q
     if name == "arithmetic":
         return Arithmetic(seed=seed, difficulty=difficulty)
     if name == "gsm8k":
+        source = source or str(default_gsm8k() or "")
         if not source:
             raise ValueError("task 'gsm8k' needs a source: a folder holding train.jsonl/test.jsonl, a file, "
-                             "or a hub id such as openai/gsm8k")
+                             "or a hub id such as openai/gsm8k (no offline copy: set WORKBENCH_GSM8K)")
         return GSM8K(source, "train", seed=seed, question_field=question_field, answer_field=answer_field)
     raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
 
