@@ -36,6 +36,7 @@ smoke = True
 device = "auto"
 run_dir = "runs/notebooks"
 policy = ""
+tensorboard = False
 
 # %%
 from workbench.rl.experiment import preset, run_on_off, summarize_on_off
@@ -44,7 +45,8 @@ from workbench.tables import project_path, save_table
 run_dir = str(project_path(run_dir))  # against the project root, not the kernel's folder
 
 # %%
-cfg = preset(smoke, device=device, out_dir=f"{run_dir}/work/on_off", policy=policy, progress=False)
+cfg = preset(smoke, device=device, out_dir=f"{run_dir}/work/on_off", policy=policy, progress=False,
+             tensorboard=tensorboard)
 cfg
 
 # %%

@@ -141,3 +141,16 @@ def test_notebook_run_dirs_resolve_against_the_project_root(tmp_path, monkeypatc
     root = Path(__file__).resolve().parents[1]
     assert project_path("runs/notebooks") == root / "runs" / "notebooks"
     assert project_path(tmp_path / "x") == tmp_path / "x"
+
+
+def test_the_nightly_hands_tensorboard_to_the_rl_notebook(tmp_path):
+    from workbench.nightly import _parameters
+
+    declared = {"smoke": None, "device": None, "run_dir": None, "policy": None, "tensorboard": None}
+    on = _parameters(Path("04_rl_training.py"), declared, NightlyConfig(tensorboard=True), True, tmp_path)
+    off = _parameters(Path("04_rl_training.py"), declared, NightlyConfig(), True, tmp_path)
+    assert on["tensorboard"] is True and "tensorboard" not in off
+    assert "tensorboard = False" in (ROOT / "notebooks" / "04_rl_training.py").read_text()
+    from workbench.rl.experiment import preset
+
+    assert preset(True, tensorboard=True).tensorboard and preset(True).run_config("invariant", 0).tensorboard is False

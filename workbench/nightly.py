@@ -47,6 +47,8 @@ class NightlyConfig:
     """A real policy for notebooks 03 and 04 (registry name, folder, .gguf or hub id); empty: random/self-trained."""
     metrics: str = ""
     """A metrics table (or a run folder) for the plots notebook to draw instead of this run's."""
+    tensorboard: bool = False
+    """Also write the RL notebook's runs to TensorBoard (in the run folder's work/on_off/<run>/tensorboard)."""
     cell_timeout: int = 3600
     """Seconds a single cell may run before it counts as failed."""
     progress: bool = True
@@ -90,6 +92,8 @@ def _parameters(path: Path, declared: dict, cfg: NightlyConfig, smoke: bool, run
         offered["policy"] = cfg.policy
     if cfg.metrics:
         offered["metrics"] = str(Path(cfg.metrics).resolve())
+    if cfg.tensorboard:
+        offered["tensorboard"] = True
     missing = {"smoke", "device", "run_dir"} - set(declared)
     if missing:
         raise ValueError(f"{path.name}: its parameters cell lacks {sorted(missing)}")

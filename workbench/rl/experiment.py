@@ -194,7 +194,7 @@ SMOKE = {"policy_size": "tiny", "policy_steps": 100, "steps": 2, "seeds": (0,), 
 
 
 def preset(smoke: bool, device: str = "auto", out_dir: str = "runs/on-off", policy: str = "",
-           progress: bool = True) -> OnOffConfig:
+           progress: bool = True, tensorboard: bool = False) -> OnOffConfig:
     """The notebooks' and the nightly run's ON/OFF config: SMOKE (CPU, seconds) or FULL (a GPU)."""
-    return OnOffConfig(out_dir=out_dir, policy=policy, device=device, progress=progress,
+    return OnOffConfig(out_dir=out_dir, policy=policy, device=device, progress=progress, tensorboard=tensorboard,
                        **(SMOKE if smoke else FULL))
