@@ -43,7 +43,10 @@ def make_weights(shape: str) -> TrainWeights:
     start = build(shape, device="meta", dtype=torch.float32, seed=None).to_empty(device="cuda")
     with torch.no_grad():  # random weights drawn on the GPU (the CPU draw of `build` takes minutes at this size)
         for name, p in start.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
     return TrainWeights(start, "float32", 1e-6, "cuda")
 
 

@@ -21,7 +21,10 @@ def model():
     g = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
         for name, p in m.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02, generator=g)
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
     return m
 
 
