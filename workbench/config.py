@@ -142,17 +142,20 @@ def read_config_file(path: str | Path, cls: type) -> dict:
 
 def parse_overrides(items: list[str], cls: type) -> dict:
     """['lr=1e-5', 'seeds=[0, 1, 2]', ...] -> typed values (each value read as YAML: numbers, booleans, lists)."""
+    hints = typing.get_type_hints(cls)
     values = {}
     for item in items:
         key, sep, text = item.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise ValueError(f"override {item!r} must be key=value")
+        if hints.get(key) is str:  # a name or a path, kept as typed even where it reads as a number
+            values[key] = text
+            continue
         try:
-            values[key.strip()] = yaml.safe_load(text) if text.strip() else ""
+            values[key] = yaml.safe_load(text) if text.strip() else ""
         except yaml.YAMLError:
-            values[key.strip()] = text
-        if isinstance(values[key.strip()], (int, float, bool)) and typing.get_type_hints(cls).get(key.strip()) is str:
-            values[key.strip()] = text  # a name or a path that happens to read as a number
+            values[key] = text
     return check_values("override", values, cls)
 
 

@@ -187,26 +187,26 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     # Advantages (with the KL of the sampling policy subtracted from the reward, when asked).
     shaped = rewards
     if kl_target is not None and cfg.kl_in_reward:
-        shaped = rewards - cfg.kl_coef * (kl_estimate(recomputed, kl_target, cfg.kl_estimator) * mask).sum(1)
+        kl = kl_estimate(recomputed, kl_target, cfg.kl_estimator) * mask
+        shaped = rewards - cfg.kl_coef * kl.sum(1)
+        later["kl"] = float(kl.sum() / mask.sum())
     advantages = group_advantages(shaped, cfg.group_size, scale=spec.scale_advantages)
 
     # Update.
     old = recomputed if cfg.old_logprobs == "recompute" else batch.behavior
-    weights = None
+    is_weights = None  # the off-policy correction's, not the model's
     if cfg.correction != "none":
         kind, level = cfg.correction.split("-")
-        weights = importance_weights(old, batch.behavior, mask, level, "truncate" if kind == "tis" else "mask",
-                                     cfg.correction_cap)
-        later["is_weight_mean"] = float((weights * mask).sum() / mask.sum())
-    inputs = UpdateInputs(advantages, old, weights, None if cfg.kl_in_reward else kl_target)
+        is_weights = importance_weights(old, batch.behavior, mask, level, "truncate" if kind == "tis" else "mask",
+                                        cfg.correction_cap)
+        later["is_weight_mean"] = float((is_weights * mask).sum() / mask.sum())
+    inputs = UpdateInputs(advantages, old, is_weights, None if cfg.kl_in_reward else kl_target)
 
     def bad_loss(loss):
         raise FloatingPointError(f"step {step}: the loss is {loss.item()}; {last_good(run.out)}. "
                                  "Lower the learning rate or check the rewards.")
 
     stats = update(cfg, spec, run.weights, batch, inputs, step, bad_loss)
-    if kl_target is not None and cfg.kl_in_reward:
-        later["kl"] = float((kl_estimate(recomputed, kl_target, cfg.kl_estimator) * mask).sum() / mask.sum())
     t_train = time.perf_counter()
 
     # Sync: the generator gets the weights it samples the next step with.
