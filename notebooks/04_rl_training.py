@@ -11,47 +11,59 @@
 # %% [markdown]
 # # 04 · RL training, ON and OFF
 #
-# The experiment the workbench exists for: the same GRPO runs on the synthetic arithmetic task,
-# once with generator = trainer bitwise (`invariant`, ON) and once with the usual mismatched
-# kernels (`standard`, OFF), over seeds. A small starting policy is trained first when none is
-# given. Every step checks parity; in invariant mode a single differing token stops the run.
+# The experiment the workbench exists for: the same RL runs with generator = trainer bitwise (arm `on`)
+# and with the usual mismatch (`off` and its variants), over seeds, from one starting policy. Every step
+# measures the mismatch; in `on` a single differing token stops the run.
 #
-# Where the PPO ratio's "old" log-probs come from matters for what OFF means (`old_logprobs`):
-# - `recompute` (the default, as verl and OpenRLHF do): the trainer's own forward on the weights that
-#   sampled, before the first update. The ratio of the first mini-batch is exactly 1 in both modes; the
-#   kernel mismatch stays out of the ratio and shows only as the sampler-trainer gap, which the
-#   off-policy corrections (`correction`: TIS or masking) weigh.
-# - `sampler` (as TorchTitan's `simple_rl.py` and most vLLM-based trainers use them): the generator's
-#   log-probs. In `invariant` mode they are the same bits as `recompute`; in `standard` mode the mismatch
-#   enters the ratio itself, and with it the clipping, from the first mini-batch on.
-# With `mini_batches` > 1 (or `epochs` > 1) the ratio leaves 1 from the second mini-batch on and the clip
-# fractions measure how far each update moved the policy.
+# The arms differ only in where the PPO ratio's "old" log-probs come from and what the update does with
+# them (`workbench.onoff.arms`):
+# - `off` (as TorchTitan's `simple_rl.py` and most vLLM-based trainers): old = the generator's log-probs,
+#   so the kernel mismatch enters the ratio itself, and with it the clipping, from the first mini-batch on;
+# - `off-recompute` (as verl and OpenRLHF): old = the trainer's own forward on the weights that sampled;
+#   the mismatch stays out of the ratio and shows only in which tokens were sampled;
+# - `off-tis`, `off-mis`: recomputed, plus truncated / masked importance weights pi_old / mu (cap 2);
+# - `noise=S`: bitwise kernels, the sampler's logits perturbed by S x N(0, 1): a mismatch of chosen size,
+#   measured like the kernels' (the dose-response).
+# In `on` the sampler's and the trainer's log-probs are the same bits, so all of these coincide.
 #
-# `smoke`: the tiny policy, two steps per mode (seconds on a CPU). Otherwise: the small policy,
-# 100 steps x 3 seeds per mode (minutes on a GPU). The metrics table goes to
-# `run_dir/metrics/on_off.csv`; notebook 05 plots it.
+# Presets (`workbench.onoff.config`): `blog` (the vLLM + TorchTitan blog post's recipe, item for item, on
+# SmolLM2-135M-Instruct), `blog-dose` (its dose-response), `realistic` (GRPO on chat arithmetic, 192
+# tokens), `long` (500 steps), `digits` (the self-trained digit policy); `presets` names those to run.
+# `smoke` shrinks each to seconds on a CPU (the tiny self-trained policy on its arithmetic, the first two
+# arms, two steps): the pipeline runs, the numbers mean nothing. Each preset's full report (figures too):
+# `python -m workbench on-off --preset ...`, or `workbench.onoff.publish.report(out_dir)`. The long
+# metrics table of every preset goes to `run_dir/metrics/on_off.csv` (a `preset` column tells them
+# apart); notebook 05 plots it.
 
 # %% tags=["parameters"]
 smoke = True
 device = "auto"
 run_dir = "runs/notebooks"
+presets = "blog,blog-dose,realistic"
 policy = ""
 tensorboard = False
 
 # %%
-from workbench.rl.experiment import preset, run_on_off, summarize_on_off
+import pandas as pd
+
+from workbench.onoff.config import preset
+from workbench.onoff.runner import run_on_off
+from workbench.onoff.stats import summarize, verdict
 from workbench.tables import project_path, save_table
 
 run_dir = str(project_path(run_dir))  # against the project root, not the kernel's folder
 
 # %%
-cfg = preset(smoke, device=device, out_dir=f"{run_dir}/work/on_off", policy=policy, progress=False,
-             tensorboard=tensorboard)
-cfg
+configs = {name: preset(name, smoke=smoke, device=device, out_dir=f"{run_dir}/work/on_off/{name}", progress=False,
+                        tensorboard=tensorboard, **({"policy": policy} if policy else {}))
+           for name in presets.split(",")}
+configs
 
 # %%
-metrics = run_on_off(cfg)
+tables = [run_on_off(cfg).assign(preset=name) for name, cfg in configs.items()]
+metrics = pd.concat(tables, ignore_index=True)
 save_table(metrics, run_dir, "on_off")
 
 # %%
-summarize_on_off(metrics)
+for name, table in zip(configs, tables):
+    print(f"{name}:", verdict(summarize(table, window=1 if smoke else 10)), "\n")

@@ -2,8 +2,8 @@
 # One call on the GPU machine: the `gpu` tests, then the benchmarks, then short tables.
 # Usage (repo root, on a CUDA host with torch + triton + pytest):  bash scripts/gpu_check.sh
 # A tree copied without .git can name its commit: WORKBENCH_GIT_SHA=<sha> bash scripts/gpu_check.sh
-# BENCHES="generate" runs only bench/bench_generate.py, BENCHES="" none, BENCHES="rl" the ON/OFF GRPO
-# experiment, BENCHES="vllm" the vLLM backends (default when unset: kernels model generate).
+# BENCHES="generate" runs only bench/bench_generate.py, BENCHES="" none, BENCHES="vllm" the vLLM backends
+# (default when unset: kernels model generate). The ON/OFF experiment: python -m workbench on-off --preset ...
 # TESTS="tests/test_gpu_vllm.py" runs only those `gpu` tests, TESTS="" none (default: all of tests/).
 # vLLM tests and benchmarks run where `import vllm` works (e.g. PYTHONPATH=/path/to/unpacked/vllm).
 # tests/test_gpu_real_model.py needs SmolLM2 in the model cache: fetched where the package index is reachable,

@@ -11,7 +11,8 @@ from workbench.audit import audit_summary, divergence_sweep, first_divergence, k
 from workbench.generation import SamplingParams, as_parity_table, format_report, parity_triangle, random_prompts
 from workbench.kernels import mode
 from workbench.models import build
-from workbench.plots import audit_heatmap, logprob_diff_histogram, on_off_curves, save_figure
+from workbench.onoff.figures import reward_curves
+from workbench.plots import audit_heatmap, logprob_diff_histogram, save_figure
 from workbench.tables import load_table, save_table
 
 
@@ -71,20 +72,20 @@ def test_parity_triangle_is_bitwise_in_invariant_mode(model):
 
 def test_plots_are_drawn_from_tables_and_saved(tmp_path):
     rows = [{"step": s, "metric": m, "value": float(s * (seed + 1)), "variant": v, "seed": seed}
-            for s in range(1, 6) for m in ("reward_mean", "entropy") for v in ("invariant", "standard")
+            for s in range(1, 6) for m in ("reward_mean", "entropy") for v in ("on", "off")
             for seed in (0, 1)]
     table = pd.DataFrame(rows)
     path = save_table(table, tmp_path, "on_off")
     assert path == tmp_path / "metrics" / "on_off.csv"
     again = load_table(tmp_path)
-    fig = on_off_curves(again, smooth=2)
+    fig = reward_curves(again, ("reward_mean", "entropy"), smooth=2)
     assert [ax.get_title() for ax in fig.axes if ax.get_visible()] == ["reward", "entropy (nats)"]
     written = save_figure(fig, tmp_path / "figures", "on_off")
     assert all(p.exists() and p.stat().st_size > 1000 for p in written)
     ticks = fig.axes[0].get_xticks()
     assert all(float(t).is_integer() for t in ticks), "steps are whole numbers on the axis"
-    noted = on_off_curves(again, note="smoke run: not a result")
-    assert noted.get_supxlabel() == "smoke run: not a result"
+    noted = reward_curves(again, note="smoke run: not a result")
+    assert "smoke run: not a result" in noted.get_supxlabel()
     audit = pd.DataFrame({"op": ["linear", "linear", "attention"], "mode": "invariant", "rows": [1, 37, 1],
                           "max_ulp": [0, 0, 0]})
     heat = audit_heatmap(audit)
@@ -93,6 +94,6 @@ def test_plots_are_drawn_from_tables_and_saved(tmp_path):
     hist = logprob_diff_histogram({"invariant": equal, "standard": equal})
     assert any("no difference to histogram" in t.get_text() for t in hist.axes[0].texts), "an empty plot says why"
     with pytest.raises(ValueError, match="none of the metrics"):
-        on_off_curves(again, metrics=("nope",))
+        reward_curves(again, metrics=("nope",))
     with pytest.raises(FileNotFoundError, match="no table at"):
         load_table(tmp_path / "elsewhere")

@@ -12,7 +12,7 @@ from workbench.__main__ import COMMANDS, main
 from workbench.config import parse_overrides, read_config_file, write_config
 from workbench.nightly import NightlyConfig
 from workbench.rl.config import TrainConfig
-from workbench.rl.experiment import OnOffConfig
+from workbench.onoff.config import OnOffConfig
 
 
 def _capture(monkeypatch, command):
@@ -36,10 +36,29 @@ def test_file_then_command_line_then_overrides(tmp_path, monkeypatch):
 
 def test_toml_and_tuples_for_the_experiment(tmp_path, monkeypatch):
     f = tmp_path / "on_off.toml"
-    f.write_text('seeds = [0, 1, 2]\nmodes = ["invariant", "standard"]\nsteps = 5\n')
+    f.write_text('seeds = [0, 1, 2]\narms = ["on", "off-tis"]\nsteps = 5\n')
     got = _capture(monkeypatch, "on-off")
     assert main(["on-off", "--config", str(f), "mini_batches=2"]) == 0
     assert got["cfg"].seeds == (0, 1, 2) and got["cfg"].steps == 5 and got["cfg"].mini_batches == 2
+    assert got["cfg"].arms == ("on", "off-tis")
+
+
+def test_a_preset_is_the_base_that_files_options_and_overrides_change(tmp_path, monkeypatch):
+    from workbench.onoff.config import PRESETS
+
+    got = _capture(monkeypatch, "on-off")
+    assert main(["on-off", "--preset", "blog", "--steps", "7", "seeds=[1]"]) == 0
+    cfg = got["cfg"]
+    assert (cfg.loss, cfg.task, cfg.lr, cfg.master_dtype, cfg.max_grad_norm) == ("blog", "facts", 1e-5, "bfloat16", 1.0)
+    assert cfg.arms == PRESETS["blog"]["arms"] and (cfg.steps, cfg.seeds) == (7, (1,))
+    f = tmp_path / "dose.yaml"
+    f.write_text("preset: blog-dose\nsmoke: true\n")
+    got.clear()
+    assert main(["on-off", "--config", str(f)]) == 0
+    cfg = got["cfg"]
+    assert cfg.arms == ("on", "noise=0.01") and cfg.policy == "" and cfg.steps == 2, "smoke shrinks it"
+    with pytest.raises(SystemExit):
+        main(["on-off", "--preset", "huge"])
 
 
 @pytest.mark.parametrize("text, name, match", [

@@ -201,3 +201,26 @@ def test_fused_gumbel_draw_is_the_pytorch_formula_and_row_invariant():
         if k is not None:
             assert k[torch.arange(48), got].all(), "only kept entries are drawn"
     assert not torch.equal(gumbel_argmax(logits, 1.0, 6, req, pos), gumbel_argmax(logits, 1.0, 5, req, pos))
+
+
+def test_logit_noise_perturbs_the_sampled_distribution_row_by_row():
+    """The dose-response knob on CPU (the PyTorch path): the draw and both log-probs are those of
+    logits + sigma x z with z hashed from (seed, request, position, v); a row's result is the same alone."""
+    from workbench.generation import sample
+    from workbench.generation.sampling import _NOISE_SALT
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    logits = torch.randn(5, 300, generator=g) * 2
+    req, pos = torch.tensor([3, 1, 4, 1, 5]), torch.tensor([0, 2, 7, 1, 8])
+    params = SamplingParams(temperature=1.0, seed=11, logit_noise=0.5)
+    tokens, raw, smp = sample(logits, params, req, pos)
+    z = torch.special.ndtri(uniforms(11, req, pos, 300, _NOISE_SALT))
+    assert abs(float(z.mean())) < 0.05 and abs(float(z.std()) - 1) < 0.05, "z ~ N(0, 1)"
+    want = torch.log_softmax(logits + 0.5 * z, -1).gather(1, tokens[:, None])[:, 0]
+    assert torch.allclose(raw, want, atol=1e-5) and torch.equal(raw, smp)
+    alone = sample(logits[2:3], params, req[2:3], pos[2:3])
+    assert torch.equal(alone[0], tokens[2:3]) and torch.equal(alone[1], raw[2:3])
+    clean = sample(logits, SamplingParams(temperature=1.0, seed=11), req, pos)[1]
+    assert not torch.equal(clean, raw)
+    with pytest.raises(ValueError, match="logit_noise"):
+        SamplingParams(logit_noise=-0.1)

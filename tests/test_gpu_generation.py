@@ -77,3 +77,21 @@ def test_gpu_fused_gumbel_draw_agrees_with_the_pytorch_formula_and_is_row_invari
     alone = torch.stack([gumbel_argmax(logits[i : i + 1], 0.8, 9, req[i : i + 1], pos[i : i + 1])[0]
                          for i in range(0, 256, 37)])
     assert torch.equal(alone, got[::37])
+
+
+def test_gpu_logit_noise_is_batch_invariant_and_moves_the_sampler_off_the_trainer():
+    """The dose-response knob: a row's perturbed draw is the same alone or in a crowd and with or without CUDA
+    graphs (it is hashed, not drawn from a stream), and the sampler's log-probs leave the trainer's by an amount
+    that grows with sigma, while sigma = 0 keeps them bitwise."""
+    model = build("tiny", device="cuda", seed=8)
+    prompts = _prompts(24, model.config.vocab_size, seed=9)
+    kl = {}
+    for sigma in (0.0, 0.1, 1.0):
+        params = dataclasses.replace(PARAMS, top_p=1.0, logit_noise=sigma)
+        out = generate(model, prompts, params)
+        alone = generate(model, prompts[5:6], params, request_ids=[5], cuda_graphs=False).completions[0]
+        assert alone.tokens == out.completions[5].tokens and torch.equal(alone.logprobs, out.completions[5].logprobs)
+        s = _summary(model, prompts, out)
+        kl[sigma] = s["mean_abs_diff"]
+        assert (s["tokens_differing"] == 0) == (sigma == 0), s
+    assert kl[0.0] == 0 < kl[0.1] < kl[1.0]

@@ -39,3 +39,18 @@ def test_gpu_ppo_mini_batches_and_the_old_logprobs_source(tmp_path):
     # decode-vs-training kernel mismatch enters the ratio.
     assert ((ratio["recompute"] - 1).abs() < 1e-3).all(), list(ratio["recompute"])
     assert (ratio["sampler"] != 1.0).any(), "sampler: the kernel mismatch enters the ratio"
+
+
+def test_gpu_blog_recipe_is_exactly_on_policy_only_when_on(tmp_path):
+    """The blog preset's loss on bf16 weights with the sampler's old log-probs: `on` has ratio exactly 1 and its
+    KL term exactly 0 at every step; `off` carries the kernels' mismatch into that ratio."""
+    from workbench.onoff.config import preset
+    from workbench.onoff.runner import run_on_off
+
+    cfg = preset("blog", smoke=True, out_dir=str(tmp_path), device="cuda", arms=("on", "off"), steps=3,
+                 progress=False)
+    by = run_on_off(cfg).pivot_table(index=["variant", "step"], columns="metric", values="value")
+    on, off = by.loc["on"], by.loc["off"]
+    assert (on.parity_tokens_differing == 0).all() and (on.ratio_mean == 1.0).all() and (on.seq_kl == 0).all()
+    assert (on.is_ess == 1.0).all()
+    assert off.parity_tokens_differing.sum() > 0 and (off.ratio_mean != 1.0).any()

@@ -61,17 +61,19 @@ def test_smoke_nightly_runs_every_notebook(tmp_path):
     assert {"git_sha", "python", "torch", "triton", "cuda", "gpu", "kernel_configs"} <= set(env)
     for table in ("batch_variance", "kernel_audit", "divergence", "parity_triangle_pairs", "on_off"):
         assert (folder / "metrics" / f"{table}.csv").exists(), table
-    for figure in ("kernel_audit", "logprob_differences", "on_off"):
+    for figure in ("kernel_audit", "logprob_differences", "on_off_blog", "mismatch_realistic", "dose_response_blog-dose"):
         assert (folder / "figures" / f"{figure}.svg").exists() and (folder / "figures" / f"{figure}.png").exists()
     summary = (folder / "summary.md").read_text()
     assert f"{len(NOTEBOOKS)} of {len(NOTEBOOKS)} ok" in summary and "parity: pass (4 of 4 checks ran)" in summary
-    assert "| invariant |" in summary and "| standard |" in summary, "final rewards per mode"
+    assert "| blog | on |" in summary and "| blog-dose | noise=0.01 |" in summary and "| realistic | off |" in summary
     assert summary.count("| pass |") == 4
     assert "Smoke scale" in summary and "not results" in summary, "a smoke run says its figures are no results"
-    std = pd.read_csv(folder / "metrics" / "on_off.csv").query("metric == 'parity_tokens_differing' and "
-                                                               "variant == 'standard'")
+    table = pd.read_csv(folder / "metrics" / "on_off.csv")
+    std = table.query("metric == 'parity_tokens_differing' and variant == 'off'")
     assert ("ON and OFF are the same run here" in summary) == (std.value.sum() == 0), \
         "the summary says so exactly when the OFF arm matched the ON arm on every step"
+    kl = table.query("metric == 'sampler_trainer_kl' and preset == 'blog-dose'").groupby("variant").value.mean()
+    assert kl["on"] == 0 < kl["noise=0.01"], "the dose-response knob makes a mismatch, `on` has none"
 
 
 def _notebook(folder: Path, name: str, body: str) -> None:
@@ -120,7 +122,7 @@ def test_the_plots_notebook_redraws_any_run(tmp_path):
     folder, status, passed = run_nightly(NightlyConfig(scale="smoke", device="cpu", out_root=str(tmp_path / "r"),
                                                        only=("05",), metrics=str(tmp_path / "old.csv"),
                                                        progress=False))
-    assert passed and (folder / "figures" / "on_off.png").exists()
+    assert passed and (folder / "figures" / "on_off.png").exists() and not (folder / "figures" / "mismatch.png").exists()
     assert yaml.safe_load((folder / "params" / "05_on_off_plots.yaml").read_text())["metrics"].endswith("old.csv")
 
 
@@ -151,6 +153,7 @@ def test_the_nightly_hands_tensorboard_to_the_rl_notebook(tmp_path):
     off = _parameters(Path("04_rl_training.py"), declared, NightlyConfig(), True, tmp_path)
     assert on["tensorboard"] is True and "tensorboard" not in off
     assert "tensorboard = False" in (ROOT / "notebooks" / "04_rl_training.py").read_text()
-    from workbench.rl.experiment import preset
+    from workbench.onoff.config import preset
 
-    assert preset(True, tensorboard=True).tensorboard and preset(True).run_config("invariant", 0).tensorboard is False
+    assert preset("blog", smoke=True, tensorboard=True).tensorboard
+    assert preset("blog", smoke=True).run_config("on", 0).tensorboard is False

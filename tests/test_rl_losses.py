@@ -7,6 +7,7 @@ import torch
 
 from workbench.rl.losses import (
     LossConfig,
+    Totals,
     aggregate,
     get_loss,
     group_advantages,
@@ -24,7 +25,14 @@ def test_group_advantages():
     a = group_advantages(r, 4)
     s = 0.5 / math.sqrt(1 / 3)  # sample std of (1, 0, 0, 1) is sqrt(1/3)
     assert torch.allclose(a, torch.tensor([s, -s, -s, s, 0, 0, 0, 0]), atol=1e-5)
-    assert torch.equal(group_advantages(r, 4, scale=False), torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]))
+    assert torch.equal(group_advantages(r, 4, scale="none"), torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]))
+    # 'batch' (the blog's): normalise the batch, then centre each group = (r - group mean) / batch std.
+    batch = group_advantages(r, 4, scale="batch")
+    normed = (r - r.mean()) / r.std()
+    assert torch.allclose(batch, (normed.view(2, 4) - normed.view(2, 4).mean(1, keepdim=True)).flatten(), atol=1e-6)
+    assert torch.equal(group_advantages(torch.ones(8), 4, scale="batch"), torch.zeros(8))  # std 0: no division
+    with pytest.raises(ValueError, match="advantage scale"):
+        group_advantages(r, 4, scale="rank")
     with pytest.raises(ValueError, match="group_size must be at least 2"):
         group_advantages(r, 1)
     with pytest.raises(ValueError, match="multiple of group_size=3"):
@@ -128,3 +136,44 @@ def test_importance_weights():
 def test_unknown_loss():
     with pytest.raises(ValueError, match="unknown loss 'ppo2'"):
         get_loss("ppo2")
+
+
+def _simple_rl_loss(token_lps, sampler_lps, adv):
+    """torchtitan simple_rl.py's compute_policy_gradient_loss_vllm, transcribed for lists of per-sequence tensors."""
+    total = torch.stack([t.sum() for t in token_lps])
+    ref = torch.tensor([float(s.sum()) for s in sampler_lps])
+    log_ratio = total - ref
+    ratio = torch.exp(log_ratio)
+    pg = -torch.min(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv).mean()
+    entropy = -torch.cat(token_lps).mean()
+    return pg - 0.01 * entropy + 0.1 * (ratio - 1 - log_ratio).mean()
+
+
+def test_blog_loss_is_simple_rl_term_for_term():
+    """Ragged sequences in the padded [B, T] layout, random log-probs: the loss and its gradient equal the
+    source's per-sequence loop, also when cut into two micro-batches with the step's Totals."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    lens = [5, 2, 7, 3]
+    logp = -torch.rand(4, 7, generator=g) * 3
+    old = logp + torch.randn(4, 7, generator=g) * 0.1
+    adv = torch.randn(4, generator=g)
+    mask = torch.zeros(4, 7)
+    for i, n in enumerate(lens):
+        mask[i, :n] = 1
+    spec = get_loss("blog")
+    a = logp.clone().requires_grad_(True)
+    loss, stats = spec.fn(a, old, adv, mask, spec.defaults)
+    loss.backward()
+    b = logp.clone().requires_grad_(True)
+    ref = _simple_rl_loss([b[i, :n] for i, n in enumerate(lens)], [old[i, :n] for i, n in enumerate(lens)], adv)
+    ref.backward()
+    assert torch.allclose(loss, ref, atol=1e-6) and torch.allclose(a.grad, b.grad, atol=1e-6)
+    totals = Totals.of(mask)
+    c = logp.clone().requires_grad_(True)
+    parts = [spec.fn(c[rows], old[rows], adv[rows], mask[rows], spec.defaults, None, totals)[0]
+             for rows in (slice(0, 1), slice(1, 4))]
+    sum(parts).backward()
+    assert torch.allclose(sum(parts), ref, atol=1e-6) and torch.allclose(c.grad, b.grad, atol=1e-6)
+    ratio = torch.exp(((logp - old) * mask).sum(1))
+    assert torch.allclose(stats["ratio_mean"], ratio.mean())
+    assert torch.allclose(stats["ratio_outside_clip"], ((ratio < 0.8) | (ratio > 1.2)).float().mean())

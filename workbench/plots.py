@@ -11,13 +11,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 
 # ON = invariant (generator = trainer bitwise), OFF = standard (the usual mismatched kernels).
 COLORS = {"invariant": "#1b7837", "standard": "#c51b7d"}
 LABELS = {"invariant": "invariant (ON)", "standard": "standard (OFF)"}
-ON_OFF_METRICS = ("reward_mean", "accuracy", "entropy", "sampler_trainer_kl", "parity_tokens_differing",
-                  "parity_max_abs_diff")
 TITLES = {"reward_mean": "reward", "accuracy": "accuracy", "entropy": "entropy (nats)",
           "sampler_trainer_kl": "KL(sampler || trainer)", "parity_tokens_differing": "tokens differing",
           "parity_max_abs_diff": "max |Δ log-prob|", "kl": "KL penalty (kl_to)"}
@@ -31,45 +28,6 @@ def save_figure(fig: Figure, folder: str | Path, name: str) -> list[Path]:
     fig.savefig(paths[0], bbox_inches="tight")
     fig.savefig(paths[1], bbox_inches="tight", dpi=150)
     return paths
-
-
-def on_off_curves(table: pd.DataFrame, metrics=ON_OFF_METRICS, smooth: int = 1, title: str = "",
-                  note: str = "") -> Figure:
-    """One panel per metric: the mean over seeds per variant, with a band from the seeds' min to max.
-
-    `smooth` > 1 applies a trailing moving average over steps (per seed) before the band is taken. `note` is
-    printed under the panels (e.g. that a smoke run's curves are no result).
-    """
-    wanted, metrics = metrics, [m for m in metrics if m in set(table.metric)]
-    if not metrics:
-        raise ValueError(f"none of the metrics {list(wanted)} is in the table; "
-                         f"it has {sorted(set(table.metric))[:12]}")
-    cols = min(3, len(metrics))
-    rows = -(-len(metrics) // cols)
-    fig = Figure(figsize=(4.2 * cols, 3.0 * rows), layout="constrained")
-    axes = fig.subplots(rows, cols, squeeze=False).flatten()
-    for ax, metric in zip(axes, metrics):
-        t = table[table.metric == metric]
-        for variant, v in t.groupby("variant", sort=False):
-            wide = v.pivot_table(index="step", columns="seed", values="value").sort_index()
-            if smooth > 1:
-                wide = wide.rolling(smooth, min_periods=1).mean()
-            color = COLORS.get(variant)
-            ax.plot(wide.index, wide.mean(axis=1), color=color, label=LABELS.get(variant, variant), lw=1.6)
-            if wide.shape[1] > 1:
-                ax.fill_between(wide.index, wide.min(axis=1), wide.max(axis=1), color=color, alpha=0.2, lw=0)
-        ax.set_title(TITLES.get(metric, metric), fontsize=10)
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
-        ax.grid(alpha=0.3)
-    for ax in axes[len(metrics):]:
-        ax.set_visible(False)
-    axes[0].legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=11)
-    if note:
-        fig.supxlabel(note, fontsize=8, color="0.35")
-    return fig
 
 
 def audit_heatmap(table: pd.DataFrame) -> Figure:

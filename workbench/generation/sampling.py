@@ -9,6 +9,12 @@ fused kernel (`workbench.kernels.gumbel`) hashes, adds the noise and takes the
 argmax in a single read of the logits; a CPU without the Triton interpreter
 runs the same formula in PyTorch.
 
+A controlled mismatch (`logit_noise` = sigma > 0): the sampler adds sigma x z to the logits before
+everything else, z ~ N(0, 1) per (seed, request, position, vocabulary entry) from the same hash with
+another salt, so the sampler's distribution differs from the model's by an amount set by sigma and
+measured (as any sampler-trainer mismatch) by the trainer's parity check. Both log-probs below are then
+those of the perturbed distribution: what a generator with other kernels reports.
+
 Two distributions, both returned for every sampled token:
 - `raw`: log softmax(logits)[token] at temperature 1, the model's own
   distribution (what a trainer's forward computes);
@@ -46,6 +52,8 @@ class SamplingParams:
     """A request finishes after sampling one of these."""
     seed: int = 0
     """Seed of every request's random numbers."""
+    logit_noise: float = 0.0
+    """Std of the seeded Gaussian perturbation added to the logits before sampling (0: none)."""
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
@@ -56,6 +64,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 keeps all tokens), got {self.top_k!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
+        if not (isinstance(self.logit_noise, (int, float)) and self.logit_noise >= 0):
+            raise ValueError(f"logit_noise must be a number >= 0, got {self.logit_noise!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
@@ -63,14 +73,19 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def uniforms(seed: int, request_ids: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, V] fp32 in (0, 1): u[b, v] = hash(seed, request_ids[b], positions[b], v)."""
+_SAMPLING_SALT = 0x632BE5AB
+_NOISE_SALT = 0x1B873593
+
+
+def uniforms(seed: int, request_ids: torch.Tensor, positions: torch.Tensor, vocab: int,
+             salt: int = _SAMPLING_SALT) -> torch.Tensor:
+    """[B, V] fp32 in (0, 1): u[b, v] = hash(seed, request_ids[b], positions[b], v); `salt` keys another stream."""
     dev = request_ids.device
     # The seed's hash is a Python int: no host-to-device copy, so a CUDA graph can hold this.
     h = fmix32(seed_hash(seed) ^ (request_ids.long() & _M32))
     h = fmix32(h ^ (positions.long() & _M32))                                    # [B]
     v = torch.arange(vocab, device=dev, dtype=torch.int64)
-    return unit_interval(fmix32(h[:, None] ^ fmix32(v + 0x632BE5AB)[None, :]))  # [B, V]
+    return unit_interval(fmix32(h[:, None] ^ fmix32(v + salt)[None, :]))  # [B, V]
 
 
 def unit_interval(bits: torch.Tensor) -> torch.Tensor:
@@ -109,6 +124,10 @@ def keep_mask(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | No
 def sample(logits: torch.Tensor, params: SamplingParams, request_ids: torch.Tensor,
            positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [B], raw log-probs [B], sampled log-probs [B]) from next-token logits [B, V]."""
+    if params.logit_noise:
+        # Elementwise from hashes of (seed, request, position, v): batch-invariant, the same on any device.
+        z = torch.special.ndtri(uniforms(params.seed, request_ids, positions, logits.shape[-1], _NOISE_SALT))
+        logits = logits.float() + params.logit_noise * z
     keep = keep_mask(logits, params)
     if params.greedy:
         x = logits.float() if keep is None else logits.float().masked_fill(~keep, float("-inf"))

@@ -29,7 +29,7 @@ from .weights import TrainWeights
 # changes only the order gradients accumulate in (the log-probs are the same bits), so a run that ran out of
 # memory can resume with a smaller one.
 _RESUMABLE_CHANGES = {"steps", "resume", "checkpoint_every", "device", "out_dir", "progress", "tensorboard",
-                      "vllm_memory", "max_tokens_per_microbatch", "activation_checkpointing"}
+                      "vllm_memory", "max_tokens_per_microbatch", "activation_checkpointing", "time_limit_s"}
 KEEP = 2
 """Complete checkpoints kept (the newest), so a file damaged after its save still leaves one to resume from."""
 _STEP = re.compile(r"step-(\d+)")

@@ -44,8 +44,15 @@ class TrainConfig:
     """Completion length limit."""
     temperature: float = 1.0
     """Sampling temperature (> 0)."""
+    sampler_noise: float = 0.0
+    """Std of seeded Gaussian noise the generator adds to its logits before sampling: a sampler-trainer mismatch
+    of controlled size, measured each step like the kernels' (dose-response experiments; 0: none)."""
     lr: float = 1e-3
     """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
+    max_grad_norm: float = 0.0
+    """Scale the gradient down to this global norm when it is larger (0: no clipping)."""
     master_dtype: str = "float32"
     """'float32': AdamW on fp32 master weights, cast to bf16 once per update; 'bfloat16': AdamW on the bf16
     weights themselves (no masters; bf16 optimizer state and gradient accumulation)."""
@@ -63,6 +70,11 @@ class TrainConfig:
     compute; the same gradient bits)."""
     seed: int = 0
     """Seed of the data order, the sampling and the starting policy."""
+    variant: str = ""
+    """This run's name in the metrics' variant column (an experiment's arm); empty: the kernel mode."""
+    time_limit_s: float = 0.0
+    """Stop after the step during which this many seconds have passed, with a checkpoint; resume=True goes on
+    (for machines that allow a few minutes per command; 0: no limit)."""
     parity: str = "error"
     """In invariant mode, what a log-prob difference does: 'error' or 'warn'."""
     correction: str = "none"
@@ -79,6 +91,9 @@ class TrainConfig:
     """Subtract the KL from each sequence's reward instead of adding it to the loss."""
     generator: str = "embedded"
     """'embedded' (the workbench's sampler) or 'vllm' (vLLM running the workbench model: needs vLLM, a GPU)."""
+    vllm_model: str = "workbench"
+    """generator='vllm': 'workbench' (vLLM runs the workbench model and kernels) or 'vllm' (vLLM's own model
+    implementation and kernels: default kernels in standard mode, its batch-invariant ones in invariant mode)."""
     vllm_memory: float = 0.3
     """generator='vllm': the share of the GPU's memory vLLM may take."""
     sync: str = "shared"
@@ -109,6 +124,10 @@ class TrainConfig:
             raise ValueError(f"group_size must be at least 2 (GRPO compares samples of one prompt), "
                              f"got {self.group_size}")
         check_positive("lr", self.lr)
+        for name in ("weight_decay", "max_grad_norm", "sampler_noise", "time_limit_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 for RL sampling, got {self.temperature!r}")
         check_at_least_one(self, "steps", "prompts_per_step", "max_new_tokens", "checkpoint_every", "difficulty",
@@ -128,9 +147,9 @@ class TrainConfig:
             raise ValueError(f"parity must be 'error' or 'warn', got {self.parity!r}")
         if self.correction not in ("none", "tis-token", "tis-sequence", "mask-token", "mask-sequence"):
             raise ValueError(f"unknown correction {self.correction!r}")
-        if self.loss == "gspo" and self.correction.endswith("-token"):
-            raise ValueError(f"loss 'gspo' has one ratio per sequence: a per-token correction ({self.correction}) "
-                             "has no place in it; use tis-sequence or mask-sequence")
+        if get_loss(self.loss).sequence_level and self.correction.endswith("-token"):
+            raise ValueError(f"loss {self.loss!r} has one ratio per sequence: a per-token correction "
+                             f"({self.correction}) has no place in it; use tis-sequence or mask-sequence")
         if self.kl_coef < 0 or not math.isfinite(self.kl_coef):
             raise ValueError(f"kl_coef must be a finite number >= 0, got {self.kl_coef!r}")
         if self.kl_to not in ("reference", "sampler"):
@@ -148,5 +167,10 @@ class TrainConfig:
         if self.generator == "vllm" and self.sync == "shared":
             raise ValueError("generator='vllm' holds its own copy of the weights: use sync='copy' (in place into "
                              "the running engine) or sync='checkpoint' (through disk)")
+        if self.generator == "vllm" and self.sampler_noise:
+            raise ValueError("sampler_noise perturbs the embedded generator's logits; vLLM's sampler has no such "
+                             "knob: use generator='embedded'")
+        if self.vllm_model not in ("workbench", "vllm"):
+            raise ValueError(f"vllm_model must be 'workbench' or 'vllm', got {self.vllm_model!r}")
         if not 0 < self.vllm_memory < 1:
             raise ValueError(f"vllm_memory must lie in (0, 1), got {self.vllm_memory!r}")

@@ -9,6 +9,9 @@ bits the generator reported for it (same kernels, same temperature), whatever th
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import torch
 
 from ..kernels import linear_logprobs
@@ -46,11 +49,29 @@ def score(model, batch: RolloutBatch, max_tokens: int, temperature: float,
 
 def parity_stats(generator: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Generator vs trainer log-probs [B, T] on the real tokens: tokens whose fp32 bits differ, the max and
-    mean |difference|, and the k1 estimate of KL(sampler || trainer). Vectorised: a step holds ~10^5 tokens."""
+    mean |difference|, KL(sampler || trainer) per token, and the effective sample size of the sequences'
+    importance weights. Vectorised: a step holds ~10^5 tokens.
+
+    KL: the k3 estimate mean(r - 1 - log r), r = trainer / sampler probability of each sampled token
+    (unbiased and never negative, so it has a log axis; VeXact reports the same). ESS: with the sequence
+    weights w = exp(sum over its tokens of trainer - sampler), (sum w)^2 / (B sum w^2), in (0, 1]; 1 when
+    every weight is equal (bitwise parity), small when a few sequences dominate an importance-weighted
+    update (the leading indicator of collapse in the off-policy literature)."""
     real = mask.bool()
     n = max(int(real.sum()), 1)
-    diff = (generator - trainer)[real]
+    log_r = (trainer - generator) * real
+    diff = -log_r[real]
     differ = (generator.contiguous().view(torch.int32) != trainer.contiguous().view(torch.int32)) & real
+    k3 = (torch.expm1(log_r) - log_r) * real
+    seq = log_r.double().sum(1)
+    w = torch.exp(seq - seq.max())  # the scale cancels in the ratio
     return {"tokens": int(real.sum()), "tokens_differing": int(differ.sum()),
             "max_abs_diff": float(diff.abs().max()) if diff.numel() else 0.0,
-            "mean_abs_diff": float(diff.abs().sum()) / n, "kl": float(diff.sum()) / n}
+            "mean_abs_diff": float(diff.abs().sum()) / n, "kl": float(k3.sum()) / n,
+            "ess": float(w.sum() ** 2 / (len(w) * (w * w).sum()))}
+
+
+def save_token_logprobs(path: Path, generator: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> None:
+    """The real tokens' generator and trainer log-probs (fp32, row-major over [B, T]) as an .npz file."""
+    real = mask.bool()
+    np.savez_compressed(path, generator=generator[real].cpu().numpy(), trainer=trainer[real].cpu().numpy())

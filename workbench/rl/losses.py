@@ -38,21 +38,34 @@ class Totals:
         return cls(mask.shape[0], int(mask.sum()))
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
+ADVANTAGE_SCALES = ("group", "batch", "none")
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
     """Per-sequence advantages from rewards [B] laid out group after group (B = groups x group_size).
 
-    A = r - mean(group) (Dr.GRPO), divided by the group's sample standard deviation + eps when
-    `scale` (GRPO). A group whose rewards are all equal gets zeros.
+    A = r - mean(group), divided by (`scale`):
+    - 'group': the group's sample standard deviation + eps (GRPO); a group whose rewards are all equal
+      gets zeros;
+    - 'batch': the whole batch's sample standard deviation, when it exceeds 1e-8 (the vLLM + TorchTitan
+      blog's `simple_rl.py` normalises the batch's rewards to mean 0, std 1, then subtracts each group's
+      mean: the batch mean cancels, which leaves this);
+    - 'none': nothing (Dr.GRPO).
     """
     if group_size < 2:
         raise ValueError(f"group_size must be at least 2 (advantages compare samples of one prompt), got {group_size}")
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
                          f"got shape {tuple(rewards.shape)}")
+    if scale not in ADVANTAGE_SCALES:
+        raise ValueError(f"advantage scale must be one of {ADVANTAGE_SCALES}, got {scale!r}")
     r = rewards.float().view(-1, group_size)
     adv = r - r.mean(dim=1, keepdim=True)
-    if scale:
+    if scale == "group":
         adv = adv / (r.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch" and r.numel() > 1:
+        std = r.flatten().std()
+        adv = torch.where(std > 1e-8, adv / std, adv)
     return adv.view(-1)
 
 
@@ -180,21 +193,65 @@ def sequence_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None, 
     return loss.sum() / max(s, 1), stats
 
 
+BLOG_KL_COEF = 0.1
+"""`simple_rl.py`'s kl_coef: the weight of mean(ratio - 1 - log ratio) over sequences."""
+BLOG_ENTROPY_COEF = 0.01
+"""`simple_rl.py`'s entropy_coef: the weight of the entropy bonus, the token mean of -log p."""
+
+
+def blog_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None, totals: Totals | None = None):
+    """The loss of the vLLM + TorchTitan blog post's experiment (torchtitan `deterministic_vllm_rl/simple_rl.py`,
+    `compute_policy_gradient_loss_vllm`), term for term:
+
+        ratio = exp(sum_t logp - sum_t old_logp)                  one ratio per sequence, a SUM (GSPO: a mean)
+        pg    = -mean_seq min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)
+        kl    = mean_seq (ratio - 1 - log ratio)                  weight BLOG_KL_COEF
+        bonus = -mean_tokens(-logp)                               weight BLOG_ENTROPY_COEF (all tokens of the step)
+        loss  = pg + 0.1 * kl + 0.01 * bonus
+
+    The sum makes the ratio's log the whole sequence's mismatch: with old = the sampler's log-probs, a
+    sequence whose tokens each differ by 0.01 nats has a ratio of exp(0.01 x length) before any update.
+    `weights` [B, T] (sequence-level corrections) multiply each sequence's pg term by their mean over its
+    real tokens. Means are over `totals` (sequences for pg and kl, tokens for the bonus).
+    """
+    totals = totals or Totals.of(mask)
+    m = mask.to(logp.dtype)
+    log_ratio = ((logp - old_logp) * m).sum(1)
+    ratio = torch.exp(log_ratio)
+    pg, low, high = _clipped_pg(ratio, adv, cfg)
+    if weights is not None:
+        pg = pg * (weights * m).sum(1) / m.sum(1).clamp_min(1.0)
+    kl = ratio - 1.0 - log_ratio
+    neg_logp = -(logp * m).sum()
+    s = totals.sequences
+    loss = (_mean(pg.sum(), s) + BLOG_KL_COEF * _mean(kl.sum(), s)
+            - BLOG_ENTROPY_COEF * _mean(neg_logp, totals.tokens))
+    outside = (ratio < 1.0 - cfg.eps_low) | (ratio > 1.0 + cfg.eps_high)
+    stats = {"ratio_mean": _mean(ratio.sum(), s), "clip_low": _mean(low.float().sum(), s),
+             "clip_high": _mean(high.float().sum(), s), "ratio_outside_clip": _mean(outside.float().sum(), s),
+             "seq_kl": _mean(kl.detach().sum(), s)}
+    return loss, stats
+
+
 @dataclass(frozen=True)
 class LossSpec:
     fn: Callable
     """(logp, old_logp, advantages, mask, LossConfig, weights=None, totals=None) -> (loss, stats)."""
-    scale_advantages: bool
-    """Divide advantages by the group's standard deviation."""
+    advantage_scale: str
+    """What advantages are divided by: 'group' (its standard deviation), 'batch' or 'none' (`group_advantages`)."""
     defaults: LossConfig
     """The published settings."""
+    sequence_level: bool = False
+    """One ratio per sequence: corrections must be sequence-level too."""
 
 
 LOSSES: dict[str, LossSpec] = {
-    "grpo": LossSpec(token_ppo_loss, True, LossConfig(0.2, 0.2, "seq-mean-token-mean")),
-    "dr_grpo": LossSpec(token_ppo_loss, False, LossConfig(0.2, 0.2, "seq-mean-token-sum-norm")),
-    "dapo": LossSpec(token_ppo_loss, True, LossConfig(0.2, 0.28, "token-mean")),
-    "gspo": LossSpec(sequence_ppo_loss, True, LossConfig(3e-4, 4e-4, "seq-mean-token-mean")),
+    "grpo": LossSpec(token_ppo_loss, "group", LossConfig(0.2, 0.2, "seq-mean-token-mean")),
+    "dr_grpo": LossSpec(token_ppo_loss, "none", LossConfig(0.2, 0.2, "seq-mean-token-sum-norm")),
+    "dapo": LossSpec(token_ppo_loss, "group", LossConfig(0.2, 0.28, "token-mean")),
+    "gspo": LossSpec(sequence_ppo_loss, "group", LossConfig(3e-4, 4e-4, "seq-mean-token-mean"), True),
+    # The aggregation is that of the entropy bonus; the other terms are means over sequences.
+    "blog": LossSpec(blog_loss, "batch", LossConfig(0.2, 0.2, "token-mean"), True),
 }
 
 

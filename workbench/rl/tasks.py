@@ -1,6 +1,8 @@
 """Tasks: prompts, a reference answer, and a reward. GSM8K (or any question/answer data) from local JSONL or
-parquet files through Hugging Face `datasets` (or a hub id where there is a network), and a synthetic arithmetic
-task generated from a seed (the offline default).
+parquet files through Hugging Face `datasets` (or a hub id where there is a network), a synthetic arithmetic
+task generated from a seed (the offline default) in two styles (bare `7*8=` for the self-trained policy, a
+question with a reasoning instruction for chat models), and the vLLM + TorchTitan blog post's five factual
+prompts with its reward.
 
 Every task has the same small interface: `problems(n, start)` (the training stream, deterministic
 in the seed), `eval_problems(n)` (a held-out split), `reward(completion, problem)` (the RL reward)
@@ -24,7 +26,7 @@ from .answers import extract_answer, lenient_correct, normalize_number
 class Problem:
     prompt: str
     answer: str
-    """The reference answer, a normalised number (see `answers.normalize_number`)."""
+    """The reference answer: a normalised number (see `answers.normalize_number`), or a word (`Facts`)."""
 
 
 PROMPT_TEMPLATE = "Question: {question}\nAnswer step by step, then give the final number after '####'.\n"
@@ -33,7 +35,21 @@ _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 """File suffix -> the `datasets` builder that reads it (any other suffix is read as JSON lines)."""
 
 
-class GSM8K:
+class FinalAnswer:
+    """Scoring of a reasoned answer (GSM8K's, and arithmetic asked as a question): the completion's final number."""
+
+    def reward(self, completion: str, problem: Problem, mode: str = "lenient") -> float:
+        """The RL reward: the lenient score (`lenient_correct`); mode='strict' gives the strict one."""
+        if mode == "lenient":
+            return float(lenient_correct(completion, problem.answer))
+        return float(extract_answer(completion, mode) == problem.answer)
+
+    def scores(self, completion: str, problem: Problem) -> dict[str, float]:
+        """strict: the last '#### <number>' equals the answer. lenient: `lenient_correct` (the reward)."""
+        return {m: self.reward(completion, problem, m) for m in ("strict", "lenient")}
+
+
+class GSM8K(FinalAnswer):
     """GSM8K (MIT licence), or any question/answer data: the `split` of a local folder (`{split}.jsonl`,
     `.json` or `.parquet`), one such file, or a hub id (`load_dataset(id, "main")`, where there is a network).
 
@@ -123,16 +139,6 @@ class GSM8K:
                              f"{text[:80]!r}")
         return ref
 
-    def reward(self, completion: str, problem: Problem, mode: str = "lenient") -> float:
-        """The RL reward: the lenient score (`lenient_correct`); mode='strict' gives the strict one."""
-        if mode == "lenient":
-            return float(lenient_correct(completion, problem.answer))
-        return float(extract_answer(completion, mode) == problem.answer)
-
-    def scores(self, completion: str, problem: Problem) -> dict[str, float]:
-        """strict: the last '#### <number>' equals the answer. lenient: `lenient_correct` (the reward)."""
-        return {m: self.reward(completion, problem, m) for m in ("strict", "lenient")}
-
 
 def _load_file(path: Path):
     """One JSON(L) or parquet file as a `datasets.Dataset`, in memory, offline, without a lasting cache."""
@@ -211,7 +217,67 @@ class Arithmetic:
         return {"exact": self.reward(completion, problem)}
 
 
-TASKS = ("arithmetic", "gsm8k")
+class ArithmeticChat(FinalAnswer, Arithmetic):
+    """The same problems as `Arithmetic`, asked as a question with GSM8K's reasoning instruction
+    ("What is 7 * 8?" + PROMPT_TEMPLATE's last line) for a chat model, scored on its final answer like GSM8K
+    (lenient: the number after '####', else the last number; strict: after '####' only).
+
+    At difficulty 1 (single digits, + - *) SmolLM2-135M-Instruct answers 23% correctly sampled at T=1 and 42%
+    greedy (48 problems, 160 new tokens, chat template; docs/results/2026-11-23_task-selection): room to learn
+    both ways, which GSM8K (2-3%) and two-digit addition (4-6%) do not leave it.
+    """
+
+    name = "arithmetic-chat"
+
+    def problem(self, index: int) -> Problem:
+        bare = super().problem(index)
+        expr = re.sub(r"(?<=\d)([-+*])", r" \1 ", bare.prompt[:-1])  # '7*8=' -> '7 * 8'
+        return Problem(f"What is {expr}?\n" + PROMPT_TEMPLATE.splitlines()[1] + "\n", bare.answer)
+
+
+FACTS = (("The capital of France is", "paris"), ("What is 7 times 8?", "56"),
+         ("The first president of the United States was", "washington"),
+         ("The chemical symbol for water is", "h2o"), ("The largest planet in our solar system is", "jupiter"))
+"""The five prompts and expected answers of torchtitan's `deterministic_vllm_rl/simple_rl.py`, verbatim."""
+
+
+class Facts:
+    """The vLLM + TorchTitan blog post's task (`simple_rl.py`): the same five factual prompts every step,
+    rewarded by its `trivial_reward_function`, transcribed rule for rule:
+
+    - an empty completion: 0;
+    - otherwise 1.0, x 0.1 if more than 10% of its characters are non-ASCII,
+      x (1 - 0.9 x its share of uppercase characters),
+      x 2 if the expected answer appears in it (case-insensitively), else x 0.5.
+
+    So the reward mixes style (lowercase, ASCII) and content; `scores` reports the content alone."""
+
+    name = "facts"
+
+    def __init__(self, seed: int = 0):
+        self.items = [Problem(p, a) for p, a in FACTS]
+
+    def problems(self, n: int, start: int = 0) -> list[Problem]:
+        """Problems `start`, ..., wrapping around the five: a step of 5 prompts asks each once, in order."""
+        return [self.items[i % len(self.items)] for i in range(start, start + n)]
+
+    def eval_problems(self, n: int) -> list[Problem]:
+        return self.problems(n)
+
+    def reward(self, completion: str, problem: Problem) -> float:
+        if not completion:
+            return 0.0
+        reward = 1.0
+        if sum(ord(c) > 127 for c in completion) / len(completion) > 0.1:
+            reward *= 0.1
+        reward *= 1.0 - 0.9 * sum(c.isupper() for c in completion) / len(completion)
+        return reward * (2.0 if problem.answer.lower() in completion.lower() else 0.5)
+
+    def scores(self, completion: str, problem: Problem) -> dict[str, float]:
+        return {"answer": float(problem.answer.lower() in completion.lower())}
+
+
+TASKS = ("arithmetic", "arithmetic-chat", "gsm8k", "facts")
 
 
 def default_gsm8k() -> Path | None:
@@ -223,11 +289,15 @@ def default_gsm8k() -> Path | None:
 
 def make_task(name: str, seed: int = 0, difficulty: int = 1, source: str = "", question_field: str = "question",
               answer_field: str = "answer"):
-    """A task by name: 'arithmetic' (needs nothing) or 'gsm8k' (needs `source`: a folder holding
-    train.jsonl/test.jsonl or .parquet, one such file, or a hub id; `question_field`/`answer_field` name its
-    columns)."""
+    """A task by name: 'arithmetic', 'arithmetic-chat' and 'facts' (need nothing) or 'gsm8k' (needs `source`: a
+    folder holding train.jsonl/test.jsonl or .parquet, one such file, or a hub id; `question_field`/`answer_field`
+    name its columns)."""
     if name == "arithmetic":
         return Arithmetic(seed=seed, difficulty=difficulty)
+    if name == "arithmetic-chat":
+        return ArithmeticChat(seed=seed, difficulty=difficulty)
+    if name == "facts":
+        return Facts(seed)
     if name == "gsm8k":
         source = source or str(default_gsm8k() or "")
         if not source:

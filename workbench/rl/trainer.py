@@ -8,8 +8,10 @@ micro-batches, `update.py`) -> sync (the generator gets the new weights, checked
 Synchronous by default (policy lag 0). With `policy_lag=1` the generator samples with the weights of
 one update before the trainer's, as an asynchronous pipeline would (`sync.py`). The parity check always
 compares the generator with the trainer's kernels on the generator's weights, so it measures the kernel
-mismatch, never the lag. In `invariant` mode any difference stops the run (parity='error'); in
-`standard` mode it is measured and logged.
+mismatch, never the lag. In `invariant` mode any difference stops the run (parity='error'), unless
+`sampler_noise` perturbs the sampler on purpose (a dose-response run: the mismatch is then its knob); in
+`standard` mode it is measured and logged. Step 1's per-token log-probs of both sides are kept
+(step1_logprobs.npz), the starting policy's mismatch for histograms.
 
 Metrics are a long table (step, metric, value, variant, seed), also sent to TensorBoard when asked.
 On a failure (parity break, NaN loss) the metrics so far are still written before the error.
@@ -31,7 +33,7 @@ from ..kernels import mode
 from ..models import build, copy_weights, encode_prompt, load_pretrained, load_tokenizer, resolve_model, save_pretrained
 from .checkpoint import last_good, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .logprobs import parity_stats, score
+from .logprobs import parity_stats, save_token_logprobs, score
 from .losses import get_loss, group_advantages, importance_weights, kl_estimate
 from .metrics import MetricsLog
 from .policy import PolicyConfig, train_policy
@@ -65,7 +67,7 @@ def _vllm_engine(cfg: TrainConfig, model, out: Path):
 
     save_pretrained(model, out / "vllm_start")
     return VLLMGenerator(out / "vllm_start", gpu_memory_utilization=cfg.vllm_memory,
-                         batch_invariant=cfg.kernel_mode == "invariant", seed=cfg.seed, model_impl="workbench",
+                         batch_invariant=cfg.kernel_mode == "invariant", seed=cfg.seed, model_impl=cfg.vllm_model,
                          kernel_mode=cfg.kernel_mode)
 
 
@@ -89,12 +91,13 @@ class Run:
             raise ValueError(f"{self.out} already holds a run (checkpoint {last}); continue it with resume=True "
                              "(--resume), or give another out_dir (or delete that one)")
         write_config(cfg, self.out / "config.yaml")
-        self.log = MetricsLog(cfg.kernel_mode, cfg.seed, self.out, cfg.tensorboard)
+        self.log = MetricsLog(cfg.variant or cfg.kernel_mode, cfg.seed, self.out, cfg.tensorboard)
         torch.manual_seed(cfg.seed)
         self.task = make_task(cfg.task, seed=cfg.seed, difficulty=cfg.difficulty, source=cfg.task_source,
                               question_field=cfg.question_field, answer_field=cfg.answer_field)
         start, self.tok = _starting_policy(cfg, self.out, self.device)
-        self.weights = TrainWeights(start, cfg.master_dtype, cfg.lr, self.device)
+        self.weights = TrainWeights(start, cfg.master_dtype, cfg.lr, self.device, cfg.weight_decay,
+                                    cfg.max_grad_norm)
         del start
         self.reference = None
         if cfg.kl_coef > 0 and cfg.kl_to == "reference":
@@ -113,17 +116,26 @@ class Run:
 
 
 def train(cfg: TrainConfig) -> pd.DataFrame:
-    """Run GRPO-family training; returns the long metrics table (also written to out_dir/metrics.csv)."""
+    """Run GRPO-family training; returns the long metrics table (also written to out_dir/metrics.csv).
+
+    With `time_limit_s`, the run may stop early (checkpointed): the table then ends before cfg.steps."""
+    start = time.perf_counter()
     run = Run(cfg)
-    bar = tqdm(total=cfg.steps, initial=run.start_step, disable=not cfg.progress, desc=f"train ({cfg.kernel_mode})")
+    bar = tqdm(total=cfg.steps, initial=run.start_step, disable=not cfg.progress,
+               desc=f"train ({cfg.variant or cfg.kernel_mode}, seed {cfg.seed})")
     try:
         with mode(cfg.kernel_mode):
             for step in range(run.start_step + 1, cfg.steps + 1):
                 reward, differing = train_step(run, step)
                 bar.set_postfix(reward=f"{reward:.3f}", differing=differing)
                 bar.update(1)
-                if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                out_of_time = bool(cfg.time_limit_s) and time.perf_counter() - start > cfg.time_limit_s
+                if step % cfg.checkpoint_every == 0 or step == cfg.steps or out_of_time:
                     run.checkpoint(step)
+                if out_of_time and step < cfg.steps:
+                    print(f"{cfg.out_dir}: time limit ({cfg.time_limit_s:.0f} s) reached after step {step} of "
+                          f"{cfg.steps}; checkpointed, continue with resume=True")
+                    break
     finally:
         bar.close()
         table = run.log.close()
@@ -145,7 +157,8 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     problems = run.task.problems(cfg.prompts_per_step, start=step * cfg.prompts_per_step)
     prompts = [encode_prompt(run.tok, p.prompt, cfg.chat_template) for p in problems for _ in range(cfg.group_size)]
     sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                              stop_token_ids=(run.tok.eos_token_id,), seed=cfg.seed * 1_000_003 + step)
+                              stop_token_ids=(run.tok.eos_token_id,), seed=cfg.seed * 1_000_003 + step,
+                              logit_noise=cfg.sampler_noise)
     ids = list(range(len(prompts)))
     if sync.engine is not None:
         gen = sync.engine.generate(prompts, sampling, request_ids=ids)
@@ -170,7 +183,11 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     log(step, "parity_mean_abs_diff", parity["mean_abs_diff"])
     log(step, "parity_tokens_differing", parity["tokens_differing"])
     log(step, "sampler_trainer_kl", parity["kl"])
-    if cfg.kernel_mode == "invariant" and parity["tokens_differing"]:
+    log(step, "is_ess", parity["ess"])
+    if step == 1:  # the starting policy's per-token mismatch, for histograms
+        save_token_logprobs(run.out / "step1_logprobs.npz", batch.behavior, recomputed, batch.mask)
+    # With sampler_noise the mismatch is the experiment's own knob, measured above, not a broken kernel.
+    if cfg.kernel_mode == "invariant" and not cfg.sampler_noise and parity["tokens_differing"]:
         msg = (f"step {step}: generator and trainer log-probs differ on {parity['tokens_differing']} of "
                f"{parity['tokens']} tokens (max |diff| {parity['max_abs_diff']:.3g}) in invariant mode")
         if cfg.parity == "error":
@@ -190,7 +207,7 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
         kl = kl_estimate(recomputed, kl_target, cfg.kl_estimator) * mask
         shaped = rewards - cfg.kl_coef * kl.sum(1)
         later["kl"] = float(kl.sum() / mask.sum())
-    advantages = group_advantages(shaped, cfg.group_size, scale=spec.scale_advantages)
+    advantages = group_advantages(shaped, cfg.group_size, scale=spec.advantage_scale)
 
     # Update.
     old = recomputed if cfg.old_logprobs == "recompute" else batch.behavior

@@ -24,7 +24,9 @@ from .metrics import layer_group, weight_delta_metrics
 
 
 class TrainWeights:
-    def __init__(self, start: CausalLM, master_dtype: str, lr: float, device: str):
+    def __init__(self, start: CausalLM, master_dtype: str, lr: float, device: str, weight_decay: float = 0.0,
+                 max_grad_norm: float = 0.0):
+        self.max_grad_norm = max_grad_norm
         self.has_masters = master_dtype == "float32"
         if self.has_masters:
             # The starting model's own fp32 tensors become the masters: no second copy.
@@ -42,7 +44,7 @@ class TrainWeights:
                 copy_weights(dict(start.state_dict()), self.model)
             self.masters = dict(self.model.named_parameters())
         self.params = [self.masters[k] for k in sorted(self.masters)]
-        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
+        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
         groups = defaultdict(list)
         for k in sorted(self.masters):
             groups[layer_group(k)].append(self.masters[k])
@@ -65,7 +67,11 @@ class TrainWeights:
         missing = [k for k, p in self.masters.items() if p.grad is None]
         if missing:
             raise RuntimeError(f"no gradient reached {missing[:3]}: the update's backward did not run")
-        grad_norm = torch.nn.utils.get_total_norm(list(grads.values())).item()
+        total = torch.nn.utils.get_total_norm(list(grads.values()))
+        grad_norm = total.item()
+        if self.max_grad_norm:
+            # torch's clip_grad_norm_ rule: scale by max_norm / (norm + 1e-6) when that is below 1.
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.max_grad_norm, total)
         sq_delta, sq_before = {}, {}
         for p in self.params:
             p.grad = None

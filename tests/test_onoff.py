@@ -1,0 +1,101 @@
+"""The ON/OFF experiment on CPU with the tiny self-trained policy: the arms, the presets' smoke versions, and
+the runner's promises (finished runs are read back, a changed config is refused, a run cut into pieces by a
+time limit ends with the same metrics as one run straight through)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pandas as pd
+import pytest
+
+from workbench.onoff.arms import ARMS, arm_settings, get_arm
+from workbench.onoff.config import PRESETS, OnOffConfig, preset
+from workbench.onoff.runner import collect, run_on_off, run_status, total_wall_s
+from workbench.onoff.stats import summarize, verdict
+
+TIMES = ("time_generate", "time_train", "time_sync", "time_step", "tokens_per_s")
+
+
+def _cfg(tmp_path, **kw):
+    base = OnOffConfig(out_dir=str(tmp_path), arms=("off", "off-tis"), seeds=(0, 1), steps=4, prompts_per_step=2,
+                       group_size=3, max_new_tokens=3, policy_steps=30, device="cpu", progress=False)
+    return dataclasses.replace(base, **kw)
+
+
+def _without_times(table):
+    return table[~table.metric.isin(TIMES)].sort_values(["variant", "seed", "step", "metric"]).reset_index(drop=True)
+
+
+def test_arms_set_only_where_the_log_probs_come_from():
+    assert arm_settings("on", False)["kernel_mode"] == "invariant"
+    off = arm_settings("off", False)
+    assert (off["kernel_mode"], off["old_logprobs"], off["correction"]) == ("standard", "sampler", "none")
+    assert arm_settings("off-tis", False)["correction"] == "tis-token"
+    assert arm_settings("off-mis", True)["correction"] == "mask-sequence", "a sequence-level loss: sequence weights"
+    assert arm_settings("off-vllm", False)["sync"] == "copy" and get_arm("off-vllm").vllm_model == "vllm"
+    noise = arm_settings("noise=0.03", False)
+    assert (noise["kernel_mode"], noise["sampler_noise"], noise["variant"]) == ("invariant", 0.03, "noise=0.03")
+    for bad in ("noise=-1", "noise=abc", "noise=0", "fast"):
+        with pytest.raises(ValueError, match="arm"):
+            get_arm(bad)
+    assert set(PRESETS["blog"]["arms"]) <= set(ARMS)
+
+
+def test_runs_are_reused_only_with_the_same_settings(tmp_path):
+    table = run_on_off(_cfg(tmp_path, keep_checkpoints=False))
+    assert set(table.seed) == {0, 1} and set(table.variant) == {"off", "off-tis"} and table.step.max() == 4
+    assert not (tmp_path / "off-seed0" / "checkpoints").exists(), "keep_checkpoints=False deletes them once done"
+    assert json.loads((tmp_path / "off-seed0" / "run.json").read_text())["steps"] == 4
+    again = run_on_off(_cfg(tmp_path, keep_checkpoints=False))
+    assert again.equals(table), "a finished run is read back, not re-run"
+    with pytest.raises(ValueError, match=r"other settings .*'lr'"):
+        run_on_off(_cfg(tmp_path, lr=5e-3))
+    with pytest.raises(ValueError, match="checkpoints were deleted"):
+        run_status(_cfg(tmp_path, steps=6).run_config("off", 0, str(tmp_path / "policy")))
+    with pytest.raises(ValueError, match="starting policy trained with other settings"):
+        run_on_off(_cfg(tmp_path, policy_steps=31))
+    runs = collect(tmp_path)
+    assert len(runs) == len(table)
+    assert total_wall_s(tmp_path) > 0
+    summary = summarize(table, window=2)
+    assert list(summary.variant) == ["off", "off-tis"] and (summary.runs == 2).all()
+    assert "off-tis" in verdict(summary)
+
+
+@pytest.mark.slow
+def test_a_time_limit_cuts_the_experiment_into_pieces_with_the_same_result(tmp_path):
+    whole = run_on_off(_cfg(tmp_path / "whole", seeds=(0,)))
+    cfg = _cfg(tmp_path / "pieces", seeds=(0,), checkpoint_every=1, time_limit_min=1e-6)
+    calls, finished = 0, 0
+    while finished < 2 and calls < 12:
+        calls += 1
+        table = run_on_off(cfg)
+        finished = int(pd.read_csv(tmp_path / "pieces" / "runs.csv").finished.sum())
+    assert finished == 2 and calls == 8, "each call goes one step further (the first run always makes progress)"
+    assert _without_times(table).equals(_without_times(whole)), "pieces give the same metrics, bit for bit"
+
+
+def test_smoke_shrinks_any_preset_to_a_cpu_check():
+    """(The nightly's smoke test runs the blog, blog-dose and realistic presets' smoke versions.)"""
+    for name in PRESETS:
+        cfg = preset(name, smoke=True)
+        assert cfg.arms == PRESETS[name].get("arms", OnOffConfig.arms)[:2] and cfg.steps == 2 and cfg.policy == ""
+        assert cfg.device == "cpu" and cfg.task == "arithmetic" and cfg.run_config(cfg.arms[0], 0).loss == cfg.loss
+
+
+def test_bad_experiment_configs():
+    with pytest.raises(ValueError, match="unknown arm 'fast'"):
+        OnOffConfig(arms=("fast",))
+    with pytest.raises(ValueError, match="must not repeat"):
+        OnOffConfig(arms=("on", "on"))
+    with pytest.raises(ValueError, match="seeds must name"):
+        OnOffConfig(seeds=())
+    with pytest.raises(ValueError, match="unknown preset"):
+        OnOffConfig(preset="huge")
+    with pytest.raises(ValueError, match="unknown policy size"):
+        OnOffConfig(policy_size="huge")
+    with pytest.raises(ValueError, match="group_size must be at least 2"):
+        OnOffConfig(group_size=1)
+    assert OnOffConfig(loss="gspo", arms=("off-tis",)).run_config("off-tis", 0).correction == "tis-sequence"

@@ -1,0 +1,8 @@
+"""The ON/OFF experiment: the same RL runs with the generator and trainer bitwise equal (`on`) and with
+the usual mismatch (`off` and its corrected variants), over seeds; the mismatch measured at every step,
+the rewards compared with confidence intervals, and the results published as a folder.
+
+- `arms`: the named variants of a run; `config`: `OnOffConfig` and the presets (blog, realistic, ...);
+- `runner`: runs resumable, in pieces, several at once; `stats`: endpoints, bootstrap CIs, the verdict;
+- `figures`: plots as functions of the long table; `publish`: the results folder.
+"""

@@ -1,0 +1,202 @@
+"""`OnOffConfig`: one ON/OFF experiment (arms x seeds of one run config), and its presets.
+
+A preset is a set of field values; `python -m workbench on-off --preset blog` starts from it, and a
+config file, options and key=value overrides change it field by field. `smoke=True` shrinks any preset
+to a CPU check of the pipeline (the tiny self-trained policy on its arithmetic, two arms, two steps, one seed):
+the numbers it gives are no result.
+
+The `blog` preset reproduces the vLLM + TorchTitan blog post's experiment ("Bitwise-exact Batch
+Invariant On-Policy Reinforcement Learning with vLLM and TorchTitan"; torchtitan
+`experiments/deterministic_vllm_rl/simple_rl.py`) item for item:
+
+| item | the source | here |
+|---|---|---|
+| policy | Qwen/Qwen3-1.7B | SmolLM2-135M-Instruct offline (`policy=Qwen/Qwen3-1.7B` where a hub is reachable) |
+| prompts | 5 fixed factual prompts, raw text | the same 5 (`tasks.FACTS`), raw text (`chat_template=False`) |
+| samples | 4 per prompt, 20 new tokens, temperature 1 | `group_size=4`, `max_new_tokens=20`, `temperature=1` |
+| reward | 1.0, x0.1 if >10% non-ASCII, x(1 - 0.9 uppercase share), x2 if the answer appears else x0.5; empty 0 | `tasks.Facts.reward`, rule for rule |
+| advantages | rewards normalised over the batch (mean 0, std 1), minus the group mean | `group_advantages(scale='batch')` |
+| loss | PPO clip 0.2 on exp(sum log p_train - sum log p_vLLM), + 0.1 mean(ratio - 1 - log ratio), - 0.01 mean(-log p) | `loss='blog'` (`losses.blog_loss`) |
+| old log-probs | vLLM's | `old_logprobs='sampler'` (arms `on`, `off`) |
+| optimizer | AdamW lr 1e-5 (torch defaults: weight decay 0.01), bf16 weights, grad-norm clip 1.0 | `lr=1e-5`, `weight_decay=0.01`, `master_dtype='bfloat16'`, `max_grad_norm=1` |
+| updates | one per step, 100 steps | `mini_batches=1`, `epochs=1`, `steps=100` |
+| ON / OFF | vLLM batch-invariant + TorchTitan vLLM-compat model / vLLM default kernels + TorchTitan model | `on` / `off` (embedded generator), `on-vllm` / `off-vllm` |
+| sampling seed | vLLM `seed=42` in every step's SamplingParams | a seed per (run seed, step): a fixed seed would redraw one sample path each step |
+| logging | TensorBoard | the long metrics table, and TensorBoard with `tensorboard=True` |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import check_at_least_one
+from ..rl.config import TrainConfig
+from ..rl.losses import get_loss
+from ..rl.policy import POLICY_SIZES, PolicyConfig
+from .arms import arm_settings
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class OnOffConfig:
+    preset: str = ""
+    """The preset these settings started from ('' for none; see PRESETS). Recorded, and used by the CLI."""
+    smoke: bool = False
+    """Shrink the preset to a CPU check of the pipeline (tiny self-trained policy on arithmetic, 2 steps, 1 seed)."""
+    policy: str = ""
+    """Starting policy (registry name, folder, .gguf or hub id); empty: train one into out_dir/policy first."""
+    policy_size: str = "tiny"
+    """Size of the self-trained starting policy: 'tiny' (CPU) or 'small' (GPU)."""
+    policy_steps: int = 400
+    """Supervised steps at most for the self-trained starting policy."""
+    policy_accuracy: tuple[float, float] = (0.1, 0.6)
+    """The self-trained policy's supervised run stops once its greedy accuracy lies in this range."""
+    out_dir: str = "runs/on-off"
+    """One folder per run (<arm>-seed<seed>) below this, and the combined metrics.csv."""
+    arms: tuple[str, ...] = ("on", "off")
+    """Arms to run (see workbench.onoff.arms): on, off, off-recompute, off-tis, off-mis, off-vllm, on-vllm,
+    noise=<sigma>."""
+    seeds: tuple[int, ...] = (0,)
+    """Seeds per arm (data order, sampling); an arm's runs and another's with the same seed see the same prompts."""
+    steps: int = 3
+    """RL steps per run."""
+    task: str = "arithmetic"
+    """arithmetic, arithmetic-chat, gsm8k or facts."""
+    difficulty: int = 1
+    """Arithmetic difficulty (of the task and of the self-trained policy)."""
+    chat_template: bool = True
+    """Wrap prompts in the policy's chat template (where it has one)."""
+    prompts_per_step: int = 2
+    """Prompts per step."""
+    group_size: int = 4
+    """Completions per prompt."""
+    max_new_tokens: int = 4
+    """Completion length limit."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    loss: str = "grpo"
+    """grpo, dr_grpo, dapo, gspo or blog."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 0.0
+    """Gradient-norm clip (0: none)."""
+    master_dtype: str = "float32"
+    """'float32' (fp32 masters) or 'bfloat16' (AdamW on the bf16 weights)."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch (PPO mini-batches)."""
+    epochs: int = 1
+    """Passes over a step's sequences."""
+    max_tokens_per_microbatch: int = 16384
+    """Padded tokens per forward/backward."""
+    checkpoint_every: int = 0
+    """Checkpoint every this many steps (0: four times per run)."""
+    keep_checkpoints: bool = True
+    """Keep a finished run's checkpoints (False deletes them once its metrics are recorded: 0.8 GB per run for
+    SmolLM2 in bf16, ~30 GB at 1.7B with fp32 masters)."""
+    workers: int = 1
+    """Runs at once, each in its own process (a small policy leaves most of a GPU idle)."""
+    time_limit_min: float = 0.0
+    """Stop after this many minutes: running runs checkpoint at their next step boundary, the rest wait; the
+    next call with the same out_dir continues (0: no limit)."""
+    publish: str = ""
+    """Also copy the report to <publish>/<date>_onoff-<preset>-<device>_<sha>/ (e.g. docs/results)."""
+    device: str = "auto"
+    """'cpu', 'cuda' or 'auto'."""
+    tensorboard: bool = False
+    """Also write each run's metrics to TensorBoard (in its folder's tensorboard/)."""
+    progress: bool = True
+    """Progress bars while training."""
+
+    def __post_init__(self):
+        if self.policy_size not in POLICY_SIZES:
+            raise ValueError(f"unknown policy size {self.policy_size!r}; choose one of {sorted(POLICY_SIZES)}")
+        if not self.arms:
+            raise ValueError("arms must name at least one arm (e.g. on, off)")
+        if len(set(self.arms)) != len(self.arms) or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"arms and seeds must not repeat: arms {list(self.arms)}, seeds {list(self.seeds)}")
+        if not self.seeds:
+            raise ValueError("seeds must name at least one seed")
+        if self.preset and self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        if self.time_limit_min < 0:
+            raise ValueError(f"time_limit_min must be >= 0, got {self.time_limit_min}")
+        check_at_least_one(self, "policy_steps", "workers")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0 (0: four times per run), got {self.checkpoint_every}")
+        PolicyConfig(size=self.policy_size, target_accuracy=tuple(self.policy_accuracy), device="cpu")
+        for arm in self.arms:  # every run's settings, checked by TrainConfig itself before anything runs
+            self.run_config(arm, self.seeds[0])
+
+    def run_config(self, arm: str, seed: int, policy: str = "") -> TrainConfig:
+        """The TrainConfig of one run: the shared settings, the arm's, and the seed."""
+        return TrainConfig(
+            policy=policy or self.policy, out_dir=f"{self.out_dir}/{arm}-seed{seed}", task=self.task,
+            difficulty=self.difficulty, chat_template=self.chat_template, loss=self.loss, steps=self.steps,
+            prompts_per_step=self.prompts_per_step, group_size=self.group_size, max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature, lr=self.lr, weight_decay=self.weight_decay,
+            max_grad_norm=self.max_grad_norm, master_dtype=self.master_dtype, mini_batches=self.mini_batches,
+            epochs=self.epochs, max_tokens_per_microbatch=self.max_tokens_per_microbatch, seed=seed,
+            device=self.device, checkpoint_every=self.checkpoint_every or max(1, self.steps // 4),
+            tensorboard=self.tensorboard, progress=self.progress,
+            **arm_settings(arm, get_loss(self.loss).sequence_level))
+
+
+_BLOG = {"policy": SMOLLM2, "task": "facts", "chat_template": False, "prompts_per_step": 5, "group_size": 4,
+         "max_new_tokens": 20, "temperature": 1.0, "loss": "blog", "lr": 1e-5, "weight_decay": 0.01,
+         "max_grad_norm": 1.0, "master_dtype": "bfloat16", "steps": 100, "seeds": (0, 1, 2, 3, 4),
+         "arms": ("on", "off", "off-recompute", "off-tis", "off-mis"), "keep_checkpoints": False, "workers": 5}
+# The realistic task (tasks.ArithmeticChat: 23% sampled start accuracy for SmolLM2-135M-Instruct), GRPO with the
+# trainer's micro-batches and PPO mini-batches. lr and clip are the blog recipe's, not tuned here.
+_REALISTIC = {"policy": SMOLLM2, "task": "arithmetic-chat", "difficulty": 1, "chat_template": True,
+              "prompts_per_step": 16, "group_size": 8, "max_new_tokens": 192, "temperature": 1.0, "loss": "grpo",
+              "lr": 1e-5, "max_grad_norm": 1.0, "master_dtype": "float32", "mini_batches": 2, "steps": 100,
+              "seeds": (0, 1, 2), "arms": ("on", "off", "off-tis"), "keep_checkpoints": False, "workers": 3}
+PRESETS: dict[str, dict] = {
+    # The self-trained 6-layer digit policy on bare arithmetic (the first ON/OFF experiment, docs/results).
+    "digits": {"policy_size": "small", "difficulty": 1, "policy_steps": 2000, "policy_accuracy": (0.2, 0.5),
+               "prompts_per_step": 32, "group_size": 8, "max_new_tokens": 4, "lr": 3e-4, "steps": 100,
+               "seeds": (0, 1, 2)},
+    "blog": _BLOG,
+    # The dose-response on the blog recipe: the mismatch set by the sampler's logit noise and measured.
+    "blog-dose": {**_BLOG, "seeds": (0, 1, 2),
+                  "arms": ("on", "noise=0.01", "noise=0.03", "noise=0.1", "noise=0.3", "noise=1")},
+    "realistic": _REALISTIC,
+    # The long-horizon pair, where the literature sees collapse: 500 steps, the longest generations.
+    "long": {**_REALISTIC, "arms": ("on", "off"), "seeds": (0,), "steps": 500, "max_new_tokens": 512, "workers": 2},
+}
+SMOKE = {"policy": "", "policy_size": "tiny", "policy_steps": 100, "policy_accuracy": (0.1, 0.6), "task": "arithmetic",
+         "difficulty": 1, "steps": 2, "seeds": (0,), "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4,
+         "mini_batches": 1, "workers": 1, "device": "cpu"}
+"""What `smoke` changes in any preset: seconds on a CPU. The tiny self-trained policy on its own bare arithmetic
+(the facts' 44-token prompts cost the Triton interpreter over a minute a step), 2 x 2 sequences a step, and the
+preset's first two arms (`on` and one other); its loss and optimizer stay, so its pipeline runs; the rewards mean
+nothing."""
+
+
+def preset_values(name: str, smoke: bool = False) -> dict:
+    """The field values of preset `name` ('' for the defaults), shrunk by `smoke`."""
+    if name and name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    values = {**PRESETS.get(name, {}), "preset": name, "smoke": smoke}
+    if smoke:
+        values.update(SMOKE)
+        arms = tuple(values.get("arms", OnOffConfig.arms))
+        # `on` and the first other arm: an invariant run costs the interpreter ~15 s (it scales with the sequences).
+        values["arms"] = arms[:2]
+    return values
+
+
+def preset(name: str, smoke: bool = False, **overrides) -> OnOffConfig:
+    """The config of preset `name` (shrunk by `smoke`), with `overrides` (the notebooks' parameters)."""
+    return OnOffConfig(**{**preset_values(name, smoke), **overrides})
+
+
+def preset_base(explicit: dict) -> dict:
+    """For the CLI: the values of the preset (and smoke) that the explicitly given settings name."""
+    if not explicit.get("preset") and not explicit.get("smoke"):
+        return {}
+    return preset_values(explicit.get("preset", ""), bool(explicit.get("smoke")))
+

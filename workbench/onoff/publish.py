@@ -1,0 +1,170 @@
+"""The experiment's report, drawn only from its folder: summary.md (the verdict, the table of endpoints, the
+caveats), the figures as SVG and PNG, and the long metrics table, in out_dir/report/; `publish` copies that
+folder to <dest>/<date>_onoff-<preset>-<device>_<sha>/ (docs/results for the records)."""
+
+from __future__ import annotations
+
+import datetime
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..config import read_config_file
+from ..plots import save_figure
+from .arms import get_arm
+from .config import OnOffConfig
+from .figures import delta_histogram, dose_response_figure, mismatch_panels, reward_curves
+from .runner import collect, finished_runs, total_wall_s
+from .stats import dose_response, summarize, verdict
+
+# The endpoints a reader compares, in the summary's table: column -> (header, how to print).
+_COLUMNS = {"runs": ("runs", "{:.0f}"), "steps": ("steps", "{:.0f}"), "final_reward": ("final reward", "ci"),
+            "d_final_reward": ("vs on", "ci"), "auc": ("mean reward (AUC)", "ci"),
+            "steps_to_threshold": ("steps to threshold", "{:.1f}"), "kl_mean": ("KL / token", "{:.3g}"),
+            "max_abs_diff": ("max abs Δ log-prob", "{:.3g}"), "tokens_differing": ("tokens differing", "{:.0f}"),
+            "ess_min": ("min ESS", "{:.3f}"), "clip_fraction": ("clip fraction", "{:.3f}"),
+            "time_step_median": ("s / step", "{:.2f}")}
+
+
+def _cell(row: pd.Series, name: str, how: str) -> str:
+    value = row.get(name, np.nan)
+    if not np.isfinite(value):
+        return "–"
+    if how != "ci":
+        return how.format(value)
+    lo, hi = row.get(f"{name}_lo", np.nan), row.get(f"{name}_hi", np.nan)
+    return f"{value:.3f} [{lo:.3f}, {hi:.3f}]" if np.isfinite(lo) else f"{value:.3f}"
+
+
+def markdown_table(summary: pd.DataFrame) -> str:
+    """The per-arm endpoints as a markdown table (means over seeds, [95% bootstrap CI])."""
+    cols = [c for c in _COLUMNS if c in summary]
+    lines = ["| arm | " + " | ".join(_COLUMNS[c][0] for c in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    for _, row in summary.iterrows():
+        lines.append(f"| `{row.variant}` | " + " | ".join(_cell(row, c, _COLUMNS[c][1]) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def _deltas(out: Path, variants) -> dict[str, np.ndarray]:
+    """Per arm, the first step's per-token |Δ log-prob| of its lowest seed's run (the starting policy's mismatch)."""
+    found = {}
+    for variant in variants:
+        runs = sorted(out.glob(f"{glob_escape(variant)}-seed*/step1_logprobs.npz"),
+                      key=lambda p: int(p.parent.name.rsplit("seed", 1)[1]))
+        if runs:
+            with np.load(runs[0]) as f:
+                found[variant] = np.abs(f["generator"] - f["trainer"])
+    return found
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([\[\]*?])", r"[\1]", name)
+
+
+def report(out_dir: str | Path, window: int = 10, smooth: int = 5) -> Path:
+    """Write out_dir/report/ from the runs in out_dir; returns that folder. Endpoints use finished runs only."""
+    out = Path(out_dir)
+    cfg = OnOffConfig(**read_config_file(out / "config.yaml", OnOffConfig))
+    table = collect(out)
+    done = finished_runs(table, out)
+    folder = out / "report"
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir()
+    table.to_csv(folder / "metrics.csv.gz", index=False)
+    for name in ("runs.csv", "invocations.csv", "config.yaml"):
+        if (out / name).exists():
+            shutil.copy(out / name, folder / name)
+    if done.empty:
+        (folder / "summary.md").write_text(f"# ON/OFF `{cfg.preset or 'custom'}`\n\nNo run has finished yet.\n")
+        return folder
+    summary = summarize(done, window)
+    summary.to_csv(folder / "summary.csv", index=False)
+    steps = int(done.step.max())
+    smooth = smooth if steps >= 4 * smooth else 1
+    figures = {"reward": reward_curves(done, ("reward_mean",) + tuple(
+        m for m in sorted(set(done.metric)) if m.startswith("accuracy_")), smooth=smooth,
+        title=f"ON/OFF `{cfg.preset or 'custom'}`: reward, mean over seeds, 95% bootstrap band"),
+        "mismatch": mismatch_panels(done, smooth=smooth)}
+    # Arms that differ only in what the update does with the log-probs share step 1's: one of them is enough.
+    deltas = _deltas(out, [v for v in summary.variant if v in ("on", "off") or v.startswith("noise=")])
+    if deltas:
+        figures["delta_histogram"] = delta_histogram({f"{v} (step 1)": d for v, d in deltas.items()})
+    dose = dose_response(done, window)
+    if dose.variant.str.startswith("noise=").any():
+        figures["dose_response"] = dose_response_figure(dose)
+        dose.to_csv(folder / "dose_response.csv", index=False)
+    for name, fig in figures.items():
+        save_figure(fig, folder, name)
+    (folder / "summary.md").write_text(_summary_markdown(cfg, out, table, done, summary, figures))
+    return folder
+
+
+def _summary_markdown(cfg: OnOffConfig, out: Path, table, done, summary, figures) -> str:
+    calls = pd.read_csv(out / "invocations.csv") if (out / "invocations.csv").exists() else pd.DataFrame()
+    devices = ", ".join(sorted(set(calls.device.astype(str)))) if "device" in calls else "unknown"
+    shas = ", ".join(sorted(set(calls.git_sha.astype(str)))) if "git_sha" in calls else "unknown"
+    runs = pd.read_csv(out / "runs.csv")
+    unfinished = runs[~runs.finished.astype(bool)]
+    lines = [f"# ON/OFF experiment `{cfg.preset or 'custom'}`{' (smoke)' if cfg.smoke else ''}", "",
+             f"- date {datetime.date.today().isoformat()}; device {devices}; git {shas}",
+             (f"- {len(runs) - len(unfinished)} finished runs: arms {', '.join(f'`{v}`' for v in summary.variant)} "
+              f"x seeds {sorted(set(done.seed))}, {int(done.step.max())} steps each; total wall time "
+              f"{total_wall_s(out) / 60:.1f} min over {len(calls)} call{'' if len(calls) == 1 else 's'}"),
+             (f"- policy `{cfg.policy or 'self-trained ' + cfg.policy_size}`, task `{cfg.task}`, loss `{cfg.loss}`, "
+              f"{cfg.prompts_per_step} prompts x {cfg.group_size} samples x {cfg.max_new_tokens} new tokens, lr "
+              f"{cfg.lr:g}; settings in config.yaml"), "", "## Verdict", "", verdict(summary), "",
+             "## Endpoints", "",
+             "Means over seeds, [95% bootstrap CI over seeds]; `vs on`: the paired difference in final reward. "
+             f"Final reward: the last {summary.attrs['window']} steps. " + _threshold_text(summary), "",
+             markdown_table(summary), "", "## Arms", ""]
+    lines += [f"- `{v}`: {get_arm(v).description}" for v in summary.variant]
+    lines += ["", "## Figures", ""] + [f"![{name}]({name}.png) ([SVG]({name}.svg))" for name in figures]
+    caveats = []
+    if cfg.smoke:
+        caveats.append("Smoke scale: the tiny self-trained policy, two steps, one seed. This checks the pipeline; "
+                       "it is no result.")
+    compared = len(summary) - 1
+    if compared > 1:
+        caveats.append(f"{compared} arms are each compared with `on` at 95%: even with no effect anywhere, one of "
+                       f"their CIs excludes 0 with probability about {1 - 0.95 ** compared:.0%} (no correction for "
+                       "multiple comparisons is applied).")
+    workers = int(cfg.workers)
+    if workers > 1:
+        caveats.append(f"Up to {workers} runs shared the device at once: seconds per step are not the speed of one "
+                       "run alone.")
+    if len(unfinished):
+        caveats.append(f"{len(unfinished)} run(s) have not finished ({', '.join(unfinished.run)}): they are in "
+                       "metrics.csv.gz but not in the endpoints.")
+    if caveats:
+        lines += ["", "## Caveats", ""] + [f"- {c}" for c in caveats]
+    return "\n".join(lines) + "\n"
+
+
+def _threshold_text(summary: pd.DataFrame) -> str:
+    threshold = summary.attrs.get("threshold", np.nan)
+    if not np.isfinite(threshold):
+        return "Steps to threshold: none (no `on` arm to set it)."
+    return (f"Steps to threshold: the first step whose trailing mean reward reaches {threshold:.3g} (halfway from "
+            "`on`'s start to its end), over the runs that reach it.")
+
+
+def publish(out_dir: str | Path, dest: str | Path) -> Path:
+    """Copy out_dir's report to dest/<date>_onoff-<preset>-<device>_<sha>/ (writing the report first)."""
+    out = Path(out_dir)
+    folder = report(out)
+    cfg = OnOffConfig(**read_config_file(out / "config.yaml", OnOffConfig))
+    calls = pd.read_csv(out / "invocations.csv")
+    device = str(calls.device.iloc[-1])
+    slug = (re.search(r"[A-Z]\d{2,4}", device) or re.search(r"\w+", device)).group(0).lower()
+    sha = str(calls.git_sha.iloc[-1])[:7]
+    name = f"{datetime.date.today().isoformat()}_onoff-{cfg.preset or 'custom'}{'-smoke' if cfg.smoke else ''}"
+    target = Path(dest) / f"{name}-{slug}_{sha}"
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(folder, target)
+    return target

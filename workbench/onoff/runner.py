@@ -1,0 +1,224 @@
+"""Running an ON/OFF experiment: every (arm, seed) run into its own folder of out_dir, resumable, in
+pieces, several at once.
+
+A run that finished is recorded (its folder's run.json: config and steps) and never run again; one cut
+short (a time limit, a killed process) resumes from its checkpoint; a folder holding a run with other
+settings is an error, never overwritten. So `on-off --arms ... --seeds ...` with the same out_dir adds to
+and continues what is there, and `time_limit_min` splits an experiment over calls of a few minutes.
+
+Several runs at once (`workers`) each get a process of their own ('spawn': CUDA and vLLM initialise per
+process; vLLM's batch-invariant mode, once on, patches torch for the whole process, so vLLM runs always
+get one). Their kernels are the same whatever else shares the GPU, so `invariant` runs keep their bits.
+
+out_dir/metrics.csv is the long table of every run in the folder (finished or not), out_dir/runs.csv
+their status, out_dir/invocations.csv each call's wall time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict
+from pathlib import Path
+
+import pandas as pd
+
+from ..config import write_config
+from ..env import environment_record, resolve_device
+from ..rl.checkpoint import config_changes, latest_checkpoint
+from ..rl.config import TrainConfig
+from ..rl.policy import PolicyConfig, train_policy
+from ..rl.trainer import train
+from .config import OnOffConfig
+
+
+class RunFailed(RuntimeError):
+    """A run of the experiment failed (the others went on; their metrics are written)."""
+
+
+RECORD = "run.json"
+"""Written into a run's folder when it has finished: its config and its number of steps."""
+_RUN_FOLDER = re.compile(r"(?P<arm>.+)-seed(?P<seed>\d+)")
+
+
+def starting_policy(cfg: OnOffConfig) -> str:
+    """The checkpoint every run starts from: cfg.policy, or one trained (once) into out_dir/policy.
+
+    A policy already there is reused only if it was trained with the same settings.
+    """
+    if cfg.policy:
+        return cfg.policy
+    folder = Path(cfg.out_dir) / "policy"
+    policy_cfg = PolicyConfig(size=cfg.policy_size, difficulty=cfg.difficulty, max_steps=cfg.policy_steps,
+                              target_accuracy=tuple(cfg.policy_accuracy), device=resolve_device(cfg.device))
+    wanted = {k: v for k, v in asdict(policy_cfg).items() if k != "device"}
+    wanted["target_accuracy"] = list(wanted["target_accuracy"])
+    record = folder / "policy_config.json"
+    if (folder / "model.safetensors").exists():
+        saved = json.loads(record.read_text()) if record.exists() else None
+        if saved != wanted:
+            raise ValueError(f"{folder} holds a starting policy trained with other settings ({saved}, now {wanted}); "
+                             "use another out_dir or pass policy=...")
+        return str(folder)
+    _, _, table = train_policy(policy_cfg, folder)
+    table.to_csv(folder / "sft_metrics.csv", index=False)
+    record.write_text(json.dumps(wanted, indent=1))
+    return str(folder)
+
+
+def run_status(run: TrainConfig) -> str:
+    """'done', 'partial' (a checkpoint to resume from) or 'new'; a run there with other settings is an error."""
+    folder = Path(run.out_dir)
+    record = folder / RECORD
+    last = latest_checkpoint(folder)
+    if record.exists():
+        saved = json.loads(record.read_text())
+        _check_same(run, saved["config"], folder)
+        if saved["steps"] >= run.steps:
+            return "done"
+        if last is None:
+            raise ValueError(f"{folder} finished at {saved['steps']} steps and its checkpoints were deleted "
+                             f"(keep_checkpoints=False): it cannot go on to {run.steps}; use another out_dir")
+    if last is not None:
+        _check_same(run, json.loads((last / "state.json").read_text())["config"], folder)
+        return "partial"
+    return "new"
+
+
+def _check_same(run: TrainConfig, saved: dict, folder: Path) -> None:
+    changed = config_changes(saved, run)
+    if changed:
+        raise ValueError(f"{folder} holds a run with other settings {changed} (saved, now); "
+                         "use another out_dir for the experiment")
+
+
+def execute(run: TrainConfig, deadline: float, keep_checkpoints: bool, first: bool = False) -> str:
+    """Run or continue one run until it finishes or `deadline` (time.time() seconds; 0: none) passes.
+
+    Returns 'done', 'stopped' (checkpointed at the deadline) or 'waiting' (the deadline passed before it began).
+    A `first` run goes at least one step, so every call of a time-limited experiment makes progress.
+    """
+    remaining = deadline - time.time() if deadline else 0.0
+    if deadline and remaining <= 0:
+        if not first:
+            return "waiting"
+        remaining = 1e-3
+    resume = latest_checkpoint(Path(run.out_dir)) is not None
+    table = train(dataclasses.replace(run, resume=resume, time_limit_s=remaining))
+    steps = int(table.step.max())
+    if steps < run.steps:
+        return "stopped"
+    folder = Path(run.out_dir)
+    tmp = folder / f".{RECORD}.tmp"
+    tmp.write_text(json.dumps({"config": asdict(run), "steps": steps}, indent=1))
+    os.replace(tmp, folder / RECORD)
+    if not keep_checkpoints:
+        shutil.rmtree(folder / "checkpoints", ignore_errors=True)
+    return "done"
+
+
+def _execute_in_worker(run: dict, deadline: float, keep_checkpoints: bool, first: bool) -> str:
+    return execute(TrainConfig(**run), deadline, keep_checkpoints, first)
+
+
+def run_on_off(cfg: OnOffConfig) -> pd.DataFrame:
+    """Every (arm, seed) run of cfg not finished yet; returns the long table of every run in out_dir (also
+    out_dir/metrics.csv). A run that fails does not stop the others: the first failure is raised at the end,
+    after the tables are written."""
+    started, t0 = datetime.datetime.now(), time.time()
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_config(cfg, out / "config.yaml")
+    policy = starting_policy(cfg)
+    deadline = t0 + 60 * cfg.time_limit_min if cfg.time_limit_min else 0.0
+    todo = [cfg.run_config(arm, seed, policy) for seed in cfg.seeds for arm in cfg.arms]
+    todo = [run for run in todo if run_status(run) != "done"]
+    results: dict[str, str] = {}
+    failures: list[tuple[str, BaseException]] = []
+    if cfg.workers == 1 and all(run.generator == "embedded" for run in todo):
+        for i, run in enumerate(todo):
+            try:
+                results[run.out_dir] = execute(run, deadline, cfg.keep_checkpoints, first=i == 0)
+            except Exception as e:  # noqa: BLE001  reported with the run's name below
+                failures.append((run.out_dir, e))
+    elif todo:
+        quiet = [dataclasses.replace(run, progress=False) for run in todo]  # one bar per process would interleave
+        spawn = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=cfg.workers, mp_context=spawn, max_tasks_per_child=1) as pool:
+            futures = {pool.submit(_execute_in_worker, asdict(run), deadline, cfg.keep_checkpoints,
+                                   i < cfg.workers): run.out_dir for i, run in enumerate(quiet)}
+            for future in as_completed(futures):
+                name = futures[future]
+                try:
+                    results[name] = future.result()
+                except Exception as e:  # noqa: BLE001
+                    failures.append((name, e))
+                if cfg.progress:
+                    print(f"{Path(name).name}: {results.get(name, 'FAILED')}", flush=True)
+    table = collect(out)
+    _log_invocation(out, started, time.time() - t0, results, failures)
+    if failures:
+        name, error = failures[0]
+        raise RunFailed(f"run {Path(name).name} failed ({len(failures)} of {len(todo)} runs failed; the others' "
+                          f"metrics are in {out / 'metrics.csv'}): {error}") from error
+    return table
+
+
+def collect(out: Path) -> pd.DataFrame:
+    """The long table of every run folder in `out` (finished or not), written atomically to out/metrics.csv,
+    and their status to out/runs.csv."""
+    tables, status = [], []
+    for folder in sorted(p for p in out.iterdir() if p.is_dir() and _RUN_FOLDER.fullmatch(p.name)):
+        path = folder / "metrics.csv"
+        if not path.exists() or path.stat().st_size == 0:
+            continue
+        t = pd.read_csv(path)
+        tables.append(t)
+        record = folder / RECORD
+        target = json.loads(record.read_text())["config"]["steps"] if record.exists() else None
+        status.append({"run": folder.name, "variant": t.variant.iloc[0] if len(t) else "",
+                       "seed": int(_RUN_FOLDER.fullmatch(folder.name)["seed"]),
+                       "steps_done": int(t.step.max()) if len(t) else 0, "finished": record.exists(),
+                       "steps": target})
+    table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(
+        columns=["step", "metric", "value", "variant", "seed"])
+    _write_atomic(table, out / "metrics.csv")
+    _write_atomic(pd.DataFrame(status), out / "runs.csv")
+    return table
+
+
+def finished_runs(table: pd.DataFrame, out: Path) -> pd.DataFrame:
+    """The rows of `table` from runs recorded as finished in out/runs.csv (a cut-short run biases endpoints)."""
+    runs = pd.read_csv(out / "runs.csv")
+    done = runs[runs.finished.astype(bool)][["variant", "seed"]]
+    return table.merge(done, on=["variant", "seed"])
+
+
+def total_wall_s(out: Path) -> float:
+    """The summed wall time of every call that ran into `out`."""
+    path = out / "invocations.csv"
+    return float(pd.read_csv(path).wall_s.sum()) if path.exists() else 0.0
+
+
+def _log_invocation(out: Path, started, wall_s: float, results: dict, failures: list) -> None:
+    env = environment_record()
+    row = pd.DataFrame([{"started": started.isoformat(timespec="seconds"), "wall_s": round(wall_s, 1),
+                         "device": env.get("gpu") or "CPU", "git_sha": env.get("git_sha"),
+                         "done": sum(r == "done" for r in results.values()),
+                         "stopped": sum(r == "stopped" for r in results.values()),
+                         "waiting": sum(r == "waiting" for r in results.values()), "failed": len(failures)}])
+    path = out / "invocations.csv"
+    _write_atomic(pd.concat([pd.read_csv(path), row]) if path.exists() else row, path)
+
+
+def _write_atomic(table: pd.DataFrame, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    table.to_csv(tmp, index=False)
+    os.replace(tmp, path)
