@@ -53,7 +53,7 @@ def _deltas(out: Path, variants) -> dict[str, np.ndarray]:
     """Per arm, the first step's per-token |Δ log-prob| of its lowest seed's run (the starting policy's mismatch)."""
     found = {}
     for variant in variants:
-        runs = sorted(out.glob(f"{glob_escape(variant)}-seed*/step1_logprobs.npz"),
+        runs = sorted(out.glob(f"{_glob_escape(variant)}-seed*/step1_logprobs.npz"),
                       key=lambda p: int(p.parent.name.rsplit("seed", 1)[1]))
         if runs:
             with np.load(runs[0]) as f:
@@ -61,7 +61,7 @@ def _deltas(out: Path, variants) -> dict[str, np.ndarray]:
     return found
 
 
-def glob_escape(name: str) -> str:
+def _glob_escape(name: str) -> str:
     return re.sub(r"([\[\]*?])", r"[\1]", name)
 
 

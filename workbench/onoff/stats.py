@@ -12,8 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from .arms import NOISE_PREFIX, get_arm
+
 REFERENCE = "on"
-NOISE_PREFIX = "noise="
 # Resamples are drawn in chunks of at most this many counts, so a long vector of values never needs an
 # n x len(values) matrix at once.
 _CHUNK = 1 << 22
@@ -86,14 +87,9 @@ def arm_order(variants, reference: str = REFERENCE) -> list[str]:
 
 def noise_sigma(variant: str) -> float:
     """The injected noise of a dose-response arm: sigma of `noise=<sigma>`, 0 for the reference `on`."""
-    if variant == REFERENCE:
-        return 0.0
-    if variant.startswith(NOISE_PREFIX):
-        try:
-            return float(variant[len(NOISE_PREFIX):])
-        except ValueError:
-            pass
-    raise ValueError(f"{variant!r} is not a dose-response arm ('{REFERENCE}' or '{NOISE_PREFIX}<sigma>')")
+    if variant != REFERENCE and not variant.startswith(NOISE_PREFIX):
+        raise ValueError(f"{variant!r} is not a dose-response arm ('{REFERENCE}' or '{NOISE_PREFIX}<sigma>')")
+    return get_arm(variant).sampler_noise
 
 
 def _col(run: pd.DataFrame, name: str) -> pd.Series:
