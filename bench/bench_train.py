@@ -1,12 +1,15 @@
 """GPU benchmark of the trainer's update at real scale: the Qwen3-1.7B shape (random weights), fp32 masters and
 AdamW resident, one GRPO update (the trainer's micro-batched forward, fused chunked log-probs over the completion
-tokens, backward, AdamW) per row, in both kernel modes, with and without activation checkpointing, for steps up
+tokens, backward, AdamW) per row, in each kernel mode, with and without activation checkpointing, for steps up
 to 512 sequences x 1,024 tokens. Each row: tokens/s of the update, MFU (6 x params x tokens/s over the GPU's
 dense bf16 peak; the floor is MFU 1), peak memory; and the no-grad scoring pass (the old log-probs) beside it.
-The baseline in the same run: the previous trainer's update (one forward with full [B, T, V] logits,
+The baselines in the same run: `standard` (cuBLAS, SDPA's flash attention, the fused chunked log-prob, Hugging
+Face's RMSNorm, RoPE and SwiGLU op for op in eager PyTorch), `standard-fused` (the same with fused row-wise
+kernels, as Liger users run it), and the previous trainer's update (one forward with full [B, T, V] logits,
 log-probs over the whole vocabulary, backward).
 
-    python bench/bench_train.py [--shape qwen3-1.7B] [--out FILE.md] [--quick]
+    python bench/bench_train.py [--shape qwen3-1.7B] [--out FILE.md] [--quick] [--sizes 512] [--configs 8192 16384]
+    python bench/bench_train.py --breakdown   # where a micro-batch's GPU time goes, and each projection vs cuBLAS
 """
 
 from __future__ import annotations
@@ -19,16 +22,24 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import emit, header  # noqa: E402
+from timing import emit, gpu_ms, header  # noqa: E402
 
 from workbench.kernels import mode, token_logprobs  # noqa: E402
+from workbench.kernels.matmul import matmul  # noqa: E402
 from workbench.models import build  # noqa: E402
 from workbench.rl.config import TrainConfig  # noqa: E402
-from workbench.rl.logprobs import score  # noqa: E402
+from workbench.rl.logprobs import completion_logprobs, score  # noqa: E402
 from workbench.rl.losses import get_loss  # noqa: E402
 from workbench.rl.rollout import RolloutBatch  # noqa: E402
 from workbench.rl.update import UpdateInputs, update  # noqa: E402
 from workbench.rl.weights import TrainWeights  # noqa: E402
+
+# The kernel modes a row runs under: (default, per-op overrides). `standard-fused` is the fast standard baseline:
+# cuBLAS and SDPA stay, the row-wise ops (one row in, one row out, no reduction across rows) take this package's
+# fused Triton kernels instead of Hugging Face's eager formulas with their fp32 round trips. Liger's kernels are
+# the ecosystem's version of the same fusion; ours are used so the baseline needs nothing installed.
+MODES = {"invariant": ("invariant", {}), "standard": ("standard", {}),
+         "standard-fused": ("standard", {"rms_norm": "invariant", "silu_mul": "invariant", "apply_rope": "invariant"})}
 
 # Dense bf16 tensor-core peaks (no sparsity), by device name.
 PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -67,11 +78,12 @@ def _timed(fn):
     return out, time.perf_counter() - t
 
 
-def new_update(weights, batch, kernel_mode: str, budget: int, ckpt: bool) -> tuple[float, float]:
+def new_update(weights, batch, row_mode: str, budget: int, ckpt: bool) -> tuple[float, float]:
     """(seconds of the scoring pass, seconds of the update) of one GRPO step on `batch`."""
-    cfg = TrainConfig(kernel_mode=kernel_mode, max_tokens_per_microbatch=budget, activation_checkpointing=ckpt,
+    default, overrides = MODES[row_mode]
+    cfg = TrainConfig(kernel_mode=default, max_tokens_per_microbatch=budget, activation_checkpointing=ckpt,
                       group_size=8, prompts_per_step=max(len(batch) // 8, 1), max_new_tokens=batch.mask.shape[1])
-    with mode(kernel_mode):
+    with mode(default, **overrides):
         (old, _), t_score = _timed(lambda: score(weights.model, batch, budget, 1.0))
         adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(1)).cuda()
         inputs = UpdateInputs(adv, old, None, None)
@@ -80,14 +92,15 @@ def new_update(weights, batch, kernel_mode: str, budget: int, ckpt: bool) -> tup
     return t_score, t_update
 
 
-def old_update(weights, n: int, t: int, kernel_mode: str) -> float:
+def old_update(weights, n: int, t: int, row_mode: str) -> float:
     """The previous trainer's update: full [B, T, V] logits in one forward, log-probs over them, backward."""
     model = weights.model
     ids = torch.randint(0, model.config.vocab_size, (n, t), device="cuda")
     lens = torch.full((n,), t, device="cuda", dtype=torch.int32)
+    default, overrides = MODES[row_mode]
 
     def step():
-        with mode(kernel_mode):
+        with mode(default, **overrides):
             logits = model(ids, seq_lens=lens)
             logp = token_logprobs(logits, torch.roll(ids, -1, dims=1))[:, :-1]
             (-logp.mean()).backward()
@@ -96,17 +109,76 @@ def old_update(weights, n: int, t: int, kernel_mode: str) -> float:
     return _timed(step)[1]
 
 
-def profile(weights, modes) -> None:
+def _busy_ms(prof) -> tuple[float, float, int]:
+    """(ms the GPU ran any kernel, ms from the first kernel's start to the last one's end, kernels) of a trace."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, start, end = 0.0, *spans[0]
+    for s, e in spans[1:]:
+        if s > end:
+            busy, start = busy + end - start, s
+        end = max(end, e)
+    return (busy + end - start) / 1e3, (spans[-1][1] - spans[0][0]) / 1e3, len(spans)
+
+
+def forward_backward(weights, batch, budget: int) -> None:
+    """The update's forward and backward over `batch` (no optimizer step, no host sync between micro-batches)."""
+    for mb in batch.micro_batches(None, budget):
+        logp, _ = completion_logprobs(weights.model, mb, 1.0)
+        (-(logp * batch.mask[mb.index, :mb.width]).sum() / batch.mask.sum()).backward()
+
+
+def breakdown(weights, modes) -> None:
+    """Where one 16 x 1,024-token micro-batch's forward and backward spend their time: the GPU's busy fraction
+    (a host that cannot keep up leaves gaps), the kernels by total time, and each projection shape's three
+    products (forward, d(input), d(weight)) at 16,384 rows, ours vs cuBLAS, timed alone in CUDA graphs."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     batch = make_batch(16, 1024, weights.model.config.vocab_size, seed=0)
-    for kernel_mode in modes:
-        new_update(weights, batch, kernel_mode, 8192, False)
-        with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            t_score, t_update = new_update(weights, batch, kernel_mode, 8192, False)
-        print(f"## {kernel_mode}: scoring {t_score:.3f} s, update {t_update:.3f} s (16 x 1,024 tokens)")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+    for row_mode in modes:
+        default, overrides = MODES[row_mode]
+        for budget in (16384, 8192):
+            with mode(default, **overrides):
+                try:
+                    forward_backward(weights, batch, budget)
+                    t = _timed(lambda b=budget: forward_backward(weights, batch, b))[1]
+                    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        forward_backward(weights, batch, budget)
+                        torch.cuda.synchronize()
+                except torch.OutOfMemoryError:
+                    print(f"## {row_mode}, {budget}-token micro-batches: OOM")
+                    weights.zero_grad()
+                    torch.cuda.empty_cache()
+                    continue
+            weights.zero_grad()
+            busy, span, n = _busy_ms(prof)
+            print(f"## {row_mode}, {budget}-token micro-batches: forward + backward {t * 1e3:.1f} ms "
+                  f"({16 * 1024 / t:,.0f} tokens/s); GPU busy {busy:.1f} of {span:.1f} ms ({busy / span:.0%}), "
+                  f"{n} kernels\n")
+            print("| kernel | launches | GPU ms |\n|---|---|---|")
+            for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]:
+                print(f"| `{e.key[:90]}` | {e.count} | {e.device_time_total / 1e3:.1f} |")
+            print()
+    cfg = weights.model.config
+    h, q, kv, i = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, \
+        cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    m = 16384
+    print("| projection | N x K | pass | ours ms | cuBLAS ms | ours TFLOP/s | ours / cuBLAS |\n|---|---|---|---|---|---|---|")
+    for name, (n, k) in {"q_proj": (q, h), "k_proj, v_proj": (kv, h), "o_proj": (h, q),
+                         "gate_proj, up_proj": (i, h), "down_proj": (h, i), "q, k, v fused": (q + 2 * kv, h)}.items():
+        for kind in ("forward", "d(input)", "d(weight)"):
+            ms = []
+            for ours in (True, False):
+                def make(kind=kind, ours=ours, n=n, k=k):
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+                    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+                    a, b = {"forward": (x, w.t()), "d(input)": (dy, w), "d(weight)": (dy.t(), x)}[kind]
+                    return (lambda: matmul(a, b)) if ours else (lambda: a @ b)
+                ms.append(gpu_ms(make, 2 * (m * k + n * k + m * n), reps=10))
+            print(f"| {name} | {n} x {k} | {kind} | {ms[0]:.3f} | {ms[1]:.3f} | "
+                  f"{2 * m * n * k / ms[0] / 1e9:.0f} | {ms[0] / ms[1]:.2f} |", flush=True)
 
 
 def main() -> None:
@@ -114,15 +186,19 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-1.7B")
     ap.add_argument("--out", help="also write the table (markdown) to this file")
     ap.add_argument("--quick", action="store_true", help="only steps up to 64 x 1,024 tokens")
-    ap.add_argument("--modes", nargs="+", default=["invariant", "standard"])
-    ap.add_argument("--profile", action="store_true",
-                    help="instead of the table: the GPU kernels of one 16 x 1,024 update (8,192-token micro-batches) per mode, by total time")
+    ap.add_argument("--sizes", nargs="+", type=int, help="sequences per step (default 8 64 512; --quick: 8 64)")
+    ap.add_argument("--configs", nargs="+", default=["8192", "16384", "32768+ckpt"],
+                    help="micro-batch token budgets, +ckpt for activation checkpointing")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--breakdown", action="store_true",
+                    help="instead of the table: GPU busy fraction and kernels of one 16 x 1,024 micro-batch's forward "
+                         "and backward per mode, and each projection's products vs cuBLAS")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_train.py needs a CUDA GPU")
     weights = make_weights(a.shape)
-    if a.profile:
-        profile(weights, a.modes)
+    if a.breakdown:
+        breakdown(weights, a.modes)
         return
     n_params = sum(p.numel() for p in weights.masters.values())
     vocab = weights.model.config.vocab_size
@@ -137,19 +213,21 @@ def main() -> None:
              f"{peak / flops_per_token:,.0f} tokens/s.", "",
              "| mode | path | B x T | micro-batch tokens | act. ckpt | update tokens/s | MFU | scoring tokens/s "
              "| peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
-    sizes = [8, 64] if a.quick else [8, 64, 512]
+    sizes = a.sizes or ([8, 64] if a.quick else [8, 64, 512])
+    configs = [(int(c.removesuffix("+ckpt")), c.endswith("+ckpt")) for c in a.configs]
     for kernel_mode in a.modes:
-        configs = [(8192, False), (16384, False), (32768, True)]
         for budget, ckpt in configs:
-            for i, n in enumerate(sizes):
+            try:  # warm-up: compilation, allocator
+                new_update(weights, make_batch(8, 1024, vocab, seed=1), kernel_mode, budget, ckpt)
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+            for n in sizes:
                 batch = make_batch(n, 1024, vocab, seed=n)
-                if i == 0:
-                    new_update(weights, batch, kernel_mode, budget, ckpt)   # warm-up: compilation, allocator
                 torch.cuda.reset_peak_memory_stats()
                 try:
                     t_score, t_update = new_update(weights, batch, kernel_mode, budget, ckpt)
                 except torch.OutOfMemoryError:
-                    lines.append(f"| {kernel_mode} | fused | {n} x 1024 | {budget} | {ckpt} | OOM | | | > 78 |")
+                    lines.append(f"| {kernel_mode} | fused | {n} x 1024 | {budget} | {'on' if ckpt else 'off'} | OOM | | | > 78 |")
                     torch.cuda.empty_cache()
                     continue
                 tokens = n * 1024

@@ -10,6 +10,7 @@ import json
 import pandas as pd
 import pytest
 
+from workbench.onoff import publish
 from workbench.onoff.arms import ARMS, arm_settings, get_arm
 from workbench.onoff.config import PRESETS, OnOffConfig, preset
 from workbench.onoff.runner import collect, run_on_off, run_status, total_wall_s
@@ -75,6 +76,29 @@ def test_a_time_limit_cuts_the_experiment_into_pieces_with_the_same_result(tmp_p
         finished = int(pd.read_csv(tmp_path / "pieces" / "runs.csv").finished.sum())
     assert finished == 2 and calls == 8, "each call goes one step further (the first run always makes progress)"
     assert _without_times(table).equals(_without_times(whole)), "pieces give the same metrics, bit for bit"
+
+
+def test_a_cut_run_is_drawn_but_left_out_of_the_endpoints(tmp_path, monkeypatch):
+    cfg = _cfg(tmp_path, seeds=(0,), steps=2, checkpoint_every=1, time_limit_min=1e-6)
+    for _ in range(3):  # one step a call: `off` finishes, `off-tis` stops after its first step
+        run_on_off(cfg)
+    drawn = {}
+
+    def recording(name):
+        real = getattr(publish, name)
+
+        def draw(table, *args, **kwargs):
+            drawn[name] = set(table.variant)
+            return real(table, *args, **kwargs)
+        return draw
+
+    for name in ("reward_curves", "mismatch_panels"):
+        monkeypatch.setattr(publish, name, recording(name))
+    folder = publish.report(tmp_path)
+    assert list(pd.read_csv(folder / "summary.csv").variant) == ["off"], "endpoints from finished runs only"
+    assert "off-tis-seed0 at step 1" in (folder / "summary.md").read_text()
+    assert drawn == {"reward_curves": {"off", "off-tis"}, "mismatch_panels": {"off", "off-tis"}}, \
+        "the curves show the cut run up to where it got"
 
 
 def test_smoke_shrinks_any_preset_to_a_cpu_check():

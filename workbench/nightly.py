@@ -87,7 +87,9 @@ def run_folder(root: str | Path) -> Path:
 
 
 def _parameters(path: Path, declared: dict, cfg: NightlyConfig, smoke: bool, run_dir: Path) -> dict:
-    offered = {"smoke": smoke, "device": cfg.device, "run_dir": str(run_dir.resolve())}
+    # interactive=False: no widgets. A widget's comm messages can leave papermill waiting forever on a cell whose
+    # kernel is idle (nbclient#312, papermill#723); seen here on notebook 01's explorer.
+    offered = {"smoke": smoke, "device": cfg.device, "run_dir": str(run_dir.resolve()), "interactive": False}
     if cfg.policy:
         offered["policy"] = cfg.policy
     if cfg.metrics:

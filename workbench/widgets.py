@@ -1,6 +1,5 @@
-"""Interactive explorers for the notebooks. Without ipywidgets they return a plain table; run
-headless (papermill), the widget is saved as its text description, so the notebooks show the
-same table statically in the cell before."""
+"""Interactive explorers for the notebooks. Without ipywidgets they return a plain table. Headless runs
+(the nightly) do not build them: the notebooks' `interactive` parameter picks the plain table there."""
 
 from __future__ import annotations
 

@@ -97,7 +97,8 @@ class OnOffConfig:
     """Keep a finished run's checkpoints (False deletes them once its metrics are recorded: 0.8 GB per run for
     SmolLM2 in bf16, ~30 GB at 1.7B with fp32 masters)."""
     workers: int = 1
-    """Runs at once, each in its own process (a small policy leaves most of a GPU idle)."""
+    """Runs at once, each in its own process (a small policy leaves most of a GPU idle). Each process keeps its own
+    CUDA memory cache: SmolLM2 runs took 4-16 GB each on the H100, and 11 at once ran out of its 80 GB."""
     time_limit_min: float = 0.0
     """Stop after this many minutes: running runs checkpoint at their next step boundary, the rest wait; the
     next call with the same out_dir continues (0: no limit)."""

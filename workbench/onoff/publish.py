@@ -66,7 +66,8 @@ def _glob_escape(name: str) -> str:
 
 
 def report(out_dir: str | Path, window: int = 10, smooth: int = 5) -> Path:
-    """Write out_dir/report/ from the runs in out_dir; returns that folder. Endpoints use finished runs only."""
+    """Write out_dir/report/ from the runs in out_dir; returns that folder. Endpoints use finished runs only; the
+    curves show every step any run reached, so a run cut short still shows how far it got."""
     out = Path(out_dir)
     cfg = OnOffConfig(**read_config_file(out / "config.yaml", OnOffConfig))
     table = collect(out)
@@ -84,12 +85,12 @@ def report(out_dir: str | Path, window: int = 10, smooth: int = 5) -> Path:
         return folder
     summary = summarize(done, window)
     summary.to_csv(folder / "summary.csv", index=False)
-    steps = int(done.step.max())
+    steps = int(table.step.max())
     smooth = smooth if steps >= 4 * smooth else 1
-    figures = {"reward": reward_curves(done, ("reward_mean",) + tuple(
-        m for m in sorted(set(done.metric)) if m.startswith("accuracy_")), smooth=smooth,
+    figures = {"reward": reward_curves(table, ("reward_mean",) + tuple(
+        m for m in sorted(set(table.metric)) if m.startswith("accuracy_")), smooth=smooth,
         title=f"ON/OFF `{cfg.preset or 'custom'}`: reward, mean over seeds, 95% bootstrap band"),
-        "mismatch": mismatch_panels(done, smooth=smooth)}
+        "mismatch": mismatch_panels(table, smooth=smooth)}
     # Arms that differ only in what the update does with the log-probs share step 1's: one of them is enough.
     deltas = _deltas(out, [v for v in summary.variant if v in ("on", "off") or v.startswith("noise=")])
     if deltas:
@@ -138,8 +139,9 @@ def _summary_markdown(cfg: OnOffConfig, out: Path, table, done, summary, figures
         caveats.append(f"Up to {workers} runs shared the device at once: seconds per step are not the speed of one "
                        "run alone.")
     if len(unfinished):
-        caveats.append(f"{len(unfinished)} run(s) have not finished ({', '.join(unfinished.run)}): they are in "
-                       "metrics.csv.gz but not in the endpoints.")
+        cut = ", ".join(f"{r.run} at step {int(r.steps_done)}" for r in unfinished.itertuples())
+        caveats.append(f"{len(unfinished)} run(s) have not finished ({cut}): they are in metrics.csv.gz and in the "
+                       "curves up to that step, not in the endpoints.")
     if caveats:
         lines += ["", "## Caveats", ""] + [f"- {c}" for c in caveats]
     return "\n".join(lines) + "\n"
