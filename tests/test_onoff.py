@@ -9,8 +9,9 @@ import json
 
 import pandas as pd
 import pytest
+import torch
 
-from workbench.onoff import publish
+from workbench.onoff import publish, runner
 from workbench.onoff.arms import ARMS, arm_settings, get_arm
 from workbench.onoff.config import PRESETS, OnOffConfig, preset
 from workbench.onoff.runner import collect, run_on_off, run_status, total_wall_s
@@ -99,6 +100,14 @@ def test_a_cut_run_is_drawn_but_left_out_of_the_endpoints(tmp_path, monkeypatch)
     assert "off-tis-seed0 at step 1" in (folder / "summary.md").read_text()
     assert drawn == {"reward_curves": {"off", "off-tis"}, "mismatch_panels": {"off", "off-tis"}}, \
         "the curves show the cut run up to where it got"
+
+
+def test_out_of_memory_with_shared_workers_says_what_to_do():
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 48.00 MiB")
+    advice = runner._advice([("a/off-seed1", oom), ("a/on-seed0", ValueError("bad"))], workers=11)
+    assert "1 run(s) ran out of GPU memory with 11 workers" in advice and "workers=5" in advice
+    assert runner._advice([("a/off-seed1", oom)], workers=1) == "", "alone on the device: nothing to share"
+    assert runner._advice([("a/on-seed0", ValueError("bad"))], workers=4) == ""
 
 
 def test_smoke_shrinks_any_preset_to_a_cpu_check():

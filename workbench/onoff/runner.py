@@ -167,8 +167,19 @@ def run_on_off(cfg: OnOffConfig) -> pd.DataFrame:
     if failures:
         name, error = failures[0]
         raise RunFailed(f"run {Path(name).name} failed ({len(failures)} of {len(todo)} runs failed; the others' "
-                          f"metrics are in {out / 'metrics.csv'}): {error}") from error
+                          f"metrics are in {out / 'metrics.csv'}): {error}{_advice(failures, cfg.workers)}") \
+            from error
     return table
+
+
+def _advice(failures: list[tuple[str, BaseException]], workers: int) -> str:
+    """What to do when runs sharing one GPU ran out of its memory: each worker process keeps its own CUDA cache."""
+    oom = [name for name, e in failures if "out of memory" in str(e).lower()]
+    if not oom or workers == 1:
+        return ""
+    return (f". {len(oom)} run(s) ran out of GPU memory with {workers} workers sharing the device: run the same "
+            f"command again with fewer workers (e.g. workers={max(1, workers // 2)}); finished runs are kept and the "
+            "others continue from their last checkpoint")
 
 
 def collect(out: Path) -> pd.DataFrame:
