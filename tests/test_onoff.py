@@ -81,7 +81,12 @@ def test_a_time_limit_cuts_the_experiment_into_pieces_with_the_same_result(tmp_p
 
 def test_a_cut_run_is_drawn_but_left_out_of_the_endpoints(tmp_path, monkeypatch):
     cfg = _cfg(tmp_path, seeds=(0,), steps=2, checkpoint_every=1, time_limit_min=1e-6)
-    for _ in range(3):  # one step a call: `off` finishes, `off-tis` stops after its first step
+    run_on_off(cfg)  # one step a call
+    folder = publish.report(tmp_path)
+    assert "No run has finished yet" in (folder / "summary.md").read_text()
+    assert "`off-seed0` at step 1" in (folder / "summary.md").read_text()
+    assert (folder / "reward.png").exists() and not (folder / "summary.csv").exists(), "curves, no endpoints"
+    for _ in range(2):  # `off` finishes, `off-tis` stops after its first step
         run_on_off(cfg)
     drawn = {}
 

@@ -80,11 +80,6 @@ def report(out_dir: str | Path, window: int = 10, smooth: int = 5) -> Path:
     for name in ("runs.csv", "invocations.csv", "config.yaml"):
         if (out / name).exists():
             shutil.copy(out / name, folder / name)
-    if done.empty:
-        (folder / "summary.md").write_text(f"# ON/OFF `{cfg.preset or 'custom'}`\n\nNo run has finished yet.\n")
-        return folder
-    summary = summarize(done, window)
-    summary.to_csv(folder / "summary.csv", index=False)
     steps = int(table.step.max())
     smooth = smooth if steps >= 4 * smooth else 1
     figures = {"reward": reward_curves(table, ("reward_mean",) + tuple(
@@ -92,9 +87,16 @@ def report(out_dir: str | Path, window: int = 10, smooth: int = 5) -> Path:
         title=f"ON/OFF `{cfg.preset or 'custom'}`: reward, mean over seeds, 95% bootstrap band"),
         "mismatch": mismatch_panels(table, smooth=smooth)}
     # Arms that differ only in what the update does with the log-probs share step 1's: one of them is enough.
-    deltas = _deltas(out, [v for v in summary.variant if v in ("on", "off") or v.startswith("noise=")])
+    deltas = _deltas(out, [v for v in sorted(set(table.variant)) if v in _OWN_SAMPLES or v.startswith("noise=")])
     if deltas:
         figures["delta_histogram"] = delta_histogram({f"{v} (step 1)": d for v, d in deltas.items()})
+    if done.empty:
+        for name, fig in figures.items():
+            save_figure(fig, folder, name)
+        (folder / "summary.md").write_text(_unfinished_markdown(cfg, out, figures))
+        return folder
+    summary = summarize(done, window)
+    summary.to_csv(folder / "summary.csv", index=False)
     dose = dose_response(done, window)
     if dose.variant.str.startswith("noise=").any():
         figures["dose_response"] = dose_response_figure(dose)
@@ -103,6 +105,23 @@ def report(out_dir: str | Path, window: int = 10, smooth: int = 5) -> Path:
         save_figure(fig, folder, name)
     (folder / "summary.md").write_text(_summary_markdown(cfg, out, table, done, summary, figures))
     return folder
+
+
+_OWN_SAMPLES = ("on", "off", "on-vllm", "off-vllm")
+"""Arms whose generator differs (the others reuse one of these generators and differ in the update only)."""
+
+
+def _figure_lines(figures) -> list[str]:
+    return ["", "## Figures", ""] + [f"![{name}]({name}.png) ([SVG]({name}.svg))" for name in figures]
+
+
+def _unfinished_markdown(cfg: OnOffConfig, out: Path, figures) -> str:
+    runs = pd.read_csv(out / "runs.csv")
+    cut = ", ".join(f"`{r.run}` at step {int(r.steps_done)}" for r in runs.itertuples())
+    return "\n".join([f"# ON/OFF experiment `{cfg.preset or 'custom'}`", "",
+                      (f"No run has finished yet, so there are no endpoints and no verdict. Runs so far: {cut}; "
+                       f"total wall time {total_wall_s(out) / 60:.1f} min. The curves show every step reached.")]
+                     + _figure_lines(figures)) + "\n"
 
 
 def _summary_markdown(cfg: OnOffConfig, out: Path, table, done, summary, figures) -> str:
@@ -124,7 +143,7 @@ def _summary_markdown(cfg: OnOffConfig, out: Path, table, done, summary, figures
              f"Final reward: the last {summary.attrs['window']} steps. " + _threshold_text(summary), "",
              markdown_table(summary), "", "## Arms", ""]
     lines += [f"- `{v}`: {get_arm(v).description}" for v in summary.variant]
-    lines += ["", "## Figures", ""] + [f"![{name}]({name}.png) ([SVG]({name}.svg))" for name in figures]
+    lines += _figure_lines(figures)
     caveats = []
     if cfg.smoke:
         caveats.append("Smoke scale: the tiny self-trained policy, two steps, one seed. This checks the pipeline; "
