@@ -181,14 +181,22 @@ def breakdown(weights, modes) -> None:
                   f"{2 * m * n * k / ms[0] / 1e9:.0f} | {ms[0] / ms[1]:.2f} |", flush=True)
 
 
+def _config(text: str) -> tuple[int, bool]:
+    """'16384' or '32768+ckpt' -> (token budget, activation checkpointing)."""
+    budget = text.removesuffix("+ckpt")
+    if not budget.isdigit() or int(budget) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a token budget (a positive integer), optionally +ckpt")
+    return int(budget), text.endswith("+ckpt")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-1.7B")
     ap.add_argument("--out", help="also write the table (markdown) to this file")
     ap.add_argument("--quick", action="store_true", help="only steps up to 64 x 1,024 tokens")
     ap.add_argument("--sizes", nargs="+", type=int, help="sequences per step (default 8 64 512; --quick: 8 64)")
-    ap.add_argument("--configs", nargs="+", default=["8192", "16384", "32768+ckpt"],
-                    help="micro-batch token budgets, +ckpt for activation checkpointing")
+    ap.add_argument("--configs", nargs="+", type=_config, default=[(8192, False), (16384, False), (32768, True)],
+                    help="micro-batch token budgets, +ckpt for activation checkpointing (e.g. 8192 32768+ckpt)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--breakdown", action="store_true",
                     help="instead of the table: GPU busy fraction and kernels of one 16 x 1,024 micro-batch's forward "
@@ -214,9 +222,8 @@ def main() -> None:
              "| mode | path | B x T | micro-batch tokens | act. ckpt | update tokens/s | MFU | scoring tokens/s "
              "| peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
     sizes = a.sizes or ([8, 64] if a.quick else [8, 64, 512])
-    configs = [(int(c.removesuffix("+ckpt")), c.endswith("+ckpt")) for c in a.configs]
     for kernel_mode in a.modes:
-        for budget, ckpt in configs:
+        for budget, ckpt in a.configs:
             try:  # warm-up: compilation, allocator
                 new_update(weights, make_batch(8, 1024, vocab, seed=1), kernel_mode, budget, ckpt)
             except torch.OutOfMemoryError:

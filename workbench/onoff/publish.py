@@ -61,6 +61,10 @@ def _deltas(out: Path, variants) -> dict[str, np.ndarray]:
     return found
 
 
+_OWN_SAMPLES = ("on", "off", "on-vllm", "off-vllm")
+"""Arms whose generator differs (the others reuse one of these generators and differ in the update only)."""
+
+
 def _glob_escape(name: str) -> str:
     return re.sub(r"([\[\]*?])", r"[\1]", name)
 
@@ -105,10 +109,6 @@ def report(out_dir: str | Path, window: int = 10, smooth: int = 5) -> Path:
         save_figure(fig, folder, name)
     (folder / "summary.md").write_text(_summary_markdown(cfg, out, table, done, summary, figures))
     return folder
-
-
-_OWN_SAMPLES = ("on", "off", "on-vllm", "off-vllm")
-"""Arms whose generator differs (the others reuse one of these generators and differ in the update only)."""
 
 
 def _figure_lines(figures) -> list[str]:

@@ -33,7 +33,7 @@ class TrainConfig:
     difficulty: int = 1
     """Arithmetic difficulty."""
     loss: str = "grpo"
-    """grpo, dr_grpo, dapo or gspo."""
+    """grpo, dr_grpo, dapo, gspo or blog."""
     steps: int = 2
     """Policy updates (the defaults are a CPU smoke run of about 45 s)."""
     prompts_per_step: int = 2
