@@ -12,7 +12,8 @@ import pytest
 from matplotlib.figure import Figure
 
 from workbench.onoff.figures import delta_histogram, dose_response_figure, mismatch_panels, reward_curves
-from workbench.onoff.stats import bootstrap_ci, dose_response, run_endpoints, summarize, verdict
+from workbench.onoff.publish import markdown_table
+from workbench.onoff.stats import bootstrap_ci, dose_response, reference_arm, run_endpoints, summarize, verdict
 from workbench.plots import save_figure
 
 
@@ -31,7 +32,7 @@ def _experiment(rng, shifts: dict[str, float], seeds=range(5), steps=60, noise=0
     for seed in seeds:
         base = 0.2 + 0.5 * (1 - np.exp(-s / 20)) + rng.normal(0, 0.05) + rng.normal(0, 0.02, steps)
         for arm, shift in shifts.items():
-            on = arm == "on"
+            on = arm in ("on", "on-vllm")
             kl = np.zeros(steps) if on else rng.uniform(1e-4, 1e-3, steps)
             parts.append(_long(arm, seed, {
                 "reward_mean": base + shift + rng.normal(0, noise, steps),
@@ -83,6 +84,18 @@ def test_a_null_is_not_resolved():
     assert tis.paired_seeds == 0 and np.isnan(tis.d_final_reward) and "no seed shared with `on`" in text
     one_seed = verdict(summarize(table[table.seed == 0]))
     assert "the CI needs >= 2 seeds" in one_seed
+
+
+def test_the_vllm_arms_alone_are_compared_with_on_vllm():
+    table = _experiment(np.random.default_rng(6), {"off-vllm": -0.2, "on-vllm": 0.0}, seeds=(0, 1, 2))
+    assert reference_arm(table.variant) == "on-vllm" and reference_arm(["on", "on-vllm", "off"]) == "on"
+    summary = summarize(table, reference=reference_arm(table.variant))
+    assert list(summary.variant) == ["on-vllm", "off-vllm"], "the reference comes first"
+    off = summary.set_index("variant").loc["off-vllm"]
+    assert off.paired_seeds == 3 and off.d_final_reward == pytest.approx(-0.2, abs=0.03)
+    text = verdict(summary, "on-vllm")
+    assert text.startswith("`on-vllm`: 0 differing tokens in 3 runs") and "lower than `on-vllm`" in text
+    assert "| vs on-vllm |" in markdown_table(summary)
 
 
 def test_the_verdict_warns_when_the_reference_is_not_bitwise():

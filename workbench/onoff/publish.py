@@ -18,11 +18,11 @@ from .arms import get_arm
 from .config import OnOffConfig
 from .figures import delta_histogram, dose_response_figure, mismatch_panels, reward_curves
 from .runner import collect, finished_runs, total_wall_s
-from .stats import dose_response, summarize, verdict
+from .stats import dose_response, reference_arm, summarize, verdict
 
 # The endpoints a reader compares, in the summary's table: column -> (header, how to print).
 _COLUMNS = {"runs": ("runs", "{:.0f}"), "steps": ("steps", "{:.0f}"), "final_reward": ("final reward", "ci"),
-            "d_final_reward": ("vs on", "ci"), "auc": ("mean reward (AUC)", "ci"),
+            "d_final_reward": ("vs {reference}", "ci"), "auc": ("mean reward (AUC)", "ci"),
             "steps_to_threshold": ("steps to threshold", "{:.1f}"), "kl_mean": ("KL / token", "{:.3g}"),
             "max_abs_diff": ("max abs Δ log-prob", "{:.3g}"), "tokens_differing": ("tokens differing", "{:.0f}"),
             "ess_min": ("min ESS", "{:.3f}"), "clip_fraction": ("clip fraction", "{:.3f}"),
@@ -42,7 +42,8 @@ def _cell(row: pd.Series, name: str, how: str) -> str:
 def markdown_table(summary: pd.DataFrame) -> str:
     """The per-arm endpoints as a markdown table (means over seeds, [95% bootstrap CI])."""
     cols = [c for c in _COLUMNS if c in summary]
-    lines = ["| arm | " + " | ".join(_COLUMNS[c][0] for c in cols) + " |",
+    reference = summary.attrs.get("reference", "on")
+    lines = ["| arm | " + " | ".join(_COLUMNS[c][0].format(reference=reference) for c in cols) + " |",
              "|---|" + "---|" * len(cols)]
     for _, row in summary.iterrows():
         lines.append(f"| `{row.variant}` | " + " | ".join(_cell(row, c, _COLUMNS[c][1]) for c in cols) + " |")
@@ -99,7 +100,7 @@ def report(out_dir: str | Path, window: int = 10, smooth: int = 5) -> Path:
             save_figure(fig, folder, name)
         (folder / "summary.md").write_text(_unfinished_markdown(cfg, out, figures))
         return folder
-    summary = summarize(done, window)
+    summary = summarize(done, window, reference=reference_arm(done.variant))
     summary.to_csv(folder / "summary.csv", index=False)
     dose = dose_response(done, window)
     if dose.variant.str.startswith("noise=").any():
@@ -130,6 +131,7 @@ def _summary_markdown(cfg: OnOffConfig, out: Path, table, done, summary, figures
     shas = ", ".join(sorted(set(calls.git_sha.astype(str)))) if "git_sha" in calls else "unknown"
     runs = pd.read_csv(out / "runs.csv")
     unfinished = runs[~runs.finished.astype(bool)]
+    ref = summary.attrs["reference"]
     lines = [f"# ON/OFF experiment `{cfg.preset or 'custom'}`{' (smoke)' if cfg.smoke else ''}", "",
              f"- date {datetime.date.today().isoformat()}; device {devices}; git {shas}",
              (f"- {len(runs) - len(unfinished)} finished runs: arms {', '.join(f'`{v}`' for v in summary.variant)} "
@@ -137,9 +139,9 @@ def _summary_markdown(cfg: OnOffConfig, out: Path, table, done, summary, figures
               f"{total_wall_s(out) / 60:.1f} min over {len(calls)} call{'' if len(calls) == 1 else 's'}"),
              (f"- policy `{cfg.policy or 'self-trained ' + cfg.policy_size}`, task `{cfg.task}`, loss `{cfg.loss}`, "
               f"{cfg.prompts_per_step} prompts x {cfg.group_size} samples x {cfg.max_new_tokens} new tokens, lr "
-              f"{cfg.lr:g}; settings in config.yaml"), "", "## Verdict", "", verdict(summary), "",
+              f"{cfg.lr:g}; settings in config.yaml"), "", "## Verdict", "", verdict(summary, ref), "",
              "## Endpoints", "",
-             "Means over seeds, [95% bootstrap CI over seeds]; `vs on`: the paired difference in final reward. "
+             f"Means over seeds, [95% bootstrap CI over seeds]; `vs {ref}`: the paired difference in final reward. "
              f"Final reward: the last {summary.attrs['window']} steps. " + _threshold_text(summary), "",
              markdown_table(summary), "", "## Arms", ""]
     lines += [f"- `{v}`: {get_arm(v).description}" for v in summary.variant]
@@ -150,7 +152,7 @@ def _summary_markdown(cfg: OnOffConfig, out: Path, table, done, summary, figures
                        "it is no result.")
     compared = len(summary) - 1
     if compared > 1:
-        caveats.append(f"{compared} arms are each compared with `on` at 95%: even with no effect anywhere, one of "
+        caveats.append(f"{compared} arms are each compared with `{ref}` at 95%: even with no effect anywhere, one of "
                        f"their CIs excludes 0 with probability about {1 - 0.95 ** compared:.0%} (no correction for "
                        "multiple comparisons is applied).")
     workers = int(cfg.workers)
@@ -167,11 +169,11 @@ def _summary_markdown(cfg: OnOffConfig, out: Path, table, done, summary, figures
 
 
 def _threshold_text(summary: pd.DataFrame) -> str:
-    threshold = summary.attrs.get("threshold", np.nan)
+    threshold, ref = summary.attrs.get("threshold", np.nan), summary.attrs.get("reference", "on")
     if not np.isfinite(threshold):
-        return "Steps to threshold: none (no `on` arm to set it)."
+        return f"Steps to threshold: none (no `{ref}` arm to set it)."
     return (f"Steps to threshold: the first step whose trailing mean reward reaches {threshold:.3g} (halfway from "
-            "`on`'s start to its end), over the runs that reach it.")
+            f"`{ref}`'s start to its end), over the runs that reach it.")
 
 
 def publish(out_dir: str | Path, dest: str | Path) -> Path:
