@@ -5,8 +5,10 @@ run against fakes of what vLLM hands a model (cache layout, attention metadata, 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -16,11 +18,34 @@ from workbench.generation.vllm_backend import (
     BackendUnavailable,
     VLLMGenerator,
     from_vllm_layout,
+    one_start_at_a_time,
     request_seed,
     require_vllm,
     to_vllm_layout,
 )
 from workbench.models import build, weights_checksum
+
+
+def _hold_the_start_lock(path, spans):
+    with one_start_at_a_time(path):
+        begin = time.monotonic()
+        time.sleep(0.3)
+        spans.append((begin, time.monotonic()))
+
+
+def test_engine_starts_on_one_host_take_turns(tmp_path):
+    """Two processes starting engines at once: the second profiles only after the first has finished (vLLM
+    would otherwise count the first's KV cache as its own use and find no memory for its cache)."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager:
+        spans = manager.list()
+        procs = [ctx.Process(target=_hold_the_start_lock, args=(tmp_path / "start.lock", spans)) for _ in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        (_, first_end), (second_begin, _) = sorted(spans)
+    assert all(p.exitcode == 0 for p in procs) and first_end <= second_begin, "the two starts overlapped"
 
 
 def test_layout_fuses_qkv_and_gate_up_and_round_trips():

@@ -28,7 +28,10 @@ says what is missing.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -116,6 +119,26 @@ def request_seed(seed: int, request_id: int) -> int:
 
 
 MODEL_IMPLS = ("workbench", "vllm")
+START_LOCK = Path(tempfile.gettempdir(), "workbench-vllm-start.lock")
+"""Held while an engine starts: the lock file that lets one vLLM engine on this host profile memory at a time."""
+
+
+@contextlib.contextmanager
+def one_start_at_a_time(path: Path = START_LOCK):
+    """Serialize engine starts across the processes of this host.
+
+    vLLM sizes its KV cache from how much device memory grew while it profiled. Another process that allocates
+    meanwhile (a second engine starting on the same GPU) counts as this engine's own use, and the KV cache comes
+    out short or negative ("No available memory for the cache blocks"): it happened to one of two ON/OFF runs
+    started together on an H100. The lock is per host, not per GPU, because CUDA_VISIBLE_DEVICES renumbers
+    devices per process; a start takes seconds, so waiting for another GPU's costs little.
+    """
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 class VLLMGenerator:
@@ -162,7 +185,7 @@ class VLLMGenerator:
             # FlashAttention's metadata and cache layout are the ones `vllm_model` reads.
             options.update(hf_overrides={"architectures": [vllm_model.ARCHITECTURE]}, logprobs_mode="raw_logits",
                            enforce_eager=True, attention_config={"backend": "FLASH_ATTN"})
-        with mode(kernel_mode):  # the workbench model keeps the mode it is built in
+        with mode(kernel_mode), one_start_at_a_time():  # the workbench model keeps the mode it is built in
             self.llm = vllm.LLM(**options)
         self._vllm = vllm
 
