@@ -119,8 +119,9 @@ def request_seed(seed: int, request_id: int) -> int:
 
 
 MODEL_IMPLS = ("workbench", "vllm")
-START_LOCK = Path(tempfile.gettempdir(), "workbench-vllm-start.lock")
-"""Held while an engine starts: the lock file that lets one vLLM engine on this host profile memory at a time."""
+START_LOCK = Path(tempfile.gettempdir(), f"workbench-vllm-start-{os.getuid()}.lock")
+"""Held while an engine starts: the lock file that lets one vLLM engine on this host profile memory at a time
+(per user: another user's file in a shared /tmp could not be opened, so their starts do not wait for ours)."""
 
 
 @contextlib.contextmanager
