@@ -89,11 +89,11 @@ def test_a_null_is_not_resolved():
 def test_the_vllm_arms_alone_are_compared_with_on_vllm():
     table = _experiment(np.random.default_rng(6), {"off-vllm": -0.2, "on-vllm": 0.0}, seeds=(0, 1, 2))
     assert reference_arm(table.variant) == "on-vllm" and reference_arm(["on", "on-vllm", "off"]) == "on"
-    summary = summarize(table, reference=reference_arm(table.variant))
+    summary = summarize(table)
     assert list(summary.variant) == ["on-vllm", "off-vllm"], "the reference comes first"
     off = summary.set_index("variant").loc["off-vllm"]
     assert off.paired_seeds == 3 and off.d_final_reward == pytest.approx(-0.2, abs=0.03)
-    text = verdict(summary, "on-vllm")
+    text = verdict(summary)
     assert text.startswith("`on-vllm`: 0 differing tokens in 3 runs") and "lower than `on-vllm`" in text
     assert "| vs on-vllm |" in markdown_table(summary)
 

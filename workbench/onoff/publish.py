@@ -18,7 +18,7 @@ from .arms import get_arm
 from .config import OnOffConfig
 from .figures import delta_histogram, dose_response_figure, mismatch_panels, reward_curves
 from .runner import collect, finished_runs, total_wall_s
-from .stats import dose_response, reference_arm, summarize, verdict
+from .stats import dose_response, summarize, verdict
 
 # The endpoints a reader compares, in the summary's table: column -> (header, how to print).
 _COLUMNS = {"runs": ("runs", "{:.0f}"), "steps": ("steps", "{:.0f}"), "final_reward": ("final reward", "ci"),
@@ -100,7 +100,7 @@ def report(out_dir: str | Path, window: int = 10, smooth: int = 5) -> Path:
             save_figure(fig, folder, name)
         (folder / "summary.md").write_text(_unfinished_markdown(cfg, out, figures))
         return folder
-    summary = summarize(done, window, reference=reference_arm(done.variant))
+    summary = summarize(done, window)
     summary.to_csv(folder / "summary.csv", index=False)
     dose = dose_response(done, window)
     if dose.variant.str.startswith("noise=").any():
@@ -139,7 +139,7 @@ def _summary_markdown(cfg: OnOffConfig, out: Path, table, done, summary, figures
               f"{total_wall_s(out) / 60:.1f} min over {len(calls)} call{'' if len(calls) == 1 else 's'}"),
              (f"- policy `{cfg.policy or 'self-trained ' + cfg.policy_size}`, task `{cfg.task}`, loss `{cfg.loss}`, "
               f"{cfg.prompts_per_step} prompts x {cfg.group_size} samples x {cfg.max_new_tokens} new tokens, lr "
-              f"{cfg.lr:g}; settings in config.yaml"), "", "## Verdict", "", verdict(summary, ref), "",
+              f"{cfg.lr:g}; settings in config.yaml"), "", "## Verdict", "", verdict(summary), "",
              "## Endpoints", "",
              f"Means over seeds, [95% bootstrap CI over seeds]; `vs {ref}`: the paired difference in final reward. "
              f"Final reward: the last {summary.attrs['window']} steps. " + _threshold_text(summary), "",

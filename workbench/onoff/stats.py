@@ -163,7 +163,7 @@ def _paired(arm: pd.Series, ref: pd.Series, name: str) -> dict:
 
 
 def summarize(table: pd.DataFrame, window: int = 10, threshold: float | None = None,
-              reference: str = REFERENCE) -> pd.DataFrame:
+              reference: str | None = None) -> pd.DataFrame:
     """One row per arm (the reference first): runs, steps, and the endpoints pooled over seeds.
 
     final_reward, auc and steps_to_threshold are means over seeds with a bootstrap CI (`_lo`, `_hi`);
@@ -173,8 +173,11 @@ def summarize(table: pd.DataFrame, window: int = 10, threshold: float | None = N
     per-seed difference arm - reference over the seeds both have (`paired_seeds`); NaN for the reference.
 
     A threshold of None is halfway between the reference's mean start and final reward (NaN without a
-    reference); the threshold used, the window and the reference are in `attrs`.
+    reference); the threshold used, the window and the reference are in `attrs`. A reference of None is
+    `reference_arm` of the table's arms.
     """
+    if reference is None:
+        reference = reference_arm(table.variant)
     if threshold is None:
         ref = run_endpoints(table[table.variant == reference], window)
         threshold = (ref.start_reward.mean() + ref.final_reward.mean()) / 2 if len(ref) else np.nan
@@ -243,9 +246,11 @@ def _arm_sentence(row: pd.Series, ref: pd.Series | None, reference: str) -> str:
     return text + ". Mismatch: not recorded."
 
 
-def verdict(summary: pd.DataFrame, reference: str = REFERENCE) -> str:
+def verdict(summary: pd.DataFrame, reference: str | None = None) -> str:
     """A short paragraph read off `summarize`'s numbers: the reference's parity, then per arm its final reward,
-    the paired difference to the reference with its 95% CI, what that CI resolves, and the mismatch size."""
+    the paired difference to the reference with its 95% CI, what that CI resolves, and the mismatch size. A
+    reference of None is the one `summarize` compared with."""
+    reference = reference or summary.attrs.get("reference", REFERENCE)
     rows = summary.set_index("variant", drop=False)
     ref = rows.loc[reference] if reference in rows.index else None
     window = summary.attrs.get("window")
