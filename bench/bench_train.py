@@ -123,6 +123,7 @@ def _busy_ms(prof) -> tuple[float, float, int]:
 
 def forward_backward(weights, batch, budget: int) -> None:
     """The update's forward and backward over `batch` (no optimizer step, no host sync between micro-batches)."""
+    weights.zero_grad()
     for mb in batch.micro_batches(None, budget):
         logp, _ = completion_logprobs(weights.model, mb, 1.0)
         (-(logp * batch.mask[mb.index, :mb.width]).sum() / batch.mask.sum()).backward()

@@ -72,7 +72,7 @@ def test_gpu_every_matmul_bucket_gives_the_same_bits():
     outs = []
     saved = mm.MATMUL_BUCKETS
     try:
-        for _, cfg in saved:
+        for cfg in [c for _, c in saved] + [mm._FEW_TILES]:
             mm.MATMUL_BUCKETS = ((1 << 62, cfg),)
             outs.append(mm.matmul(x, w.t()))
             # The pointer kernel against the TMA kernel, in each bucket.
@@ -84,6 +84,16 @@ def test_gpu_every_matmul_bucket_gives_the_same_bits():
     dy = torch.randn(700, 4096, generator=g).cuda().bfloat16()
     assert torch.equal(mm.matmul(dy, w, tma=True), mm.matmul(dy, w, tma=False))
     assert torch.equal(mm.matmul(dy.t(), x, tma=True), mm.matmul(dy.t(), x, tma=False))
+    # dW accumulated into an fp32 gradient (the trainer's main_grad), in the persistent bucket's tiles
+    # ([4096, 2048]: 256 tiles) and in the few-tiles config ([1024, 2048]), TMA and pointer kernels alike.
+    for rows in (4096, 1024):
+        start = torch.randn(rows, 2048, generator=g).cuda()
+        acc = [start.clone() for _ in range(2)]
+        mm.matmul(dy[:, :rows].t(), x, tma=True, accumulate=acc[0])
+        mm.matmul(dy[:, :rows].t(), x, tma=False, accumulate=acc[1])
+        assert torch.equal(acc[0], acc[1])
+        ref = start.double() + dy[:, :rows].double().t() @ x.double()
+        assert ((acc[0].double() - ref).norm() / ref.norm()).item() < 1e-5
 
 
 def test_gpu_negative_control_standard_linear_depends_on_batch_size():
@@ -184,3 +194,9 @@ def test_gpu_attention_launches_past_65535_sequence_heads():
         table = rows.to(torch.int32)[:, None]
         paged = attention_paged(q[real], k, v, table, cu_q, lens, t)
         assert torch.equal(paged, out[real]), "paged prefill"
+
+
+def test_gpu_rms_norm_add_is_the_unfused_add_and_norm():
+    from test_kernels import check_rms_norm_add
+
+    check_rms_norm_add("cuda")

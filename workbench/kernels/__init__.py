@@ -13,7 +13,7 @@ from .linear_logprobs import linear_logprobs
 from .logprobs import entropy, logprob_rows, logsumexp, token_logprobs, token_logprobs_and_entropy
 from .matmul import linear, matmul_config
 from .mode import MODES, current_state, get_mode, mode, set_mode
-from .rmsnorm import rms_norm
+from .rmsnorm import rms_norm, rms_norm_add
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .silu_mul import silu_mul
 
@@ -37,6 +37,7 @@ __all__ = [
     "mode",
     "paged_kv_write",
     "rms_norm",
+    "rms_norm_add",
     "rope_cos_sin",
     "rope_inv_freq",
     "row_cumsum",

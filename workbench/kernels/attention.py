@@ -28,9 +28,12 @@ Numerics contract (mode `invariant`):
   checked, with an error, for CPU tensors). Padding queries (position >= kv_len) give zeros and
   pass no gradient.
 - Backward (training only): FlashAttention-2 style, recomputing p from the
-  saved base-2 log-sum-exp; dK and dV accumulate over query blocks, and over
-  the query heads of a KV head, in a fixed order in registers; dQ in a second
-  pass. Deterministic run to run.
+  saved base-2 log-sum-exp; delta = rowsum(dO * O) in fp32 read once from the
+  bf16 tensors; dK and dV accumulate over query blocks, and over the query
+  heads of a KV head, in a fixed order in registers; dQ in a second pass.
+  Deterministic run to run. The backward has its own tiles
+  (`attention_bwd_config`): they fix the order of dK/dV/dQ's sums, never a
+  forward bit, so they are chosen for speed alone.
 - Every product is the matmul's `dot_step`: `tl.dot` on the GPU; in the
   interpreter (CPU) fp32 products summed in a fixed order, never numpy's BLAS,
   whose rounding of a row may follow the row's place in the tile (a decode
@@ -184,6 +187,24 @@ def _paged_write_kernel(K, V, KP, VP, slots_ptr, skt, skh, svt, svh, skp, sks, s
 
 
 @triton.jit
+def _attn_bwd_delta_kernel(O, DO, DELTA, sot, soh, n_q_heads, T, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # delta[(b, h), t] = sum_d dO * O, upcast to fp32 in registers: one read of each bf16 tensor (O and dO are
+    # contiguous [B, T, Hq, D], so they share strides). One program per (query block, sequence x head).
+    n_m = tl.cdiv(T, BLOCK_M)
+    pid_m = tl.program_id(0) % n_m
+    bh = tl.program_id(0) // n_m
+    b = (bh // n_q_heads).to(tl.int64)
+    h = bh % n_q_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    off = b * T * sot + offs_m[:, None] * sot + h * soh + offs_d[None, :]
+    mmask = offs_m[:, None] < T
+    o = tl.load(O + off, mask=mmask, other=0.0).to(tl.float32)
+    do = tl.load(DO + off, mask=mmask, other=0.0).to(tl.float32)
+    tl.store(DELTA + bh.to(tl.int64) * T + offs_m, tl.sum(o * do, axis=1), mask=offs_m < T)
+
+
+@triton.jit
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, len_ptr,
     sqb, sqt, sqh, skb, sks, skh, n_q_heads, n_kv_heads, T, group, qk_scale, sm_scale,
@@ -278,8 +299,21 @@ def attention_config(head_dim: int) -> dict:
     return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2 if head_dim > 64 else 3}
 
 
+def attention_bwd_config(head_dim: int) -> dict:
+    """The backward's tiles per kernel: dK/dV (one program per key block) and dQ (one per query block).
+
+    GPU: the fastest of `bench/tune_attention.py`'s candidates on an H100 at 16 x 1,024 tokens (dK/dV 4% faster
+    than the forward's tiles at head_dim 128, 10% at 64; dQ: none beat the forward's)."""
+    if interpreting():
+        return {"dkdv": attention_config(head_dim), "dq": attention_config(head_dim)}
+    if head_dim > 64:
+        return {"dkdv": {"block_m": 32, "block_n": 64, "num_warps": 4, "num_stages": 3},
+                "dq": attention_config(head_dim)}
+    return {"dkdv": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}, "dq": attention_config(head_dim)}
+
+
 def tile_config() -> dict:
-    return {"head_dim_128": attention_config(128), "head_dim_64": attention_config(64)}
+    return {f"head_dim_{d}": {"forward": attention_config(d), **attention_bwd_config(d)} for d in (128, 64)}
 
 
 def _check(op: str, q, k, v) -> None:
@@ -344,28 +378,36 @@ class AttentionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, seq_lens = ctx.saved_tensors
-        b, t, hq, d = q.shape
-        hkv = k.shape[2]
-        cfg = attention_config(d)
-        q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
-        delta = (dout.float() * out.float()).sum(-1).permute(0, 2, 1).reshape(b * hq, t).contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        common = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD_DIM=d,
-                      IEEE=q.dtype == torch.float32, DOT_IN_FP32=interpreting(),
-                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        qk_scale, sm_scale = _LOG2E / math.sqrt(d), 1.0 / math.sqrt(d)
-        if b and t:
-            _attn_bwd_dkdv_kernel[(triton.cdiv(t, cfg["block_n"]) * b * hkv,)](
-                q, k, v, dout, lse, delta, dk, dv, seq_lens,
-                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                hq, hkv, t, hq // hkv, qk_scale, sm_scale, **common,
-            )
-            _attn_bwd_dq_kernel[(triton.cdiv(t, cfg["block_m"]) * b * hq,)](
-                q, k, v, dout, lse, delta, dq, seq_lens,
-                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                hq, t, hq // hkv, qk_scale, sm_scale, **common,
-            )
-        return dq, dk, dv, None
+        return _backward(q, k, v, out, lse, seq_lens, dout)
+
+
+def _backward(q, k, v, out, lse, seq_lens, dout):
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    cfg = attention_bwd_config(d)
+    q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = torch.empty((b * hq, t), device=q.device, dtype=torch.float32)
+    common = {"HEAD_DIM": d, "IEEE": q.dtype == torch.float32, "DOT_IN_FP32": interpreting()}
+    qk_scale, sm_scale = _LOG2E / math.sqrt(d), 1.0 / math.sqrt(d)
+    if b and t:
+        _attn_bwd_delta_kernel[(triton.cdiv(t, 64) * b * hq,)](
+            out, dout, delta, out.stride(1), out.stride(2), hq, t, BLOCK_M=64, HEAD_DIM=d)
+        c = cfg["dkdv"]
+        _attn_bwd_dkdv_kernel[(triton.cdiv(t, c["block_n"]) * b * hkv,)](
+            q, k, v, dout, lse, delta, dk, dv, seq_lens,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            hq, hkv, t, hq // hkv, qk_scale, sm_scale, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
+            num_warps=c["num_warps"], num_stages=c["num_stages"], **common,
+        )
+        c = cfg["dq"]
+        _attn_bwd_dq_kernel[(triton.cdiv(t, c["block_m"]) * b * hq,)](
+            q, k, v, dout, lse, delta, dq, seq_lens,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            hq, t, hq // hkv, qk_scale, sm_scale, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
+            num_warps=c["num_warps"], num_stages=c["num_stages"], **common,
+        )
+    return dq, dk, dv, None
 
 
 def attention_invariant(q, k, v, seq_lens=None):

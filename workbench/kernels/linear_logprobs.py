@@ -119,8 +119,7 @@ def _add_dw(dw32: torch.Tensor, dl: torch.Tensor, h: torch.Tensor, inv_linear: b
     for v0 in range(0, dl.shape[1], _DW_SLICE):
         d, acc = dl[:, v0 : v0 + _DW_SLICE].t(), dw32[v0 : v0 + _DW_SLICE]
         if inv_linear:
-            # The pointer kernel: an fp32 TMA epilogue would stage a whole fp32 tile in shared memory.
-            acc += matmul(d, h, out_dtype=torch.float32, tma=False)
+            matmul(d, h, accumulate=acc)  # acc + the fp32 product, added in the kernel's epilogue
         elif dl.dtype == torch.float32:
             acc.addmm_(d, h)
         elif _mm_accumulates_in_fp32(dl.device.type):

@@ -30,7 +30,18 @@ Numerics contract (mode `invariant`):
   invariant too); dW = dy.T @ x reduces over the token dimension in blocks of
   BLOCK_K in order, so it is deterministic run to run; d(bias) is an fp32 sum
   of dy over the tokens (torch's fixed-order reduction). Gradients come out in
-  the dtype of the tensor they belong to.
+  the dtype of the tensor they belong to, except where the weight carries an
+  fp32 `main_grad` (Megatron-LM's and Transformer Engine's convention for
+  gradient accumulation fused into the weight-gradient product): there dW is
+  added to it in the kernel's epilogue (`matmul(..., accumulate=main_grad)`:
+  main_grad + the fp32 accumulator, one fp32 add, dW never rounded to bf16),
+  and no bf16 gradient is returned.
+- Warp specialization (`_WARP_SPECIALIZE_MAX_K`) moves the loads and the MMAs
+  to different warps; each tile's chain of k-steps is the same, so the bits
+  are (checked on the GPU with the buckets).
+- Few output tiles (a weight gradient of a narrow projection): on Hopper the
+  product takes smaller tiles (`_FEW_TILES`) when the bucket's would leave
+  SMs idle; like the buckets, they give the same bits (tests/test_gpu.py).
 
 In the interpreter (CPU) a dot is `dot_step`'s own (`DOT_IN_FP32`): operands
 upcast to fp32 (bf16 products exact), each block's products summed in one
@@ -92,9 +103,9 @@ def _matmul_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, IEEE: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, IEEE: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
-    # C[M, N] = A[M, K] @ B[K, N] for any strides.
+    # C[M, N] = A[M, K] @ B[K, N] (ACCUMULATE: C += A @ B, C fp32) for any strides.
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -132,9 +143,11 @@ def _matmul_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    c = acc.to(c_ptr.dtype.element_ty)
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn
-    tl.store(c_ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if ACCUMULATE:
+        acc = tl.load(c_ptrs, mask=c_mask, other=0.0) + acc
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 @triton.jit
@@ -142,7 +155,7 @@ def _matmul_tma_kernel(
     a_desc, b_desc, c_desc, M, N, K, NUM_PROGRAMS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, IEEE: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, IEEE: tl.constexpr, ACCUMULATE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     # The same product through the bulk tensor copy engine (TMA), for aligned
     # operands; optionally persistent (NUM_PROGRAMS < number of tiles). TMA
@@ -151,7 +164,8 @@ def _matmul_tma_kernel(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     width = GROUP_M * num_pid_n
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=WARP_SPECIALIZE,
+                         warp_specialize=WARP_SPECIALIZE):
         group_id = tile // width
         first_m = group_id * GROUP_M
         group_rows = min(num_pid_m - first_m, GROUP_M)
@@ -169,7 +183,15 @@ def _matmul_tma_kernel(
             else:
                 b = b_desc.load([off_k, off_n])
             acc = dot_step(a, b, acc, DOT_IN_FP32, IEEE)
-        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+        if ACCUMULATE:
+            # C += acc in fp32, by column halves (c_desc's block is [BLOCK_M, BLOCK_N / 2]): a whole fp32
+            # 128 x 256 tile staged in shared memory beside the pipeline's buffers would not fit (272 of
+            # 227 KiB). The halves' split moves no value between elements.
+            lo, hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            c_desc.store([off_m, off_n], c_desc.load([off_m, off_n]) + lo)
+            c_desc.store([off_m, off_n + BLOCK_N // 2], c_desc.load([off_m, off_n + BLOCK_N // 2]) + hi)
+        else:
+            c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
 
 
 @dataclass(frozen=True)
@@ -202,6 +224,17 @@ MATMUL_BUCKETS: tuple[tuple[int, MatmulConfig], ...] = (
     (512, MatmulConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)),
     (1 << 62, MatmulConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, persistent=True)),
 )
+# Hopper, bf16, where the bucket's tiles would number fewer than the SMs (the weight gradient of a narrow
+# projection: Qwen3-1.7B's k/v dW is [1024, 2048], 64 tiles of 128 x 256 on 132 SMs, 1.75x cuBLAS's time).
+# Same chain of k-steps, so the same bits as the buckets (checked with them in tests/test_gpu.py).
+_FEW_TILES = MatmulConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4)
+# Persistent products with K up to this warp-specialize their tile loop (producer warps issue the TMA loads,
+# consumer warps the MMAs; the chain of k-steps is unchanged): measured on an H100 at 16,384 rows, 3-12%
+# faster at K = 2,048 (the q/k/v/o/gate/up forwards, most input gradients), 2-6% slower at K = 6,144 and
+# 16,384 (the down projection's forward, the weight gradients), which keep the plain loop. Never with
+# `accumulate`: the loaded C tile on top of the specialized pipeline's buffers needs 273 KiB of shared
+# memory, more than Hopper's 227 KiB.
+_WARP_SPECIALIZE_MAX_K = 4096
 # GPU, bf16, any architecture but Hopper: one config for every M, so a row's chain of k-steps cannot
 # depend on M whatever the tensor cores do (the buckets' equality was measured on Hopper only). Not
 # persistent, and small enough in shared memory (3 stages of 64x64 + 64x128 bf16: 72 KiB) for the
@@ -217,9 +250,13 @@ def _capability(device_index: int) -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(device_index))
 
 
-def _device_capability(device: torch.device | None) -> tuple[int, int]:
+def _device_index(device: torch.device | None) -> int:
     index = device.index if device is not None and device.index is not None else None
-    return _capability(torch.cuda.current_device() if index is None else index)
+    return torch.cuda.current_device() if index is None else index
+
+
+def _device_capability(device: torch.device | None) -> tuple[int, int]:
+    return _capability(_device_index(device))
 
 
 def _uses_buckets(capability: tuple[int, int]) -> bool:
@@ -227,11 +264,13 @@ def _uses_buckets(capability: tuple[int, int]) -> bool:
     return capability[0] == 9
 
 
-def matmul_config(m: int, dtype: torch.dtype, device: torch.device | None = None) -> MatmulConfig:
-    """The tile config for a product with `m` rows on `device` (a CUDA device; None: the current one).
+def matmul_config(m: int, dtype: torch.dtype, device: torch.device | None = None, n: int = 0) -> MatmulConfig:
+    """The tile config for a product with `m` rows (and `n` columns, 0: unknown) on `device` (a CUDA
+    device; None: the current one).
 
-    A fixed table. bf16 on Hopper: `MATMUL_BUCKETS`, by M (every entry gives the same bits there);
-    on any other GPU: one config for every M. fp32 and the interpreter: one config for every M.
+    A fixed table. bf16 on Hopper: `MATMUL_BUCKETS`, by M, or `_FEW_TILES` where the bucket's tiles would
+    leave SMs idle (every entry gives the same bits there); on any other GPU: one config for every M. fp32
+    and the interpreter: one config for every M.
     """
     if interpreting():
         return _INTERPRETER
@@ -241,8 +280,11 @@ def matmul_config(m: int, dtype: torch.dtype, device: torch.device | None = None
         return _BF16_ONE
     for max_m, cfg in MATMUL_BUCKETS:
         if m <= max_m:
-            return cfg
-    raise AssertionError("unreachable: the last bucket is unbounded")
+            break
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    if cfg.persistent and 0 < tiles < _num_sms(_device_index(device)):
+        return _FEW_TILES
+    return cfg
 
 
 def tile_config(device: torch.device | None = None) -> dict:
@@ -256,6 +298,7 @@ def tile_config(device: torch.device | None = None) -> dict:
     if _uses_buckets((major, minor)):
         out["bf16_rule"] = "buckets by M (Hopper: the buckets give the same bits, checked by tests/test_gpu.py)"
         out["bf16_buckets"] = [(m, vars(c)) for m, c in MATMUL_BUCKETS]
+        out["bf16_few_tiles"] = vars(_FEW_TILES)
     else:
         out["bf16_rule"] = "one config for every M (not Hopper: no bucket was measured here)"
         out["bf16"] = vars(_BF16_ONE)
@@ -276,8 +319,9 @@ def _num_sms(device_index: int) -> int:
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
-           tma: bool | None = None) -> torch.Tensor:
-    """a[M, K] @ b[K, N] with the invariant kernel; any strides.
+           tma: bool | None = None, accumulate: torch.Tensor | None = None) -> torch.Tensor:
+    """a[M, K] @ b[K, N] with the invariant kernel; any strides. `accumulate`: an fp32 [M, N] tensor that
+    the product is added to in place (the chain of k-steps starts from its value) and returned.
 
     tma=None takes the TMA kernel on a GPU of sm90 or newer where the operands
     are aligned, the pointer kernel otherwise. The interpreter runs the pointer
@@ -288,22 +332,28 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = Non
     k2, n = b.shape
     if k != k2 or a.dtype != b.dtype:
         raise ValueError(f"matmul: a {tuple(a.shape)} {a.dtype} and b {tuple(b.shape)} {b.dtype} do not multiply")
-    c = torch.empty((m, n), device=a.device, dtype=out_dtype or a.dtype)
-    if m == 0 or n == 0:
+    if accumulate is not None:
+        if accumulate.dtype != torch.float32 or accumulate.shape != (m, n) or accumulate.device != a.device:
+            raise ValueError(f"matmul: `accumulate` must be an fp32 [{m}, {n}] tensor on {a.device}, got "
+                             f"{accumulate.dtype} {tuple(accumulate.shape)} on {accumulate.device}")
+        c = accumulate
+    else:
+        c = torch.empty((m, n), device=a.device, dtype=out_dtype or a.dtype)
+    if m == 0 or n == 0 or (k == 0 and accumulate is not None):
         return c
     if k == 0:
         return c.zero_()
-    cfg = matmul_config(m, a.dtype, a.device)
+    cfg = matmul_config(m, a.dtype, a.device, n)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     interp = interpreting()
     # TMA (the bulk tensor copy engine) exists from sm90 on.
     tma_here = interp or _device_capability(a.device)[0] >= 9
-    flags = dict(DOT_IN_FP32=interp, IEEE=(a.dtype == torch.float32 or interp))
+    flags = dict(DOT_IN_FP32=interp, IEEE=(a.dtype == torch.float32 or interp), ACCUMULATE=accumulate is not None)
     a_k_major = a.stride(1) == 1
     b_k_major = b.stride(0) == 1 and not b.stride(1) == 1
     a_desc = _descriptor(a, [bm, bk]) if a_k_major else _descriptor(a.t(), [bk, bm])
     b_desc = _descriptor(b.t(), [bn, bk]) if b_k_major else _descriptor(b, [bk, bn])
-    c_desc = _descriptor(c, [bm, bn])
+    c_desc = _descriptor(c, [bm, bn // 2] if accumulate is not None else [bm, bn])
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     aligned = a_desc is not None and b_desc is not None and c_desc is not None
     if tma and not aligned:
@@ -316,6 +366,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = Non
             a_desc, b_desc, c_desc, m, n, k, programs,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
             A_K_MAJOR=a_k_major, B_K_MAJOR=b_k_major, **flags,
+            WARP_SPECIALIZE=(cfg.persistent and k <= _WARP_SPECIALIZE_MAX_K and accumulate is None
+                             and not interp),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return c
@@ -369,7 +421,11 @@ class LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = matmul(dy2, weight).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dw = matmul(dy2.t(), x2, out_dtype=weight.dtype)
+            main_grad = getattr(weight, "main_grad", None)
+            if main_grad is None:
+                dw = matmul(dy2.t(), x2, out_dtype=weight.dtype)
+            else:
+                matmul(dy2.t(), x2, accumulate=main_grad)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(ctx.bias_dtype)
         return dx, dw, db

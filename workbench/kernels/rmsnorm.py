@@ -17,6 +17,13 @@ Numerics contract (mode `invariant`), with Hugging Face's rounding points:
   rows (a tree over each tile of rows, the tiles in order), then the
   programs' partial sums added by one fp32 torch reduction: deterministic run
   to run (dw is a sum over the batch, so it is not batch invariant).
+- `rms_norm_add(x, residual, weight)`: the residual add fused in (the decoder's
+  stream): h = x + residual added in fp32 and rounded once to the dtype (torch's
+  bf16 add), stored, and h's rounded value normalised as above, so (y, h) are
+  the bits of (rms_norm(x + residual), x + residual). Backward: the gradient
+  reaching h from the layers above is added to the norm's dx in fp32 and the sum
+  rounded once (unfused, dx is rounded, then the bf16 add rounds again); x and
+  residual get that one gradient.
 """
 
 from __future__ import annotations
@@ -33,13 +40,18 @@ MAX_WIDTH = 65536
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, N, eps,
-    BLOCK_N: tl.constexpr,
+    x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, N, eps, res_ptr, h_ptr, stride_res, stride_h,
+    BLOCK_N: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if ADD_RESIDUAL:
+        h = (x + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32))
+        h = h.to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
+        x = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
     n = (x * rstd).to(y_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -51,8 +63,8 @@ def _rms_norm_fwd_kernel(
 @triton.jit
 def _rms_norm_bwd_kernel(
     x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
-    stride_x, stride_dy, stride_dx, M, N,
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, TILE_ROWS: tl.constexpr,
+    stride_x, stride_dy, stride_dx, M, N, dh_ptr, stride_dh,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, TILE_ROWS: tl.constexpr, ADD_DH: tl.constexpr,
 ):
     # A program owns ROWS consecutive rows, taken TILE_ROWS at a time (loads of
     # several rows in flight); dw is summed over each tile's rows by one tree,
@@ -72,6 +84,8 @@ def _rms_norm_bwd_kernel(
         n = x * rstd
         g = dy * w[None, :]
         dx = rstd * (g - n * (tl.sum(g * n, axis=1) / N)[:, None])
+        if ADD_DH:
+            dx += tl.load(dh_ptr + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw += tl.sum(dy * n.to(dx_ptr.dtype.element_ty).to(tl.float32), axis=0)
     tl.store(dw_part_ptr + pid * N + cols, dw, mask=cmask)
@@ -107,47 +121,78 @@ def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
         raise ValueError(f"rms_norm: eps must be a positive number, got {eps!r}")
 
 
+def _forward(x, weight, eps, residual):
+    """(y, h, rstd) as 2-D row views; h is x itself without a residual."""
+    check_device("rms_norm", x)
+    x2 = rows_view("rms_norm", "x", x)
+    weight = weight.contiguous()  # the kernels read it with unit stride
+    m, n = x2.shape
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    rstd = torch.empty((m,), device=x.device, dtype=torch.float32)
+    r2 = h = x2
+    if residual is not None:
+        r2 = rows_view("rms_norm", "residual", residual)
+        h = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    block_n = next_power_of_2(n)
+    if m > 0:
+        _rms_norm_fwd_kernel[(m,)](
+            x2, weight, y, rstd, x2.stride(0), y.stride(0), n, float(eps), r2, h, r2.stride(0), h.stride(0),
+            BLOCK_N=block_n, ADD_RESIDUAL=residual is not None, num_warps=_num_warps(block_n),
+        )
+    return y, h, rstd
+
+
+def _backward(h2, weight, rstd, dy, dh):
+    """(dx, dw) of the norm of h2, with the gradient dh reaching h directly added to dx (dh may be None)."""
+    m, n = h2.shape
+    dy2 = dy.reshape(m, n).contiguous()
+    dh2 = dy2 if dh is None else dh.reshape(m, n).contiguous()
+    dx = torch.empty_like(h2, memory_format=torch.contiguous_format)
+    bwd = _INTERPRETER_BACKWARD if interpreting() else _GPU_BACKWARD
+    rows = bwd["rows"]
+    n_prog = triton.cdiv(m, rows)
+    dw_part = torch.empty((max(n_prog, 1), n), device=h2.device, dtype=torch.float32)
+    if m == 0:
+        dw_part.zero_()
+    else:
+        block_n = next_power_of_2(n)
+        _rms_norm_bwd_kernel[(n_prog,)](
+            h2, weight, dy2, rstd, dx, dw_part,
+            h2.stride(0), dy2.stride(0), dx.stride(0), m, n, dh2, dh2.stride(0),
+            BLOCK_N=block_n, ROWS=rows, TILE_ROWS=bwd["tile_rows"], ADD_DH=dh is not None,
+            num_warps=_num_warps(block_n * bwd["tile_rows"]),
+        )
+    return dx, dw_part.sum(0).to(weight.dtype)
+
+
 class RMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        check_device("rms_norm", x)
-        x2 = rows_view("rms_norm", "x", x)
-        weight = weight.contiguous()  # the kernels read it with unit stride
-        m, n = x2.shape
-        y = torch.empty((m, n), device=x.device, dtype=x.dtype)
-        rstd = torch.empty((m,), device=x.device, dtype=torch.float32)
-        block_n = next_power_of_2(n)
-        if m > 0:
-            _rms_norm_fwd_kernel[(m,)](
-                x2, weight, y, rstd, x2.stride(0), y.stride(0), n, float(eps),
-                BLOCK_N=block_n, num_warps=_num_warps(block_n),
-            )
-        ctx.save_for_backward(x2, weight, rstd)
-        ctx.x_shape = x.shape
+        y, x2, rstd = _forward(x, weight, eps, None)
+        ctx.save_for_backward(x2, weight.contiguous(), rstd)
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x2, weight, rstd = ctx.saved_tensors
-        m, n = x2.shape
-        dy2 = dy.reshape(m, n).contiguous()
-        dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
-        bwd = _INTERPRETER_BACKWARD if interpreting() else _GPU_BACKWARD
-        rows = bwd["rows"]
-        n_prog = triton.cdiv(m, rows)
-        dw_part = torch.empty((max(n_prog, 1), n), device=x2.device, dtype=torch.float32)
-        if m == 0:
-            dw_part.zero_()
-        else:
-            block_n = next_power_of_2(n)
-            _rms_norm_bwd_kernel[(n_prog,)](
-                x2, weight, dy2, rstd, dx, dw_part,
-                x2.stride(0), dy2.stride(0), dx.stride(0), m, n,
-                BLOCK_N=block_n, ROWS=rows, TILE_ROWS=bwd["tile_rows"],
-                num_warps=_num_warps(block_n * bwd["tile_rows"]),
-            )
-        dw = dw_part.sum(0).to(weight.dtype)
-        return dx.view(ctx.x_shape), dw, None
+        dx, dw = _backward(x2, weight, rstd, dy, None)
+        return dx.view(dy.shape), dw, None
+
+
+class RMSNormAddFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        y, h, rstd = _forward(x, weight, eps, residual)
+        ctx.save_for_backward(h, weight.contiguous(), rstd)
+        return y.view(x.shape), h.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor, dh: torch.Tensor | None):
+        h, weight, rstd = ctx.saved_tensors
+        dx, dw = _backward(h, weight, rstd, dy, dh)
+        dx = dx.view(dy.shape)
+        # x and residual enter h with weight 1: the same gradient (autograd copies before it adds in place).
+        return dx, dx, dw, None
 
 
 def rms_norm_invariant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -161,6 +206,21 @@ def rms_norm_standard(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) 
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def rms_norm_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual) in one pass over the rows, by the kernel the mode picks for
+    `rms_norm` (standard: the add and Hugging Face's norm, op for op)."""
+    if x.shape != residual.shape:
+        raise ValueError(f"rms_norm_add: x {tuple(x.shape)} and residual {tuple(residual.shape)} must have one shape")
+    if get_mode("rms_norm") == "standard":
+        h = x + residual
+        return rms_norm_standard(h, weight, eps), h
+    _check(x, weight, eps)
+    check_float("rms_norm", "residual", residual)
+    check_same("rms_norm", {"x": x, "residual": residual})
+    return RMSNormAddFn.apply(x, residual, weight, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -24,8 +24,21 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..kernels import (apply_rope, attention, attention_paged, attention_with_cache, current_state, linear, mode,
-                       paged_kv_write, rms_norm, rope_cos_sin, rope_inv_freq, silu_mul)
+from ..kernels import (
+    apply_rope,
+    attention,
+    attention_paged,
+    attention_with_cache,
+    current_state,
+    linear,
+    mode,
+    paged_kv_write,
+    rms_norm,
+    rms_norm_add,
+    rope_cos_sin,
+    rope_inv_freq,
+    silu_mul,
+)
 
 
 @dataclass(frozen=True)
@@ -215,6 +228,10 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         return rms_norm(x, self.weight, self.eps)
 
+    def add(self, x, residual):
+        """(norm(x + residual), x + residual): the residual stream's add fused into its norm (same bits)."""
+        return rms_norm_add(x, residual, self.weight, self.eps)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -263,9 +280,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, seq_lens, cache=None, layer=0, start=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, seq_lens, cache, layer, start)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, seq_lens, cache=None, layer=0, start=None):
+        """The residual stream as (x, residual), the stream being x + residual: each add is fused into the
+        norm that reads its sum (`RMSNorm.add`), one pass over the rows instead of two, the same bits as
+        `h = h + sublayer(norm(h))`. Layer 0 gets residual None (the stream is the embeddings)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
+        x = self.self_attn(h, cos, sin, seq_lens, cache, layer, start)
+        h, residual = self.post_attention_layernorm.add(x, residual)
+        return self.mlp(h), residual
 
 
 class DecoderStack(nn.Module):
@@ -329,13 +354,14 @@ class CausalLM(nn.Module):
             start = torch.zeros(b, device=dev, dtype=torch.int32)
         positions = start[:, None] + torch.arange(t, device=dev)            # [B, T]
         cos, sin = rope_cos_sin(positions, self.inv_freq(dev))             # [B, T, D/2] fp32
-        x = self.model.embed_tokens(input_ids)                              # [B, T, H]
+        x, residual = self.model.embed_tokens(input_ids), None              # [B, T, H]
         for i, layer in enumerate(self.model.layers):
             if checkpoint_layers and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, seq_lens, use_reentrant=False, context_fn=_same_mode())
+                x, residual = checkpoint(layer, x, residual, cos, sin, seq_lens, use_reentrant=False,
+                                         context_fn=_same_mode())
             else:
-                x = layer(x, cos, sin, seq_lens, cache, i, start)
-        return self.model.norm(x)
+                x, residual = layer(x, residual, cos, sin, seq_lens, cache, i, start)
+        return self.model.norm.add(x, residual)[0]
 
     def hidden_states_paged(self, input_ids, positions, cache: PagedKVCache):
         """Final-norm hidden states [N, H] of a flattened step (input_ids, positions [N]) over a paged cache.
@@ -343,10 +369,10 @@ class CausalLM(nn.Module):
         In `invariant` mode row n has the bits the training forward gives that token.
         """
         cos, sin = rope_cos_sin(positions[None], self.inv_freq(positions.device))  # [1, N, D/2] fp32
-        x = self.model.embed_tokens(input_ids)[None]                        # [1, N, H]
+        x, residual = self.model.embed_tokens(input_ids)[None], None        # [1, N, H]
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, None, cache, i, None)
-        return self.model.norm(x)[0]
+            x, residual = layer(x, residual, cos, sin, None, cache, i, None)
+        return self.model.norm.add(x, residual)[0][0]
 
     def forward(self, input_ids, seq_lens=None, cache: KVCache | None = None, start=None):
         """Logits [B, T, V].

@@ -144,8 +144,10 @@ class LossConfig:
 
 def _mean(total: torch.Tensor, count: int) -> torch.Tensor:
     """total / count by a true division (CUDA divides by a Python number through its reciprocal: 82 x (1/82)
-    is 0.99999994, and a ratio that is exactly 1 on every token must average to exactly 1)."""
-    return total / torch.tensor(float(max(count, 1)), dtype=total.dtype, device=total.device)
+    is 0.99999994, and a ratio that is exactly 1 on every token must average to exactly 1). The divisor is
+    filled on the device: `torch.tensor(count, device=...)` copies from pageable host memory, which waits for
+    the whole queued forward before the backward can be launched."""
+    return total / torch.full((), float(max(count, 1)), dtype=total.dtype, device=total.device)
 
 
 def _clipped_pg(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig):

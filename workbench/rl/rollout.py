@@ -14,6 +14,7 @@ it at all (every kernel is batch-invariant and padding is never read by a real t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -83,23 +84,34 @@ class RolloutBatch:
             groups.append(current)
         return [self._micro_batch(g) for g in groups]
 
+    @cached_property
+    def _padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """([B, longest] prompt + completion ids right-padded, [B] prompt lengths, [B] completion lengths) on
+        the host, built once: the micro-batches are cut from them with tensor ops (a Python loop over the
+        tokens took ~10 ms per micro-batch at 16k tokens, with the GPU idle)."""
+        plen = torch.tensor([len(p) for p in self.prompts], dtype=torch.long)
+        clen = torch.tensor([len(c) for c in self.completions], dtype=torch.long)
+        ids = torch.full((len(self), int((plen + clen).max())), self.pad_id, dtype=torch.long)
+        for i, (p, c) in enumerate(zip(self.prompts, self.completions)):
+            ids[i, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
+        return ids, plen, clen
+
     def _micro_batch(self, rows: list[int]) -> MicroBatch:
-        seqs = [self.prompts[i] + self.completions[i] for i in rows]
-        t = max(map(len, seqs))
-        ids = torch.full((len(rows), t), self.pad_id, dtype=torch.long)
-        r, pos, col, tgt = [], [], [], []
-        for j, (i, s) in enumerate(zip(rows, seqs)):
-            ids[j, : len(s)] = torch.tensor(s)
-            p, n = len(self.prompts[i]), len(self.completions[i])
-            r += [j] * n
-            pos += range(p - 1, p - 1 + n)
-            col += range(n)
-            tgt += self.completions[i]
-        dev = self.device
-
-        def as_long(x):
-            return torch.tensor(x, dtype=torch.long, device=dev)
-
-        lens = torch.tensor(list(map(len, seqs)), dtype=torch.int32, device=dev)
-        return MicroBatch(as_long(rows), ids.to(dev), lens, as_long(r), as_long(pos), as_long(col), as_long(tgt),
-                          max(len(self.completions[i]) for i in rows))
+        all_ids, plen, clen = self._padded
+        index = torch.tensor(rows, dtype=torch.long)
+        p, n = plen[index], clen[index]
+        lens = p + n
+        ids = all_ids[index, : int(lens.max())]
+        r = torch.repeat_interleave(torch.arange(len(rows)), n)           # each completion token's row
+        col = torch.arange(len(r)) - torch.repeat_interleave(n.cumsum(0) - n, n)
+        pos = p[r] - 1 + col                                                # the position that predicts it
+        # One host-to-device copy for all the index tensors, from pinned memory so that it is queued behind the
+        # previous micro-batch's backward instead of waiting for it (a copy from pageable memory syncs).
+        packed = torch.cat([index, r, pos, col, ids[r, pos + 1], lens, ids.flatten()])
+        if self.device.type == "cuda":
+            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        else:
+            packed = packed.to(self.device)
+        index, r, pos, col, tgt, lens, flat = packed.split([len(rows), len(r), len(r), len(r), len(r), len(rows),
+                                                           ids.numel()])
+        return MicroBatch(index, flat.view(ids.shape), lens.to(torch.int32), r, pos, col, tgt, int(n.max()))

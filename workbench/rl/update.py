@@ -55,13 +55,17 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
     norm = cfg.max_new_tokens if base.aggregation == AGGREGATIONS[2] else None
     loss_cfg = LossConfig(base.eps_low, base.eps_high, base.aggregation, norm)
     model = weights.model
-    sums: dict[str, float] = defaultdict(float)
+    sums: dict[str, torch.Tensor | float] = defaultdict(float)
     sq_deltas: dict[str, float] = defaultdict(float)
     updates = 0
     for epoch in range(cfg.epochs):
         for part in _mini_batches(len(batch), cfg, step, epoch):
             totals = Totals(len(part), int(batch.mask[part.to(batch.device)].sum()))
             weights.zero_grad()
+            # No host sync inside this loop (the losses and statistics stay on the device until the
+            # optimizer step): a sync after each backward would leave the host launching the next
+            # forward's many small kernels behind an idle GPU (~5% of an update at the 1.7B shape).
+            losses = []
             for mb in batch.micro_batches(part, cfg.max_tokens_per_microbatch):
                 logp, _ = completion_logprobs(model, mb, cfg.temperature,
                                               checkpoint_layers=cfg.activation_checkpointing)
@@ -73,19 +77,22 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
                 if inputs.kl_target is not None:
                     kl = kl_estimate(logp, inputs.kl_target[mb.index, cols], cfg.kl_estimator) * mask
                     loss = loss + cfg.kl_coef * aggregate(kl, mask, base.aggregation, norm, totals)
-                    sums["kl"] += float(kl.detach().sum()) / max(totals.tokens, 1)
-                if not torch.isfinite(loss):
-                    on_bad_loss(loss)
+                    sums["kl"] += kl.detach().sum() / max(totals.tokens, 1)
                 loss.backward()
-                sums["loss"] += loss.item()
+                losses.append(loss.detach())
                 for k, v in stats.items():
-                    sums[k] += float(v.detach())
+                    sums[k] += v.detach()
+            losses = torch.stack(losses)
+            finite = torch.isfinite(losses)
+            if not bool(finite.all()):
+                on_bad_loss(losses[~finite][0])
+            sums["loss"] += losses.sum()
             result = weights.step()
             sums["grad_norm"] += result.pop("grad_norm")
             for k, v in result.items():
                 sq_deltas[k] += v * v
             updates += 1
-    out = {k: v / updates for k, v in sums.items()}
+    out = {k: float(v) / updates for k, v in sums.items()}
     # Several optimizer steps: the root of their summed squared (relative) changes; the net change would need a
     # copy of the weights from before the first.
     out.update({k: math.sqrt(v) for k, v in sq_deltas.items()})
