@@ -277,7 +277,7 @@ class Facts:
         return {"answer": float(problem.answer.lower() in completion.lower())}
 
 
-TASKS = ("arithmetic", "arithmetic-chat", "gsm8k", "facts")
+TASKS = ("arithmetic", "arithmetic-chat", "gsm8k", "facts", "humaneval", "humaneval-partial")
 
 
 def default_gsm8k() -> Path | None:
@@ -289,9 +289,10 @@ def default_gsm8k() -> Path | None:
 
 def make_task(name: str, seed: int = 0, difficulty: int = 1, source: str = "", question_field: str = "question",
               answer_field: str = "answer"):
-    """A task by name: 'arithmetic', 'arithmetic-chat' and 'facts' (need nothing) or 'gsm8k' (needs `source`: a
+    """A task by name: 'arithmetic', 'arithmetic-chat' and 'facts' (need nothing), 'gsm8k' (needs `source`: a
     folder holding train.jsonl/test.jsonl or .parquet, one such file, or a hub id; `question_field`/`answer_field`
-    name its columns)."""
+    name its columns), or 'humaneval' / 'humaneval-partial' (code run in a sandbox, rewarded for passing every
+    test / the share of tests passed; `source`: another HumanEval-format file, default the packaged one)."""
     if name == "arithmetic":
         return Arithmetic(seed=seed, difficulty=difficulty)
     if name == "arithmetic-chat":
@@ -304,6 +305,10 @@ def make_task(name: str, seed: int = 0, difficulty: int = 1, source: str = "", q
             raise ValueError("task 'gsm8k' needs a source: a folder holding train.jsonl/test.jsonl, a file, "
                              "or a hub id such as openai/gsm8k (no offline copy: set WORKBENCH_GSM8K)")
         return GSM8K(source, "train", seed=seed, question_field=question_field, answer_field=answer_field)
+    if name in ("humaneval", "humaneval-partial"):
+        from ..sandbox.humaneval import HumanEval  # here: the sandbox is needed by this task only
+
+        return HumanEval(source or None, seed=seed, reward="partial" if name.endswith("partial") else "binary")
     raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
 
 

@@ -170,8 +170,10 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     # Reward.
     texts = [run.tok.decode(c, skip_special_tokens=True) for c in batch.completions]
     group = [problems[i // cfg.group_size] for i in range(len(texts))]
+    batch_rewards = getattr(run.task, "rewards", None)  # the code task checks a batch in parallel, cached for scores
+    rewards = torch.tensor(batch_rewards(texts, group) if batch_rewards else list(map(run.task.reward, texts, group)),
+                           device=run.device)
     scores = [run.task.scores(t, p) for t, p in zip(texts, group)]
-    rewards = torch.tensor([run.task.reward(t, p) for t, p in zip(texts, group)], device=run.device)
 
     # The trainer's log-probs on the weights that sampled: the parity check, and the old policy.
     budget = cfg.max_tokens_per_microbatch

@@ -1,0 +1,95 @@
+"""Sandboxed reward throughput (CPU): HumanEval's 164 canonical solutions checked in the sandbox, in
+completions/s, by worker count; and where one check's time goes, from a bare `python -I -S -c pass` up to the
+full launch chain this machine supports (one child at a time, median of --repeats).
+
+    python bench/bench_sandbox.py [--out FILE.md] [--repeats 20] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+from workbench.sandbox import HumanEval, Isolation, Limits, Sandbox
+from workbench.sandbox.checks import run_check
+from workbench.sandbox.launch import interpreter
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm: page cache, the probe
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def startup_rows(repeats: int) -> list[str]:
+    """One child at a time: what each layer of the launch chain adds."""
+    best = Sandbox().isolation
+    python = str(interpreter()[0])
+    problem = HumanEval().items[0]
+    layers = [("bare `python -I -S -c pass` (subprocess.run)",
+               lambda: subprocess.run([python, "-I", "-S", "-c", "pass"], check=True))]
+    trials = [("Sandbox.run('pass'): rlimits, scrubbed env, temp home, no guards",
+               Isolation("", (), os.getuid(), False)),
+              ("+ guards (audit hook)", Isolation("", (), os.getuid(), True))]
+    spaces = tuple(n for n in best.namespaces if n != "mnt")  # a mount namespace comes only with 'bind'
+    if spaces:
+        trials.append((f"+ {', '.join(spaces)} namespaces", Isolation("", spaces, os.getuid(), True)))
+    if best.drop:
+        trials.append((f"+ drop to nobody ({best.drop}): the chain in use here", best))
+    for name, isolation in trials:
+        sandbox = Sandbox(isolation=isolation)
+        layers.append((name, lambda s=sandbox: s.run("pass")))
+    sandbox = Sandbox(isolation=best)
+    layers.append(("one HumanEval check (HumanEval/0, canonical), chain in use",
+                   lambda: run_check(sandbox, problem.answer, problem.test, problem.entry_point, problem.units)))
+    rows = ["| one child at a time | ms (median) |", "|---|---:|"]
+    rows += [f"| {name} | {_median_ms(fn, repeats):.1f} |" for name, fn in layers]
+    return rows
+
+
+def throughput_rows(rounds: int) -> list[str]:
+    """All 164 canonical solutions, `rounds` times (the task's result cache is bypassed: a fresh task per round)."""
+    cores = os.cpu_count() or 1
+    rows = ["| workers | completions/s | all passed |", "|---:|---:|---|"]
+    for workers in sorted({1, 2, cores}):
+        rates, passed = [], True
+        for _ in range(rounds):
+            task = HumanEval(limits=Limits(), workers=workers)
+            assert task.pool.sandbox.isolation  # the probe, outside the timing
+            start = time.perf_counter()
+            results = [f.result() for f in [task.submit(p.answer, p) for p in task.items]]
+            rates.append(len(results) / (time.perf_counter() - start))
+            passed &= all(r.score("binary") == 1.0 for r in results)
+            task.close()
+        rows.append(f"| {workers} | {statistics.median(rates):.1f} | {'yes' if passed else 'NO'} |")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="also write the tables (markdown) to this file")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    isolation = Sandbox().isolation
+    lines = [(f"CPU: {os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}; "
+              f"Python {platform.python_version()}; load average {os.getloadavg()[0]:.2f} at the start"),
+             f"Isolation: {isolation.describe()}", "", *throughput_rows(a.rounds), "", *startup_rows(a.repeats)]
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""`Sandbox.run`: one program in a fresh child process under limits, with a wall-clock deadline, an empty
+temporary home and working folder (removed after), a scrubbed environment and capped output.
+
+What isolates the child beyond that (another user, namespaces, the guards) is chosen by `launch.probe`;
+docs/sandbox.md is the threat model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import selectors
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import launch
+
+_CHUNK = 1 << 16
+_EXIT_GRACE_S = 0.5
+"""After the child exits, how long its output may still take to drain (its whole group has been killed)."""
+MAX_PROGRAM_BYTES = 100_000
+"""A program travels as one argv string (the kernel caps one at 128 KiB); larger inputs go through stdin."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one sandboxed run may use."""
+
+    timeout_s: float = 5.0
+    """Wall-clock seconds; past them the child's whole process group is killed."""
+    cpu_s: int = 5
+    """CPU seconds (RLIMIT_CPU): SIGXCPU then, SIGKILL one second later."""
+    memory_mb: int = 1024
+    """Address space (RLIMIT_AS), in MiB: a larger allocation raises MemoryError."""
+    file_mb: int = 16
+    """The largest file the child may write (RLIMIT_FSIZE), in MiB; writing past it kills it (SIGXFSZ)."""
+    processes: int = 64
+    """Processes and threads the child's user may start beyond those it had when the sandbox was made
+    (RLIMIT_NPROC counts every process of the real user, not the child's own)."""
+    open_files: int = 64
+    """Open file descriptors (RLIMIT_NOFILE)."""
+    output_bytes: int = 1 << 20
+    """stdout and stderr are each read up to this many bytes; past it the child is killed (no more is held)."""
+
+    def __post_init__(self):
+        for name, value in asdict(self).items():
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"Limits.{name} must be a finite number > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    returncode: int | None
+    """The launch chain's exit status (negative: killed by that signal)."""
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool
+    """The wall-clock deadline passed and the child was killed."""
+    output_capped: bool
+    """stdout or stderr passed Limits.output_bytes and the child was killed."""
+    seconds: float = field(default=0.0, compare=False)
+
+
+class Sandbox:
+    """Runs untrusted Python programs, one child process each. Thread-safe: a pool of threads may share one.
+
+    Making one probes once per process how children can be isolated here (`isolation`; `launch.probe`) and
+    counts the processes of the user the children run as, which RLIMIT_NPROC is set relative to.
+    """
+
+    def __init__(self, limits: Limits | None = None, guards: bool = True, isolation: launch.Isolation | None = None):
+        """`isolation`: None for the strongest that works here; a weaker one to test the fallbacks."""
+        self.limits = limits or Limits()
+        self.isolation = isolation or launch.probe(guards)
+        self._nproc = launch.tasks_of(self.isolation.uid) + self.limits.processes
+
+    def run(self, program: str, stdin: bytes = b"") -> RunResult:
+        """Run `program` (Python source, as __main__) with `stdin` as its input, and collect what it wrote."""
+        if len(program.encode()) > MAX_PROGRAM_BYTES:
+            raise ValueError(f"sandbox: the program is {len(program.encode())} bytes, over {MAX_PROGRAM_BYTES}; "
+                             "pass large inputs through stdin")
+        limits = self.limits
+        with tempfile.TemporaryDirectory(prefix="workbench-sandbox-", dir=launch.temp_root(),
+                                         ignore_cleanup_errors=True) as tmp:
+            run_dir = Path(tmp)
+            home = launch.prepare(run_dir, self.isolation)
+            settings = {"home": str(home), "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
+                        "file_mb": limits.file_mb, "nproc": self._nproc, "open_files": limits.open_files,
+                        "guards": self.isolation.guards}
+            argv, env = launch.command(self.isolation, run_dir, settings, program)
+            start = time.monotonic()
+            with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  cwd=home, env=env, start_new_session=True) as proc:
+                try:
+                    out, err, timed_out, capped = _communicate(proc, stdin, start + limits.timeout_s,
+                                                               limits.output_bytes)
+                finally:
+                    _kill_group(proc)  # before wait(): the group's id is not reused while its leader is unreaped
+                    proc.wait()
+            return RunResult(proc.returncode, out, err, timed_out, capped, time.monotonic() - start)
+
+
+def _communicate(proc: subprocess.Popen, data: bytes, deadline: float, cap: int) -> tuple[bytes, bytes, bool, bool]:
+    """Feed stdin and read stdout/stderr until both close, the deadline passes or one passes `cap` bytes.
+    Returns (stdout, stderr, timed_out, capped)."""
+    out_fd, err_fd, in_fd = proc.stdout.fileno(), proc.stderr.fileno(), proc.stdin.fileno()
+    outputs = {out_fd: bytearray(), err_fd: bytearray()}
+    pending = memoryview(data)
+
+    def collected(timed_out: bool = False, capped: bool = False):
+        return bytes(outputs[out_fd]), bytes(outputs[err_fd]), timed_out, capped
+
+    with selectors.DefaultSelector() as sel:
+        for fd in outputs:
+            sel.register(fd, selectors.EVENT_READ)
+        if pending:
+            os.set_blocking(in_fd, False)
+            sel.register(in_fd, selectors.EVENT_WRITE)
+        else:
+            proc.stdin.close()
+        exit_fd = _exit_fd(proc.pid)
+        if exit_fd is not None:
+            sel.register(exit_fd, selectors.EVENT_READ)
+        exited = False
+        try:
+            while any(fd in sel.get_map() for fd in outputs):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return collected(timed_out=not exited)
+                if exit_fd is None and not exited and _has_exited(proc.pid):
+                    exited, deadline = True, min(deadline, time.monotonic() + _EXIT_GRACE_S)
+                    _kill_group(proc)
+                for key, _ in sel.select(remaining if exit_fd is not None or exited else min(remaining, 0.02)):
+                    fd = key.fd
+                    if fd == exit_fd:  # the child is gone: stray descendants holding the pipes go with its group
+                        sel.unregister(fd)
+                        exited, deadline = True, min(deadline, time.monotonic() + _EXIT_GRACE_S)
+                        _kill_group(proc)
+                    elif fd == in_fd:
+                        try:
+                            pending = pending[os.write(fd, pending[:_CHUNK]):]
+                        except BrokenPipeError:
+                            pending = pending[:0]
+                        if not pending:
+                            sel.unregister(fd)
+                            proc.stdin.close()
+                    else:
+                        chunk = os.read(fd, _CHUNK)
+                        if not chunk:
+                            sel.unregister(fd)
+                            continue
+                        buf = outputs[fd]
+                        buf += chunk
+                        if len(buf) > cap:
+                            del buf[cap:]
+                            return collected(capped=True)
+        finally:
+            if exit_fd is not None:
+                os.close(exit_fd)
+    return collected()
+
+
+def _exit_fd(pid: int) -> int | None:
+    """A pidfd (Linux 5.3+), readable once `pid` exits; None where there is none (then the loop polls)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _has_exited(pid: int) -> bool:
+    """Without reaping it (WNOWAIT), so its process group id stays reserved for _kill_group."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # the group is empty already
+        pass
