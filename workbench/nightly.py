@@ -9,12 +9,19 @@
 - `status.csv` and `summary.md`: per notebook ok/failed and its time, the parity checks, and the
   final rewards per mode.
 
+With `grid` (`--grid seed=0,1 presets=blog`: the sweep's grid syntax over the notebooks' parameters, each checked
+against every chosen notebook's parameters cell) every point of the grid is such a folder,
+`runs/nightly/grid-<swept parameters>_<git sha>/<point>/`, with `status.csv` and `summary.md` of all points beside
+them. A notebook that ran to the end is marked (`finished/NN_name.json`); in a grid's folder the next call skips it.
+
 Notebooks are jupytext "percent" files (`notebooks/NN_name.py`), converted to .ipynb on the fly.
 A failing notebook is recorded and the next one runs; `run_nightly` reports whether all passed.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import datetime
 import json
 import re
@@ -28,6 +35,7 @@ import pandas as pd
 from .config import write_config
 from .env import environment_record, git_sha, resolve_device
 from .models.hub import resolve_model
+from .sweep.grid import finished, mark_finished, parse_grid, point_names, points, swept
 from .tables import load_table
 
 
@@ -53,6 +61,9 @@ class NightlyConfig:
     """Seconds a single cell may run before it counts as failed."""
     progress: bool = True
     """Show papermill's progress bar per notebook."""
+    grid: tuple[str, ...] = ()
+    """Notebook parameters to sweep, param=v1,v2 per item: every combination runs the notebooks once, each into
+    its own folder; a rerun skips the notebooks that finished (see the module's docstring)."""
 
     def __post_init__(self):
         if self.scale not in ("smoke", "full", "auto"):
@@ -86,7 +97,8 @@ def run_folder(root: str | Path) -> Path:
     return base
 
 
-def _parameters(path: Path, declared: dict, cfg: NightlyConfig, smoke: bool, run_dir: Path) -> dict:
+def _parameters(path: Path, declared: dict, cfg: NightlyConfig, smoke: bool, run_dir: Path,
+                point: dict | None = None) -> dict:
     # interactive=False: no widgets. A widget's comm messages can leave papermill waiting forever on a cell whose
     # kernel is idle (nbclient#312, papermill#723); seen here on notebook 01's explorer.
     offered = {"smoke": smoke, "device": cfg.device, "run_dir": str(run_dir.resolve()), "interactive": False}
@@ -96,34 +108,48 @@ def _parameters(path: Path, declared: dict, cfg: NightlyConfig, smoke: bool, run
         offered["metrics"] = str(Path(cfg.metrics).resolve())
     if cfg.tensorboard:
         offered["tensorboard"] = True
+    offered.update(point or {})  # a grid point's own values win
     missing = {"smoke", "device", "run_dir"} - set(declared)
     if missing:
         raise ValueError(f"{path.name}: its parameters cell lacks {sorted(missing)}")
     return {k: v for k, v in offered.items() if k in declared}
 
 
-def run_notebook(path: Path, folder: Path, cfg: NightlyConfig, smoke: bool) -> dict:
-    """Execute one notebook into folder/executed; returns its status row (never raises for the notebook)."""
+def _declared(path: Path, source: Path) -> dict:
+    """The notebook's parameters cell as papermill reads it, the jupytext file converted to `source` (.ipynb)."""
     import jupytext
     import nbformat
+    import papermill
+
+    nb = jupytext.read(path)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    source.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, source)
+    return papermill.inspect_notebook(str(source))
+
+
+def run_notebook(path: Path, folder: Path, cfg: NightlyConfig, smoke: bool, point: dict | None = None) -> dict:
+    """Execute one notebook into folder/executed (with a grid point's parameters); returns its status row (never
+    raises for the notebook). One that finished in this folder with the same parameters is skipped."""
     import papermill
     import yaml
 
     name = path.stem
     start = time.perf_counter()
-    row = {"notebook": name, "status": "ok", "seconds": 0.0, "error": ""}
+    row = {"notebook": name, "status": "ok", "seconds": 0.0, "error": "", "skipped": False}
     try:
-        nb = jupytext.read(path)
-        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
         source = folder / "work" / "notebooks" / f"{name}.ipynb"
-        source.parent.mkdir(parents=True, exist_ok=True)
-        nbformat.write(nb, source)
-        params = _parameters(path, papermill.inspect_notebook(str(source)), cfg, smoke, folder)
+        params = _parameters(path, _declared(path, source), cfg, smoke, folder, point)
+        marker = folder / "finished" / f"{name}.json"
+        settings = {k: v for k, v in params.items() if k != "run_dir"}  # the folder may move
+        if finished(marker, settings):
+            return {**row, "seconds": json.loads(marker.read_text())["seconds"], "skipped": True}
         (folder / "params" / f"{name}.yaml").write_text(yaml.safe_dump(params, sort_keys=True))
         with open(folder / "logs" / f"{name}.log", "w") as log:
             papermill.execute_notebook(str(source), str(folder / "executed" / f"{name}.ipynb"), parameters=params,
                                        kernel_name="python3", progress_bar=cfg.progress, stdout_file=log,
                                        stderr_file=log, execution_timeout=cfg.cell_timeout, cwd=str(Path.cwd()))
+        mark_finished(marker, settings, seconds=round(time.perf_counter() - start, 1))
     except Exception as e:  # a failing notebook is recorded; the next one still runs
         row["status"] = "failed"
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
@@ -264,7 +290,7 @@ def summary_markdown(folder: Path, status: pd.DataFrame, env: dict, scale: str) 
 
 
 def run_nightly(cfg: NightlyConfig) -> tuple[Path, pd.DataFrame, bool]:
-    """Run the notebooks in order; returns (run folder, status table, all passed)."""
+    """Run the notebooks in order (at every point of cfg.grid); returns (run folder, status table, all passed)."""
     paths = notebook_paths(cfg.notebooks_dir, cfg.only)
     if cfg.scale == "full" and resolve_device(cfg.device) == "cpu":
         raise ValueError("scale 'full' runs the Qwen3-1.7B shape and 600 GRPO steps: it needs a GPU (in Triton's "
@@ -275,9 +301,17 @@ def run_nightly(cfg: NightlyConfig) -> tuple[Path, pd.DataFrame, bool]:
     if cfg.metrics:
         load_table(cfg.metrics, "on_off")
     smoke = cfg.scale == "smoke" or (cfg.scale == "auto" and resolve_device(cfg.device) == "cpu")
-    scale = "smoke" if smoke else "full"
+    if cfg.grid:
+        return run_grid(cfg, paths, smoke)
     folder = run_folder(cfg.out_root)
-    for sub in ("executed", "params", "logs", "metrics", "figures"):
+    return (folder, *run_notebooks(folder, cfg, paths, smoke))
+
+
+def run_notebooks(folder: Path, cfg: NightlyConfig, paths: list[Path], smoke: bool,
+                  point: dict | None = None) -> tuple[pd.DataFrame, bool]:
+    """The notebooks into one run folder (with a grid point's parameters); returns (status table, all passed)."""
+    scale = "smoke" if smoke else "full"
+    for sub in ("executed", "params", "logs", "metrics", "figures", "finished"):
         (folder / sub).mkdir(parents=True, exist_ok=True)
     write_config(cfg, folder / "config.yaml")
     env = environment_record()
@@ -286,12 +320,61 @@ def run_nightly(cfg: NightlyConfig) -> tuple[Path, pd.DataFrame, bool]:
     rows = []
     for i, path in enumerate(paths, 1):
         print(f"[{i}/{len(paths)}] {path.stem} ...", flush=True)
-        row = run_notebook(path, folder, cfg, smoke)
+        row = run_notebook(path, folder, cfg, smoke, point)
         print(f"[{i}/{len(paths)}] {path.stem}: {row['status']} in {row['seconds']:.1f} s"
+              + (" (finished earlier: skipped)" if row["skipped"] else "")
               + (f" ({row['error']})" if row["error"] else ""), flush=True)
         rows.append(row)
     status = pd.DataFrame(rows)
     status.to_csv(folder / "status.csv", index=False)
     (folder / "summary.md").write_text(summary_markdown(folder, status, env, scale))
     passed = bool((status.status == "ok").all()) and bool((parity_checks(folder).result != "FAIL").all())
-    return folder, status, passed
+    return status, passed
+
+
+def notebook_grid(items: tuple[str, ...], paths: list[Path]) -> dict[str, list]:
+    """The grid's axes, each parameter declared by every notebook in `paths` and each value of its default's type
+    (bool, int, float or str); run_dir is the nightly's."""
+    import tempfile
+
+    axes: dict[str, list] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in paths:
+            fields = []
+            for name, declared in _declared(path, Path(tmp) / "nb.ipynb").items():
+                try:
+                    value = ast.literal_eval(declared["default"])
+                except (ValueError, SyntaxError):  # an expression, not a literal: no type to check a value against
+                    continue
+                if type(value) in (bool, int, float, str):
+                    fields.append((name, type(value), value))
+            try:
+                axes = parse_grid(items, dataclasses.make_dataclass(f"the parameters of {path.stem}", fields),
+                                  "run_dir")
+            except ValueError as e:
+                raise ValueError(f"nightly --grid: {e}") from None
+    return axes
+
+
+def run_grid(cfg: NightlyConfig, paths: list[Path], smoke: bool) -> tuple[Path, pd.DataFrame, bool]:
+    """The notebooks at every point of cfg.grid, each point in its own folder; returns (grid folder, status of
+    every point's notebooks, all passed)."""
+    axes = notebook_grid(cfg.grid, paths)
+    fields, grid = swept(axes), points(axes)
+    root = Path(cfg.out_root) / f"grid-{'-'.join(fields) or 'single'}_{git_sha()}"
+    tables, passed = [], True
+    for name, point in zip(point_names(grid, fields), grid):
+        print(f"grid point {name}", flush=True)
+        status, ok = run_notebooks(root / name, cfg, paths, point.get("smoke", smoke), point)
+        tables.append(status.assign(point=name))
+        passed = passed and ok
+    status = pd.concat(tables, ignore_index=True)
+    status.to_csv(root / "status.csv", index=False)
+    head = (f"{int((status.status == 'ok').sum())} of {len(status)} notebooks ok over {len(grid)} points"
+            f"{'' if passed else ' (FAILED)'}; each point's summary.md has its checks.")
+    lines = [f"# Nightly grid {root.name}", "", head, "", "| point | notebook | status | seconds | error |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r.point} | {r.notebook} | {r.status}{' (earlier)' if r.skipped else ''} | {r.seconds:.1f} | "
+              f"{r.error.replace('|', '/')} |" for r in status.itertuples(index=False)]
+    (root / "summary.md").write_text("\n".join(lines) + "\n")
+    return root, status, passed

@@ -10,7 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from matplotlib import colormaps
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
 
 # ON = invariant (generator = trainer bitwise), OFF = standard (the usual mismatched kernels).
 COLORS = {"invariant": "#1b7837", "standard": "#c51b7d"}
@@ -74,4 +77,51 @@ def logprob_diff_histogram(tables: dict[str, pd.DataFrame], a: str = "decode", b
     ax.set_ylabel("tokens")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    return fig
+
+
+def sweep_comparison(table: pd.DataFrame, fields: list[str], metric: str = "reward_mean") -> Figure:
+    """A sweep's `metric` per grid point (the `point` column): its curve over the steps (left) and its value at the
+    last step (right: a dot per point, a dash at the mean). The first swept field other than the seed is the
+    right panel's x-axis, the next one (else the same) the colour in both; points that differ only in further
+    fields (seeds) are replicates. A point's several runs (arms, seeds of an on-off point) are averaged."""
+    rows = table[table.metric == metric]
+    curves = rows.groupby(["point", "step"], sort=False).value.mean().reset_index()
+    final = curves[curves.step == curves.groupby("point").step.transform("max")].set_index("point").value
+    keys = rows.drop_duplicates("point").set_index("point")[list(fields)].astype(str)
+    main = [f for f in fields if f not in ("seed", "seeds")] or list(fields)
+    x_field = main[0] if main else None
+    hue_field = main[1] if len(main) > 1 else x_field
+    x_of = keys[x_field] if x_field else pd.Series("all", index=keys.index)
+    hue_of = keys[hue_field] if hue_field else x_of
+    xs, hues = list(dict.fromkeys(x_of)), list(dict.fromkeys(hue_of))
+    palette = colormaps["tab10"]
+    color = {h: palette(i % 10) for i, h in enumerate(hues)}
+    fig = Figure(figsize=(10, 3.6), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    # With a colour field of its own, the x field's values are told apart on the left by the line style.
+    styles = ("-", "--", ":", "-.")
+    style = {x: styles[i % len(styles)] if hue_field != x_field else "-" for i, x in enumerate(xs)}
+    for point, c in curves.groupby("point", sort=False):
+        left.plot(c.step, c.value, color=color[hue_of[point]], ls=style[x_of[point]], lw=1.2, alpha=0.8,
+                  marker="o" if len(c) < 3 else None, ms=3)
+    if hue_field != x_field:
+        left.legend(handles=[Line2D([], [], color="0.3", ls=style[x], label=x) for x in xs], title=x_field,
+                    fontsize=8, title_fontsize=8)
+    width = 0.7 / len(hues) if hue_field != x_field else 0.7
+    for (x, h), group in final.groupby([x_of, hue_of], sort=False):
+        pos = xs.index(x) + ((hues.index(h) - (len(hues) - 1) / 2) * width if hue_field != x_field else 0)
+        right.scatter([pos] * len(group), group, color=color[h], s=18, zorder=3)
+        right.hlines(group.mean(), pos - 0.4 * width, pos + 0.4 * width, color=color[h], lw=2)
+    right.set_xticks(range(len(xs)), [f"{x_field}={x}" if x_field else x for x in xs], fontsize=8,
+                     rotation=30 if len(xs) > 4 else 0)
+    title = TITLES.get(metric, metric)
+    left.set(xlabel="step", ylabel=title, title=f"{title} per grid point")
+    left.xaxis.set_major_locator(MaxNLocator(integer=True))
+    right.set(ylabel=title, title=f"{title} at the last step (dash: mean)")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    if hue_field:
+        handles = [Line2D([], [], color=color[h], lw=2, label=h) for h in hues]
+        right.legend(handles=handles, title=hue_field, fontsize=8, title_fontsize=8)
     return fig
