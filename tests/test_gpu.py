@@ -86,14 +86,17 @@ def test_gpu_every_matmul_bucket_gives_the_same_bits():
     assert torch.equal(mm.matmul(dy.t(), x, tma=True), mm.matmul(dy.t(), x, tma=False))
     # dW accumulated into an fp32 gradient (the trainer's main_grad), in the persistent bucket's tiles
     # ([4096, 2048]: 256 tiles) and in the few-tiles config ([1024, 2048]), TMA and pointer kernels alike.
-    for rows in (4096, 1024):
+    # One token (K = 1: a chunk of the LM head's dW that holds one completion token) too.
+    for rows, tokens in ((4096, 700), (1024, 700), (4096, 1)):
         start = torch.randn(rows, 2048, generator=g).cuda()
         acc = [start.clone() for _ in range(2)]
-        mm.matmul(dy[:, :rows].t(), x, tma=True, accumulate=acc[0])
-        mm.matmul(dy[:, :rows].t(), x, tma=False, accumulate=acc[1])
+        mm.matmul(dy[:tokens, :rows].t(), x[:tokens], tma=True, accumulate=acc[0])
+        mm.matmul(dy[:tokens, :rows].t(), x[:tokens], tma=False, accumulate=acc[1])
         assert torch.equal(acc[0], acc[1])
-        ref = start.double() + dy[:, :rows].double().t() @ x.double()
+        ref = start.double() + dy[:tokens, :rows].double().t() @ x[:tokens].double()
         assert ((acc[0].double() - ref).norm() / ref.norm()).item() < 1e-5
+        if tokens == 1:  # one exact bf16 product added to C: one fp32 rounding, nothing else
+            assert torch.equal(acc[0], start + dy[:1, :rows].float().t() * x[:1].float())
 
 
 def test_gpu_negative_control_standard_linear_depends_on_batch_size():
