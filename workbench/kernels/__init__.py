@@ -11,6 +11,7 @@ from .cumsum import row_cumsum
 from .gumbel import gumbel_argmax
 from .linear_logprobs import linear_logprobs
 from .logprobs import entropy, logprob_rows, logsumexp, token_logprobs, token_logprobs_and_entropy
+from .lora_add import lora_add
 from .matmul import linear, matmul_config
 from .mode import MODES, current_state, get_mode, mode, set_mode
 from .rmsnorm import rms_norm, rms_norm_add
@@ -33,6 +34,7 @@ __all__ = [
     "linear_logprobs",
     "logprob_rows",
     "logsumexp",
+    "lora_add",
     "matmul_config",
     "mode",
     "paged_kv_write",

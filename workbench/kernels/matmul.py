@@ -6,7 +6,7 @@ Numerics contract (mode `invariant`):
 - Each output element is accumulated in one fp32 register, over K in blocks
   taken in increasing order: acc = dot(a_0, b_0); acc = dot(a_1, b_1, acc); ...
   (the tensor cores step through each block 16 k at a time, also in order).
-  No split-K, no atomics, no run-time autotuning.
+  No split-K (but for one gradient, below), no atomics, no run-time autotuning.
 - One rounding point: the fp32 accumulator is cast to the output dtype once.
   With a bias (Qwen2's q/k/v projections) the product is kept in fp32, the
   bias added in fp32, and the sum cast once: the one rounding cuBLAS's
@@ -35,13 +35,18 @@ Numerics contract (mode `invariant`):
   gradient accumulation fused into the weight-gradient product): there dW is
   added to it in the kernel's epilogue (`matmul(..., accumulate=main_grad)`:
   main_grad + the fp32 accumulator, one fp32 add, dW never rounded to bf16),
-  and no bf16 gradient is returned.
+  and no bf16 gradient is returned. A LoRA adapter's gradient (a weight
+  dimension <= 32: few output tiles, each over all the step's tokens) is
+  split over K instead (`matmul_split_k`): fp32 partials summed in torch's
+  fixed order; deterministic, and no forward value depends on it.
 - Warp specialization (`_WARP_SPECIALIZE_MAX_K`) moves the loads and the MMAs
   to different warps; each tile's chain of k-steps is the same, so the bits
   are (checked on the GPU with the buckets).
 - Few output tiles (a weight gradient of a narrow projection): on Hopper the
   product takes smaller tiles (`_FEW_TILES`) when the bucket's would leave
-  SMs idle; like the buckets, they give the same bits (tests/test_gpu.py).
+  SMs idle, and narrow ones (`_NARROW_N`, <= 32 columns: a LoRA adapter's
+  products) when the bucket's 256 columns would be mostly waste; like the
+  buckets, they give the same bits (tests/test_gpu.py, tests/test_gpu_lora.py).
 
 In the interpreter (CPU) a dot is `dot_step`'s own (`DOT_IN_FP32`): operands
 upcast to fp32 (bf16 products exact), each block's products summed in one
@@ -96,17 +101,21 @@ def dot_step(a, b, acc, DOT_IN_FP32: tl.constexpr, IEEE: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-@triton.jit(do_not_specialize=["K"])
+@triton.jit(do_not_specialize=["K", "K_SPLIT"])
 def _matmul_kernel(
     a_ptr, b_ptr, c_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    M, N, K, K_SPLIT,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_cs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, IEEE: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
-    # C[M, N] = A[M, K] @ B[K, N] (ACCUMULATE: C += A @ B, C fp32) for any strides.
+    # C[M, N] = A[M, K] @ B[K, N] (ACCUMULATE: C += A @ B, C fp32) for any strides. Split K (grid axis 1 > 1):
+    # program s takes k in [s * K_SPLIT, (s + 1) * K_SPLIT) and writes its partial product to C + s * stride_cs.
     pid = tl.program_id(0)
+    k_start = tl.program_id(1) * K_SPLIT
+    K = tl.minimum(K - k_start, K_SPLIT)
+    c_ptr += tl.program_id(1).to(tl.int64) * stride_cs
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     # Grouped launch order, for L2 reuse of B tiles; it changes which program
@@ -126,8 +135,8 @@ def _matmul_kernel(
     rows = (offs_m % M).to(tl.int64)
     cols = (offs_n % N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
+    a_ptrs = a_ptr + rows[:, None] * stride_am + (k_start + offs_k[None, :]).to(tl.int64) * stride_ak
+    b_ptrs = b_ptr + (k_start + offs_k[:, None]).to(tl.int64) * stride_bk + cols[None, :] * stride_bn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -241,6 +250,10 @@ _FEW_TILES = MatmulConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4)
 # `accumulate`: the loaded C tile on top of the specialized pipeline's buffers needs 273 KiB of shared
 # memory, more than Hopper's 227 KiB.
 _WARP_SPECIALIZE_MAX_K = 4096
+# Hopper, bf16, many rows and at most 32 columns (a LoRA adapter's [tokens, r] products): the bucket's 256
+# columns would be 8-16x wasted MMA work. Same chain of k-steps, so the same bits (tests/test_gpu_lora.py
+# compares the generator's decode, in the small buckets, with the trainer's rows here).
+_NARROW_N = MatmulConfig(128, 32, 64, group_m=8, num_warps=4, num_stages=4)
 # GPU, bf16, any architecture but Hopper: one config for every M, so a row's chain of k-steps cannot
 # depend on M whatever the tensor cores do (the buckets' equality was measured on Hopper only). Not
 # persistent, and small enough in shared memory (3 stages of 64x64 + 64x128 bf16: 72 KiB) for the
@@ -274,9 +287,9 @@ def matmul_config(m: int, dtype: torch.dtype, device: torch.device | None = None
     """The tile config for a product with `m` rows (and `n` columns, 0: unknown) on `device` (a CUDA
     device; None: the current one).
 
-    A fixed table. bf16 on Hopper: `MATMUL_BUCKETS`, by M, or `_FEW_TILES` where the bucket's tiles would
-    leave SMs idle (every entry gives the same bits there); on any other GPU: one config for every M. fp32
-    and the interpreter: one config for every M.
+    A fixed table. bf16 on Hopper: `MATMUL_BUCKETS`, by M, `_NARROW_N` for at most 32 columns, or
+    `_FEW_TILES` where the bucket's tiles would leave SMs idle (every entry gives the same bits there); on
+    any other GPU: one config for every M. fp32 and the interpreter: one config for every M.
     """
     if interpreting():
         return _INTERPRETER
@@ -287,6 +300,8 @@ def matmul_config(m: int, dtype: torch.dtype, device: torch.device | None = None
     for max_m, cfg in MATMUL_BUCKETS:
         if m <= max_m:
             break
+    if cfg.persistent and 0 < n <= _NARROW_N.block_n:
+        return _NARROW_N
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     if cfg.persistent and 0 < tiles < _num_sms(_device_index(device)):
         return _FEW_TILES
@@ -305,6 +320,7 @@ def tile_config(device: torch.device | None = None) -> dict:
         out["bf16_rule"] = "buckets by M (Hopper: the buckets give the same bits, checked by tests/test_gpu.py)"
         out["bf16_buckets"] = [(m, vars(c)) for m, c in MATMUL_BUCKETS]
         out["bf16_few_tiles"] = vars(_FEW_TILES)
+        out["bf16_narrow_n"] = vars(_NARROW_N)
     else:
         out["bf16_rule"] = "one config for every M (not Hopper: no bucket was measured here)"
         out["bf16"] = vars(_BF16_ONE)
@@ -377,13 +393,58 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = Non
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return c
-    _matmul_kernel[(tiles,)](
-        a, b, c, m, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+    _matmul_kernel[(tiles, 1)](
+        a, b, c, m, n, k, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, EVEN_K=(k % bk == 0), **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return c
+
+
+_NARROW = 32
+"""A weight with a dimension this small (a LoRA adapter's rank) takes `matmul_split_k` for its gradient."""
+
+
+def split_k_splits(m: int, n: int, k: int, device: torch.device | None = None) -> int:
+    """How many K slices `matmul_split_k` cuts a narrow product into: enough programs to fill the GPU twice
+    over, slices of at least 1,024. A function of the shapes alone (so of the micro-batch's token count)."""
+    if interpreting():
+        return max(1, min(4, k // 64))
+    cfg = matmul_config(m, torch.bfloat16, device, n)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    return max(1, min(2 * _num_sms(_device_index(device)) // tiles, k // 1024))
+
+
+def matmul_split_k(a: torch.Tensor, b: torch.Tensor, accumulate: torch.Tensor) -> torch.Tensor:
+    """accumulate += a[M, K] @ b[K, N] for a narrow product with a long K (a LoRA adapter's weight gradient:
+    [r, tokens] @ [tokens, in] or [out, tokens] @ [tokens, r]), whose few output tiles would otherwise each
+    walk all of K on one SM. K is cut into `split_k_splits` slices; each slice's product is an fp32 partial
+    (its own chain of k-steps), the partials are summed over the slices by `torch.sum` (one fixed order for
+    given shapes), then added to `accumulate`. Deterministic for given shapes, but not the bits of `matmul`'s
+    single chain, and they follow K: for gradients only, never for a forward value that parity compares."""
+    m, k = a.shape
+    k2, n = b.shape
+    if k != k2 or a.dtype != b.dtype or accumulate.dtype != torch.float32 or accumulate.shape != (m, n):
+        raise ValueError(f"matmul_split_k: a {tuple(a.shape)} {a.dtype}, b {tuple(b.shape)} {b.dtype} and "
+                         f"accumulate {tuple(accumulate.shape)} {accumulate.dtype} (fp32 [M, N]) do not fit")
+    splits = split_k_splits(m, n, k, a.device)
+    if splits == 1 or m == 0 or n == 0:
+        return matmul(a, b, accumulate=accumulate)
+    cfg = matmul_config(m, a.dtype, a.device, n)
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    k_split = triton.cdiv(triton.cdiv(k, splits), bk) * bk
+    splits = triton.cdiv(k, k_split)
+    parts = torch.empty((splits, m, n), device=a.device, dtype=torch.float32)
+    interp = interpreting()
+    _matmul_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn), splits)](
+        a, b, parts, m, n, k, k_split,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), parts.stride(1), parts.stride(2), parts.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, EVEN_K=(k % bk == 0),
+        DOT_IN_FP32=interp, IEEE=(a.dtype == torch.float32 or interp), ACCUMULATE=False,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return accumulate.add_(parts.sum(0))
 
 
 def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -430,6 +491,8 @@ class LinearFn(torch.autograd.Function):
             main_grad = getattr(weight, "main_grad", None)
             if main_grad is None:
                 dw = matmul(dy2.t(), x2, out_dtype=weight.dtype)
+            elif min(weight.shape) <= _NARROW:  # a LoRA adapter: [r, in] or [out, r]
+                matmul_split_k(dy2.t(), x2, main_grad)
             else:
                 matmul(dy2.t(), x2, accumulate=main_grad)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:

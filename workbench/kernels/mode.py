@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 MODES = ("invariant", "standard")
-OPS = ("linear", "rms_norm", "silu_mul", "apply_rope", "token_logprobs", "attention", "entropy")
+OPS = ("linear", "rms_norm", "silu_mul", "apply_rope", "token_logprobs", "attention", "entropy", "lora_add")
 """The op names a mode override can name: each op of `registry.REGISTRY` under its own name. The switch owns
 the list (and the registry is checked against it) so that the lowest layer imports nothing above it."""
 

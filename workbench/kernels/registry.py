@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import attention, logprobs, matmul, rmsnorm, rope, silu_mul
+from . import attention, logprobs, lora_add, matmul, rmsnorm, rope, silu_mul
 
 # (small: interpreter-friendly, real: Qwen3-1.7B widths)
 _SIZES = {
@@ -90,6 +90,11 @@ def _entropy_inputs(rows, size, g, device, dtype):
     return _logit_inputs(rows, size, g, device, dtype)[:1]
 
 
+def _lora_add_inputs(rows, size, g, device, dtype):
+    n = _SIZES[size]["inter"]  # a projection's output; scale = alpha / r with PEFT's common alpha = 2r
+    return _randn((rows, n), g, device, dtype), _randn((rows, n), g, device, dtype, 0.1), 2.0
+
+
 REGISTRY: dict[str, Op] = {
     op.name: op
     for op in (
@@ -109,5 +114,7 @@ REGISTRY: dict[str, Op] = {
            tile_config=attention.tile_config, max_rows=16),
         Op("entropy", logprobs.entropy_invariant, logprobs.entropy_standard, logprobs.entropy_reference,
            _entropy_inputs, row_args=(0,), grad_args=(0,), tile_config=logprobs.tile_config),
+        Op("lora_add", lora_add.lora_add_invariant, lora_add.lora_add_standard, lora_add.lora_add_reference,
+           _lora_add_inputs, row_args=(0, 1), grad_args=(0, 1), tile_config=lora_add.tile_config),
     )
 }

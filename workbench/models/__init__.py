@@ -2,6 +2,7 @@
 
 from .checkpoint import (
     CheckpointError,
+    checkpoint_dtype,
     config_from_hf,
     config_to_hf,
     hf_to_titan,
@@ -12,8 +13,10 @@ from .checkpoint import (
     split_gate_up,
     titan_to_hf,
     weights_checksum,
+    weights_equal,
 )
 from .hub import FetchError, cache_dir, fetch_model, resolve_model
+from .lora import LoraConfig
 from .tokenizer import encode_prompt, has_chat_template, load_tokenizer
 from .transformer import (
     FAMILIES,
@@ -35,11 +38,13 @@ __all__ = [
     "CausalLM",
     "CheckpointError",
     "KVCache",
+    "LoraConfig",
     "ModelConfig",
     "RopeScaling",
     "build",
     "cache_dir",
     "check_weights",
+    "checkpoint_dtype",
     "config",
     "config_from_hf",
     "config_to_hf",
@@ -57,4 +62,5 @@ __all__ = [
     "split_gate_up",
     "titan_to_hf",
     "weights_checksum",
+    "weights_equal",
 ]

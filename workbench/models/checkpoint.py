@@ -181,6 +181,20 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
     return config_from_hf(hf_cfg, str(cfg_file))
 
 
+def checkpoint_dtype(path: str | os.PathLike) -> torch.dtype:
+    """The dtype a checkpoint declares (config.json's `dtype` or `torch_dtype`; float32 where it names none)."""
+    file = _resolve(path) / "config.json"
+    try:
+        hf = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: no readable config.json ({e}); is this a Hugging Face checkpoint?") from None
+    name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise CheckpointError(f"{path}/config.json: dtype {name!r} is not a floating-point torch dtype")
+    return dtype
+
+
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
                     device: str | torch.device = "cpu") -> CausalLM:
     """A CausalLM from a Hugging Face checkpoint directory (safetensors, single or sharded).
@@ -205,6 +219,10 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16
 
 def save_pretrained(model: CausalLM, path: str | os.PathLike, tokenizer=None) -> Path:
     """Write config.json and model.safetensors (and the tokenizer, if given) atomically into `path`."""
+    if model.lora is not None:
+        raise ValueError("the model has LoRA adapters attached, which a Hugging Face checkpoint has no names for: "
+                         "save them with models.peft.save_adapter (and the base without them), or fold them in "
+                         "first (models.lora.merge)")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     dtype = next(model.parameters()).dtype
@@ -288,3 +306,32 @@ def weights_checksum(state: dict[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(state[name].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def weights_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], group_bytes: int = 256 * 2**20) -> bool:
+    """Whether two {name: tensor} hold the same names, shapes, dtypes and bytes, compared where the tensors are
+    (no host copy, unlike `weights_checksum`). Tensors of one dtype are flattened and compared in concatenated
+    groups of up to `group_bytes`, so a few hundred adapters cost a few kernels and one host sync, not one each."""
+    if a.keys() != b.keys():
+        return False
+    xs: list[torch.Tensor] = []
+    ys: list[torch.Tensor] = []
+    size = 0
+
+    def same() -> bool:
+        x, y = (xs[0], ys[0]) if len(xs) == 1 else (torch.cat(xs), torch.cat(ys))
+        # Bytes, not values: -0.0 == 0.0 and NaN != NaN as numbers, but not as bits.
+        return torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+    for name in sorted(a):
+        x, y = a[name].detach(), b[name].detach()
+        if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
+            return False
+        if xs and (size + x.nbytes > group_bytes or x.dtype != xs[0].dtype or x.device != xs[0].device):
+            if not same():
+                return False
+            xs, ys, size = [], [], 0
+        xs.append(x.reshape(-1))
+        ys.append(y.reshape(-1))
+        size += x.nbytes
+    return not xs or same()

@@ -10,6 +10,7 @@ in `invariant` mode a token's logits are the same bits either way.
 
 Parameter names are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`),
 so a HF state dict loads as is; see `checkpoint.py` for files and torchtitan names.
+LoRA adapters (`lora.py`) hook into `Linear`: the trainer and the generator both run them unmerged.
 Shapes in comments: B batch, T new tokens, S cache length, H hidden, I
 intermediate, Hq/Hkv heads, D head dim, V vocab.
 """
@@ -31,6 +32,7 @@ from ..kernels import (
     attention_with_cache,
     current_state,
     linear,
+    lora_add,
     mode,
     paged_kv_write,
     rms_norm,
@@ -208,15 +210,22 @@ class PagedKVCache:
 
 
 class Linear(nn.Module):
-    """y = x @ W.T (+ b) on the kernel library."""
+    """y = x @ W.T (+ b) on the kernel library; with a LoRA adapter attached (`lora.attach`), unmerged,
+    + scale * (x @ A.T) @ B.T through `kernels.lora_add`."""
 
     def __init__(self, n_in: int, n_out: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_out, n_in))
         self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
+        self.register_parameter("lora_A", None)   # [r, in]
+        self.register_parameter("lora_B", None)   # [out, r]
+        self.lora_scale = 0.0
 
     def forward(self, x):
-        return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
+        if self.lora_A is None:
+            return y
+        return lora_add(y, linear(linear(x, self.lora_A), self.lora_B), self.lora_scale)
 
 
 class RMSNorm(nn.Module):
@@ -307,6 +316,7 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
+        self.lora = None  # the LoraConfig of attached adapters (`lora.attach`), or None
         self.model = DecoderStack(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)

@@ -1,6 +1,10 @@
 """Resumable training checkpoints: the trained weights, AdamW's state, the lagged generator's weights,
 the config and the metrics so far.
 
+With LoRA the trained weights are the adapters alone (their fp32 masters and AdamW state); the frozen base is
+not copied: a resume rebuilds it from the run's starting policy and checks it by checksum. The folder is also a
+PEFT adapter folder (adapter_config.json + adapter_model.safetensors, the bf16 adapters the policy ran).
+
 Every instant of a save is recoverable. A checkpoint is a folder `checkpoints/step-NNNNNN`, written under a
 temporary name, every file and the folder fsynced, then renamed into place (one atomic rename) and the parent
 fsynced; only then are older ones pruned (the newest `KEEP` stay). A run resumes from the newest complete folder,
@@ -22,6 +26,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..models.lora import adapter_state
+from ..models.peft import save_adapter
 from .config import TrainConfig
 from .weights import TrainWeights
 
@@ -38,9 +44,12 @@ _STEP = re.compile(r"step-(\d+)")
 def config_changes(saved: dict, cfg: TrainConfig) -> dict:
     """{field: (saved, now)} for every field a resumed run may not change. A field the saved config
     lacks (a checkpoint from before that field existed) counts as its default."""
+    def plain(v):  # as JSON holds it
+        return list(v) if isinstance(v, tuple) else v
+
     defaults = asdict(TrainConfig())
     return {k: (saved.get(k, defaults[k]), v) for k, v in asdict(cfg).items()
-            if k not in _RESUMABLE_CHANGES and saved.get(k, defaults[k]) != (list(v) if isinstance(v, tuple) else v)}
+            if k not in _RESUMABLE_CHANGES and plain(saved.get(k, defaults[k])) != plain(v)}
 
 
 def _complete(folder: Path) -> int | None:
@@ -110,10 +119,14 @@ def _save(root: Path, out: Path, step: int, weights: TrainWeights, metrics: pd.D
     save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "optimizer.safetensors")
     if lagged is not None:
         save_file({k: v.contiguous() for k, v in lagged[1].items()}, tmp / "generator.safetensors")
+    extra = {}
+    if weights.lora is not None:
+        save_adapter(tmp, weights.lora, adapter_state(weights.model), base_model=cfg.policy)
+        extra["base_checksum"] = weights.base_checksum()
     metrics.to_csv(tmp / "metrics.csv", index=False)
     (tmp / "state.json").write_text(json.dumps({"step": step, "config": asdict(cfg),
                                                 "generator_version": None if lagged is None else lagged[0],
-                                                "param_groups": state["param_groups"]}, indent=1))
+                                                "param_groups": state["param_groups"], **extra}, indent=1))
     for f in tmp.iterdir():
         _fsync(f)
     _fsync(tmp)
@@ -151,6 +164,9 @@ def load_checkpoint(out: Path, weights: TrainWeights, cfg: TrainConfig, device: 
     if changed:
         raise ValueError(f"resume: the config differs from the checkpoint's in {changed} (saved, now); "
                          "resume with the same settings or start a new out_dir")
+    if weights.lora is not None and state.get("base_checksum") != weights.base_checksum():
+        raise ValueError(f"resume: the frozen base differs from the one {ck} trained its adapters on; resume from "
+                         "the same starting policy (policy=...), or start a new out_dir")
     saved = _read(ck / "masters.safetensors", older)
     wanted = {k: tuple(v.shape) for k, v in weights.masters.items()}
     found = {k: tuple(v.shape) for k, v in saved.items()}

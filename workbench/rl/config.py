@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import check_at_least_one, check_positive
+from ..models.lora import PROJECTIONS, LoraConfig
 from .losses import get_loss
 from .tasks import TASKS, default_gsm8k
 
@@ -56,6 +57,14 @@ class TrainConfig:
     master_dtype: str = "float32"
     """'float32': AdamW on fp32 master weights, cast to bf16 once per update; 'bfloat16': AdamW on the bf16
     weights themselves (no masters; bf16 optimizer state and gradient accumulation)."""
+    adapter: str = "none"
+    """'none' (train every weight) or 'lora' (freeze the base, train LoRA adapters: see docs/lora.md)."""
+    lora_rank: int = 16
+    """adapter='lora': the adapters' rank r."""
+    lora_alpha: float = 32.0
+    """adapter='lora': the adapters' output is scaled by lora_alpha / lora_rank."""
+    lora_targets: tuple[str, ...] = PROJECTIONS
+    """adapter='lora': the projections with adapters (of q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)."""
     mini_batches: int = 1
     """Optimizer steps per epoch: the step's sequences are cut into this many mini-batches (PPO)."""
     epochs: int = 1
@@ -137,6 +146,15 @@ class TrainConfig:
                              f"{self.prompts_per_step * self.group_size} sequences")
         if self.master_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"master_dtype must be 'float32' or 'bfloat16', got {self.master_dtype!r}")
+        if self.adapter not in ("none", "lora"):
+            raise ValueError(f"adapter must be 'none' (full fine-tuning) or 'lora', got {self.adapter!r}")
+        LoraConfig(self.lora_rank, self.lora_alpha, self.lora_targets)  # names a bad lora_* field, even unused
+        if self.adapter == "lora" and self.generator == "vllm":
+            raise ValueError("adapter='lora' with generator='vllm' is not supported: vLLM would run the adapters "
+                             "through its own LoRA kernels, not the trainer's products, and the weight sync "
+                             "moves adapters into the embedded generator only. Use generator='embedded' (exact, "
+                             "unmerged), or merge the adapters (python -m workbench lora-merge) and serve the "
+                             "merged checkpoint")
         if self.old_logprobs not in ("recompute", "sampler"):
             raise ValueError(f"old_logprobs must be 'recompute' or 'sampler', got {self.old_logprobs!r}")
         if self.old_logprobs == "sampler" and self.correction != "none":
@@ -174,3 +192,9 @@ class TrainConfig:
             raise ValueError(f"vllm_model must be 'workbench' or 'vllm', got {self.vllm_model!r}")
         if not 0 < self.vllm_memory < 1:
             raise ValueError(f"vllm_memory must lie in (0, 1), got {self.vllm_memory!r}")
+
+    def lora_config(self) -> LoraConfig | None:
+        """The adapters' settings (adapter='lora'), or None (full fine-tuning)."""
+        if self.adapter != "lora":
+            return None
+        return LoraConfig(self.lora_rank, self.lora_alpha, self.lora_targets)

@@ -4,6 +4,10 @@
 place (and into a running vLLM engine). `checkpoint`: through disk, as across processes. With
 `policy_lag=1` the generator keeps the weights of one update before the trainer's (an asynchronous
 pipeline's lag, reproduced exactly; the steps still run one after another).
+
+With LoRA (adapter='lora') only the adapters move: the generator gets the frozen base once, at the start
+(checked bitwise then), and each sync copies the adapters in place (`copy`) or through a PEFT folder
+(`checkpoint`); it runs them unmerged, as the trainer does. `moved_bytes` is what the last sync moved.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-from ..models import build, copy_weights, load_pretrained, save_pretrained, weights_checksum
+from ..models import build, copy_weights, load_pretrained, save_pretrained, weights_equal
+from ..models.lora import adapter_state, attach, base_state, copy_adapters
+from ..models.peft import load_adapter, save_adapter
 from .config import TrainConfig
 
 
@@ -20,9 +26,17 @@ class WeightSync:
     def __init__(self, cfg: TrainConfig, model, out: Path, device: str, engine=None,
                  lagged: tuple[int, dict] | None = None):
         self.cfg, self.model, self.out, self.device, self.engine = cfg, model, out, device, engine
+        self.lora = cfg.lora_config()
         self.generator = model if cfg.sync == "shared" else build(model.config, device=device,
                                                                   dtype=torch.bfloat16, seed=None)
+        if self.lora is not None and cfg.sync != "shared":
+            base = base_state(model)
+            copy_weights(base, self.generator)
+            attach(self.generator, self.lora)
+            if not weights_equal(base_state(self.generator), base):
+                raise RuntimeError("the generator's frozen base differs from the trainer's after its copy")
         self.version = 0
+        self.moved_bytes = 0
         self.history: list[tuple[int, dict]] = [lagged] if lagged is not None else []
         """(version, bf16 weights) the trainer published, oldest first (policy lag only)."""
 
@@ -31,6 +45,12 @@ class WeightSync:
         """The generator's weights when they are not the trainer's (what a checkpoint must keep)."""
         return self.history[0] if self.cfg.policy_lag and self.history else None
 
+    def _trained(self, model) -> dict[str, torch.Tensor]:
+        """The weights a sync moves: the whole model, or (LoRA) the adapters."""
+        if self.lora is None:
+            return dict(model.state_dict())
+        return {k: v.detach() for k, v in adapter_state(model).items()}
+
     def __call__(self, version: int) -> None:
         """Publish the trainer's weights after `version` updates; the generator moves to the version it samples
         the next step with."""
@@ -38,22 +58,25 @@ class WeightSync:
         self.version = version
         if cfg.sync == "shared":
             return
-        current = dict(self.model.state_dict())
+        current = self._trained(self.model)
         source = current
         if cfg.policy_lag:
             self.history.append((version, {k: v.detach().clone() for k, v in current.items()}))
             del self.history[: -(cfg.policy_lag + 1)]
             self.version, source = self.history[0]
+        self.moved_bytes = sum(v.numel() * v.element_size() for v in source.values())
         if cfg.sync == "copy":
-            copy_weights(source, self.generator)
+            (copy_weights if self.lora is None else copy_adapters)(source, self.generator)
             if self.engine is not None:
                 self.engine.load_weights(source)
+        elif self.lora is not None:
+            load_adapter(save_adapter(self.out / "sync", self.lora, source), self.generator)
         else:
             save_pretrained(self.model, self.out / "sync")
             self.generator = load_pretrained(self.out / "sync", dtype=torch.bfloat16, device=self.device)
             if self.engine is not None:
                 self.engine.load_checkpoint(self.out / "sync")
-        synced = {"generator": weights_checksum(self.generator.state_dict()) == weights_checksum(source)}
+        synced = {"generator": weights_equal(self._trained(self.generator), source)}
         if self.engine is not None:
             synced["vLLM engine"] = self.engine.weights_checksum() == self.engine.expected_checksum(source)
         for who, ok in synced.items():

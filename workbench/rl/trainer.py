@@ -13,6 +13,9 @@ mismatch, never the lag. In `invariant` mode any difference stops the run (parit
 `standard` mode it is measured and logged. Step 1's per-token log-probs of both sides are kept
 (step1_logprobs.npz), the starting policy's mismatch for histograms.
 
+With `adapter='lora'` the update trains LoRA adapters on a frozen base, the generator runs them unmerged, and
+the sync moves the adapters only (docs/lora.md).
+
 Metrics are a long table (step, metric, value, variant, seed), also sent to TensorBoard when asked.
 On a failure (parity break, NaN loss) the metrics so far are still written before the error.
 """
@@ -31,6 +34,7 @@ from ..env import resolve_device
 from ..generation import SamplingParams, generate
 from ..kernels import mode
 from ..models import build, copy_weights, encode_prompt, load_pretrained, load_tokenizer, resolve_model, save_pretrained
+from ..models.lora import base_state
 from .checkpoint import last_good, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .logprobs import parity_stats, save_token_logprobs, score
@@ -49,7 +53,8 @@ class ParityError(RuntimeError):
 
 
 def _starting_policy(cfg: TrainConfig, out: Path, device: str):
-    dtype = torch.float32 if cfg.master_dtype == "float32" else torch.bfloat16
+    # fp32 where it becomes the masters; a LoRA base is frozen in bf16 (the same bits as a cast of the fp32 load).
+    dtype = torch.float32 if cfg.master_dtype == "float32" and cfg.adapter == "none" else torch.bfloat16
     if cfg.policy:
         folder = resolve_model(cfg.policy)
         return load_pretrained(folder, dtype=dtype, device=device), load_tokenizer(folder)
@@ -97,12 +102,13 @@ class Run:
                               question_field=cfg.question_field, answer_field=cfg.answer_field)
         start, self.tok = _starting_policy(cfg, self.out, self.device)
         self.weights = TrainWeights(start, cfg.master_dtype, cfg.lr, self.device, cfg.weight_decay,
-                                    cfg.max_grad_norm)
+                                    cfg.max_grad_norm, cfg.lora_config(), cfg.seed)
         del start
         self.reference = None
         if cfg.kl_coef > 0 and cfg.kl_to == "reference":
+            # With LoRA the start is the base (B = 0): the reference is the base without adapters.
             self.reference = build(self.weights.model.config, device=self.device, dtype=torch.bfloat16, seed=None)
-            copy_weights(dict(self.weights.model.state_dict()), self.reference)
+            copy_weights(base_state(self.weights.model), self.reference)
         self.start_step, lagged, previous = 0, None, None
         if cfg.resume:
             self.start_step, previous, lagged = load_checkpoint(self.out, self.weights, cfg, self.device)
@@ -247,6 +253,7 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     log(step, "time_generate", t_gen - t0)
     log(step, "time_train", t_train - t_gen)
     log(step, "time_sync", t_sync - t_train)
+    log(step, "sync_bytes", sync.moved_bytes)
     log(step, "time_step", t_sync - t0)
     log(step, "tokens_per_s", sum(lengths) / (t_sync - t0))
     return rewards.mean().item(), parity["tokens_differing"]

@@ -8,6 +8,9 @@
   the other parameters' bf16 gradients live only until a hook has added them into it.
 - master_dtype 'bfloat16': AdamW on the bf16 weights themselves (bf16 moments, bf16 gradient
   accumulation), the setup of most RL blog posts: 8 bytes per parameter.
+- LoRA (`lora`): the bf16 base is frozen (no masters, no gradients, no optimizer state; its linear layers'
+  backward computes input gradients only, the weight-gradient products are skipped) and the rules above apply to
+  the adapters alone: fp32 masters drawn by PEFT's initialisation, cast into the model's bf16 adapters.
 
 The optimizer steps one layer group at a time (AdamW is elementwise and skips parameters without a
 gradient, so this is the same update): the group's weights before the step are the only copy the
@@ -20,32 +23,44 @@ from collections import defaultdict
 
 import torch
 
-from ..models import CausalLM, build, copy_weights
+from ..models import CausalLM, build, copy_weights, weights_checksum
+from ..models.lora import LoraConfig, adapter_state, attach, base_state, copy_adapters, init_adapters
 from .metrics import layer_group, weight_delta_metrics
 
 
 class TrainWeights:
     def __init__(self, start: CausalLM, master_dtype: str, lr: float, device: str, weight_decay: float = 0.0,
-                 max_grad_norm: float = 0.0):
+                 max_grad_norm: float = 0.0, lora: LoraConfig | None = None, seed: int = 0):
+        """`lora`: freeze `start` as the base and train adapters initialised from `seed`."""
         self.max_grad_norm = max_grad_norm
         self.has_masters = master_dtype == "float32"
+        self.lora = lora
         self._bf16: list[torch.Tensor] = []
-        if self.has_masters:
+        self._base_checksum: str | None = None
+        if self.has_masters and lora is None:
             # The starting model's own fp32 tensors become the masters: no second copy.
             self.masters = {k: v.detach().float() for k, v in start.state_dict().items()}
             self.model = build(start.config, device=device, dtype=torch.bfloat16, seed=None)
             copy_weights(self.masters, self.model)
-            named = dict(self.model.named_parameters())
-            self._bf16 = [named[k] for k in self.masters]
-            for k, m in self.masters.items():
-                m.requires_grad_(True)
-                named[k].register_post_accumulate_grad_hook(self._into_master(m))
         else:
             self.model = start if start.lm_head_weight.dtype == torch.bfloat16 else \
                 build(start.config, device=device, dtype=torch.bfloat16, seed=None)
             if self.model is not start:
                 copy_weights(dict(start.state_dict()), self.model)
-            self.masters = dict(self.model.named_parameters())
+            if lora is None:
+                self.masters = dict(self.model.named_parameters())
+            else:
+                attach(self.model, lora)
+                on = self.model.lm_head_weight.device
+                init = {k: v.to(on) for k, v in init_adapters(self.model, lora, seed).items()}
+                copy_adapters(init, self.model)
+                self.masters = init if self.has_masters else adapter_state(self.model)
+        if self.has_masters:
+            named = dict(self.model.named_parameters())
+            self._bf16 = [named[k] for k in self.masters]
+            for k, m in self.masters.items():
+                m.requires_grad_(True)
+                named[k].register_post_accumulate_grad_hook(self._into_master(m))
         self.params = [self.masters[k] for k in sorted(self.masters)]
         # fused: one kernel per step for all tensors (the foreach default takes ~2x the time, several passes).
         self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, fused=True)
@@ -123,4 +138,11 @@ class TrainWeights:
     def sync_model(self) -> None:
         """The bf16 model from the masters (after an optimizer step or a resume)."""
         if self.has_masters:
-            copy_weights({k: v.detach() for k, v in self.masters.items()}, self.model)
+            (copy_weights if self.lora is None else copy_adapters)(
+                {k: v.detach() for k, v in self.masters.items()}, self.model)
+
+    def base_checksum(self) -> str:
+        """LoRA: the frozen base's checksum (computed once), so a resume can check it restarts on the same base."""
+        if self._base_checksum is None:
+            self._base_checksum = weights_checksum(base_state(self.model))
+        return self._base_checksum
