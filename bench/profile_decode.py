@@ -1,0 +1,122 @@
+"""Where a decode step's time goes (issue 16's first item): the embedded generator at the Qwen3-1.7B shape (random
+weights), 128-token prompts, batch 64 and 256, invariant and standard mode. Per decode step:
+
+- the step as `generate` runs it (CUDA graph replay plus the loop's bookkeeping), from its own timer, over the
+  same steps;
+- the GPU kernels of one step by kind (matmuls, attention, norms, RoPE, SwiGLU, sampling and log-probs, KV-cache
+  writes, other), from the profiler over 255 eager decode steps (the same kernels the graph replays), minus a
+  prefill-only run;
+- each kind's byte floor where it has one (matmuls: every projection's and the LM head's weights read once;
+  attention: each sequence's K/V read once) at the measured copy bandwidth;
+- what is left: the step's time not covered by kernels (host work between replays, launch gaps).
+
+    python bench/profile_decode.py [--out FILE.md] [--batches 64 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from timing import copy_gbs, emit, header  # noqa: E402
+
+from workbench.generation import SamplingParams, generate  # noqa: E402
+from workbench.kernels import mode  # noqa: E402
+from workbench.models import build  # noqa: E402
+
+PROMPT, STEPS = 128, 255  # 256 new tokens: the first comes from the prefill
+# Kernel name fragments -> kind, first match wins (Triton kernels by their function names, cuBLAS/ATen by theirs).
+KINDS = (
+    ("matmul", ("_matmul", "gemm", "sm90_xmma", "cutlass", "nvjet")),
+    ("attention", ("_attn", "flash", "fmha", "attention")),
+    ("norm", ("_rms_norm", "rms")),
+    ("rope", ("_rope",)),
+    ("swiglu", ("_silu", "silu")),
+    ("sampling + log-probs", ("_gumbel", "_logprob", "_lse", "_entropy", "_cumsum", "softmax", "argmax", "max",
+                              "exponential", "log")),
+    ("kv write, copies", ("_kv_write", "index_put", "scatter", "copy")),
+)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, parts in KINDS:
+        if any(p.lower() in low for p in parts):
+            return kind
+    return "other"
+
+
+def kernel_ms(model, prompts, mode_name: str, new_tokens: int) -> dict[str, float]:
+    """GPU ms by kind of one eager generation of `new_tokens` tokens."""
+    with mode(mode_name), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        generate(model, prompts, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0),
+                 cuda_graphs=False)
+        torch.cuda.synchronize()
+    out = defaultdict(float)
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = e.self_cuda_time_total if us is None else us
+        if us:
+            out[kind_of(e.key)] += us / 1e3
+    return out
+
+
+def step_ms(model, prompts, mode_name: str) -> float:
+    """The decode step as `generate` runs it (CUDA graphs), over the same steps as the profile: median of 5. Each
+    `generate` call captures its graph once, so this includes 1/255 of a capture."""
+    times = []
+    with mode(mode_name):
+        generate(model, prompts, SamplingParams(max_new_tokens=4))  # compile and capture
+        for _ in range(5):
+            out = generate(model, prompts, SamplingParams(temperature=1.0, max_new_tokens=STEPS + 1, seed=0))
+            times.append(out.decode_s / (out.steps - 1) * 1e3)
+    return sorted(times)[2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="also write the table (markdown) to this file")
+    ap.add_argument("--batches", nargs="+", type=int, default=[64, 256])
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_decode.py needs a CUDA GPU")
+    model = build("qwen3-1.7B", device="cuda", seed=0)
+    cfg = model.config
+    gbs = max(copy_gbs())
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" not in n)
+    kinds = [k for k, _ in KINDS] + ["other"]
+    lines = [header(), "",
+             f"Qwen3-1.7B shape, random weights, {PROMPT}-token prompts; kernels per decode step = (profile of "
+             f"{STEPS} eager decode steps - profile of the prefill alone) / {STEPS}, at a mean KV length of "
+             f"{PROMPT + STEPS // 2}; the step as `generate` runs it (graphs, the same {STEPS} steps), median of 5. "
+             "In standard mode norms, RoPE and SwiGLU are ATen elementwise kernels, counted under `other`. Floors "
+             f"at {gbs:.0f} GB/s (measured copy).", "",
+             "| mode | batch | step ms | kernels ms | not kernels ms | " + " | ".join(f"{k} ms" for k in kinds)
+             + " | matmul floor ms | attention floor ms |",
+             "|---|---|---|---|---|" + "---|" * len(kinds) + "---|---|"]
+    for batch in a.batches:
+        g = torch.Generator().manual_seed(0)
+        prompts = torch.randint(0, cfg.vocab_size, (batch, PROMPT), generator=g).tolist()
+        kv = batch * (PROMPT + STEPS // 2) * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+        for mode_name in ("invariant", "standard"):
+            kernel_ms(model, prompts, mode_name, 2)  # compile
+            base = kernel_ms(model, prompts, mode_name, 1)
+            run = kernel_ms(model, prompts, mode_name, STEPS + 1)
+            per = {k: (run.get(k, 0.0) - base.get(k, 0.0)) / STEPS for k in kinds}
+            busy = sum(per.values())
+            step = step_ms(model, prompts, mode_name)
+            lines.append(f"| {mode_name} | {batch} | {step:.2f} | {busy:.2f} | {step - busy:.2f} | "
+                         + " | ".join(f"{per[k]:.2f}" for k in kinds)
+                         + f" | {weights / gbs / 1e6:.2f} | {kv / gbs / 1e6:.2f} |")
+            print(lines[-1], flush=True)
+    emit(lines, a.out)
+
+
+if __name__ == "__main__":
+    main()
