@@ -33,12 +33,14 @@ def _prompts(batch: int, vocab: int):
 
 
 def ours(model, batch: int, mode_name: str) -> tuple[float, float]:
-    """(tokens/s over prefill + decode, decode ms per step)."""
+    """(tokens/s over prefill + decode, decode ms per step) of the run of median tokens/s of 3 (a single run has
+    shown a prefill 15x its usual time on an H100)."""
     params = SamplingParams(temperature=1.0, max_new_tokens=NEW, seed=0)
     prompts = _prompts(batch, model.config.vocab_size)
     with mode(mode_name):
         generate(model, prompts, SamplingParams(max_new_tokens=4))  # compile and capture
-        out = generate(model, prompts, params)
+        runs = sorted((generate(model, prompts, params) for _ in range(3)), key=lambda o: o.tokens_per_s)
+    out = runs[1]
     return out.tokens_per_s, out.decode_s / max(out.steps - 1, 1) * 1e3
 
 

@@ -5,7 +5,8 @@ config on every row (a bucket may only be used if it does), (2) its time
 against cuBLAS on the Qwen3-1.7B projection shapes. The chosen table is then
 written into `workbench/kernels/matmul.py` by hand: nothing is tuned at run time.
 
-    python bench/tune_matmul.py
+    python bench/tune_matmul.py            # every candidate on the projection shapes, M = 1 ... 8192
+    python bench/tune_matmul.py --decode   # decode steps: a layer's products + the LM head at M = 64, 128, 256
 """
 
 from __future__ import annotations
@@ -25,6 +26,22 @@ from workbench.kernels import matmul as mm  # noqa: E402
 
 SHAPES = [(2048, 4096), (2048, 2048), (2048, 12288), (6144, 2048), (2048, 151936)]
 MS = [1, 8, 32, 128, 512, 2048, 8192]
+# One decoder layer's products at the Qwen3-1.7B shape (K, N): q, k, v, o, gate, up, down; and the LM head.
+LAYER = [(2048, 2048), (2048, 1024), (2048, 1024), (2048, 2048), (2048, 6144), (2048, 6144), (6144, 2048)]
+LAYERS, LM_HEAD = 28, (2048, 151936)
+DECODE_CANDIDATES = [
+    mm.MatmulConfig(16, 64, 128, 8, 4, 4),
+    mm.MatmulConfig(16, 32, 128, 8, 4, 6),
+    mm.MatmulConfig(32, 64, 128, 8, 4, 4),
+    mm.MatmulConfig(64, 64, 64, 8, 4, 4),
+    mm.MatmulConfig(64, 32, 64, 8, 4, 6),
+    mm.MatmulConfig(64, 32, 128, 8, 4, 4),
+    mm.MatmulConfig(64, 64, 128, 8, 4, 4),
+    mm.MatmulConfig(64, 64, 64, 8, 4, 6),
+    mm.MatmulConfig(64, 128, 64, 8, 4, 4),
+    mm.MatmulConfig(128, 64, 64, 8, 4, 4),
+    mm.MatmulConfig(128, 128, 64, 8, 8, 4),
+]
 CANDIDATES = [
     mm.MatmulConfig(128, 256, 64, 8, 8, 3),
     mm.MatmulConfig(16, 64, 64, 8, 4, 4),
@@ -53,7 +70,36 @@ def run_with(cfg, a, b):
         mm.MATMUL_BUCKETS = saved
 
 
+def decode() -> None:
+    """A decode step's products (28 layers + the LM head) per candidate, at the batch sizes of issue 16, against
+    cuBLAS and the weights' byte floor; and each candidate's bits against the current table's."""
+    dev = "cuda"
+    x = torch.randn(300, 2048, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(4096, 2048, device=dev, dtype=torch.bfloat16) / 2048**0.5
+    ref = mm.matmul(x, w.t())
+    for cfg in DECODE_CANDIDATES:
+        print(f"  {cfg}: same bits as the table: {torch.equal(run_with(cfg, x, w.t()), ref)}")
+    for m in (64, 128, 256):
+        def total(fn) -> float:
+            ms = 0.0
+            for (k, n), times in [(s, LAYERS) for s in LAYER] + [(LM_HEAD, 1)]:
+                def call(k=k, n=n):
+                    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                    b = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+                    return lambda: fn(a, b)
+                ms += times * gpu_ms(call, 2 * (m * k + n * k + m * n))
+            return ms
+        floor = sum(2 * k * n for k, n in LAYER) * LAYERS + 2 * LM_HEAD[0] * LM_HEAD[1]
+        print(f"M = {m}: cuBLAS {total(F.linear):.2f} ms, table {total(lambda a, b: mm.matmul(a, b.t())):.2f} ms, "
+              f"weights {floor / 1e9:.2f} GB", flush=True)
+        for cfg in DECODE_CANDIDATES:
+            print(f"  {cfg}: {total(lambda a, b, cfg=cfg: run_with(cfg, a, b.t())):.2f} ms", flush=True)
+
+
 def main() -> None:
+    if "--decode" in sys.argv:
+        decode()
+        return
     torch.manual_seed(0)
     dev = "cuda"
     # 1. bitwise agreement of every candidate with the first 128x256 one.
