@@ -131,7 +131,7 @@ def copy_adapters(src: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
             raise ValueError(f"{k}: the model's adapter has shape {tuple(p.shape)}, the source "
                              f"{tuple(src[k].shape)}; use the same lora_rank")
     with torch.no_grad():  # one multi-tensor launch for the few hundred adapters, not one copy each
-        torch._foreach_copy_(list(params.values()), [src[k] for k in params])
+        torch._foreach_copy_(list(params.values()), [src[k].to(p.device) for k, p in params.items()])
 
 
 def merge(model: torch.nn.Module) -> None:
