@@ -24,7 +24,8 @@ class TrainConfig:
     kernel_mode: str = "invariant"
     """'invariant' (bitwise generator = trainer) or 'standard' (the mismatched control)."""
     task: str = "arithmetic"
-    """'arithmetic' (synthetic, offline) or 'gsm8k'."""
+    """'arithmetic' or 'arithmetic-chat' (synthetic), 'facts' (the blog's five), 'gsm8k', or 'humaneval' /
+    'humaneval-partial' (code run in the sandbox: every test passed, or the share passed)."""
     task_source: str = ""
     """GSM8K only: a folder of train/test .jsonl or .parquet, a file, or a hub id; empty: the offline copy."""
     question_field: str = "question"
