@@ -24,13 +24,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
+from bench_generate import PROMPT, _prompts  # noqa: E402
 from timing import copy_gbs, emit, header  # noqa: E402
 
 from workbench.generation import SamplingParams, generate  # noqa: E402
 from workbench.kernels import mode  # noqa: E402
 from workbench.models import build  # noqa: E402
 
-PROMPT, STEPS = 128, 255  # 256 new tokens: the first comes from the prefill
+STEPS = 255  # 256 new tokens (bench_generate's): the first comes from the prefill
 # Kernel name fragments -> kind, first match wins (Triton kernels by their function names, cuBLAS/ATen by theirs).
 KINDS = (
     ("matmul", ("_matmul", "gemm", "sm90_xmma", "cutlass", "nvjet")),
@@ -101,8 +102,7 @@ def main() -> None:
              + " | matmul floor ms | attention floor ms |",
              "|---|---|---|---|---|" + "---|" * len(kinds) + "---|---|"]
     for batch in a.batches:
-        g = torch.Generator().manual_seed(0)
-        prompts = torch.randint(0, cfg.vocab_size, (batch, PROMPT), generator=g).tolist()
+        prompts = _prompts(batch, cfg.vocab_size)
         kv = batch * (PROMPT + STEPS // 2) * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
         for mode_name in ("invariant", "standard"):
             kernel_ms(model, prompts, mode_name, 2)  # compile

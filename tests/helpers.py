@@ -5,6 +5,22 @@ from __future__ import annotations
 import torch
 
 
+def random_gpu_model(shape: str = "qwen3-1.7B", seed: int = 0):
+    """A bf16 model of a real shape with random weights drawn on the GPU (N(0, 0.02), norms at 1): the CPU draw of
+    `build` takes minutes at this size."""
+    from workbench.models import build
+
+    m = build(shape, device="meta", dtype=torch.bfloat16, seed=None).to_empty(device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    return m
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in fp64; NaN anywhere gives inf."""
     out, ref = out.double(), ref.double()

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import random_gpu_model
 
 from workbench.generation import SamplingParams, generate
 from workbench.kernels import mode
-from workbench.models import build
 from workbench.models.lora import adapter_state
 from workbench.rl.config import TrainConfig
 from workbench.rl.logprobs import completion_logprobs, parity_stats, score
@@ -23,14 +23,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def trainer_and_generator(tmp_path_factory):
-    start = build("qwen3-1.7B", device="meta", dtype=torch.bfloat16, seed=None).to_empty(device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for name, p in start.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=g)
+    start = random_gpu_model()
+    g = torch.Generator(device="cuda").manual_seed(1)
     cfg = TrainConfig(adapter="lora", lora_rank=16, lora_alpha=32.0, sync="copy", device="cuda")
     weights = TrainWeights(start, "float32", 1e-6, "cuda", lora=cfg.lora_config())
     with torch.no_grad():  # B = 0 would make the adapters invisible: the comparison would prove nothing

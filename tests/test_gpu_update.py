@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import random_gpu_model
 
 from workbench.kernels import linear, linear_logprobs, mode, token_logprobs
-from workbench.models import build
 from workbench.rl.logprobs import completion_logprobs, score
 from workbench.rl.rollout import RolloutBatch
 
@@ -17,15 +17,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def model():
-    m = build("qwen3-1.7B", device="meta", dtype=torch.bfloat16, seed=None).to_empty(device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=g)
-    return m
+    return random_gpu_model()
 
 
 def _batch(seed: int, n: int = 24) -> RolloutBatch:
