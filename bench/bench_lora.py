@@ -6,8 +6,8 @@ generator that holds its own copy (sync='copy'): the adapters vs every weight, m
 the trainer's whole adapter sync (copy + the bitwise check). Targets printed beside the figures: LoRA peak <= 0.5x
 full at each micro-batch budget, the whole adapter sync <= 10 ms.
 
-    python bench/bench_lora.py [--shape qwen3-1.7B] [--sequences 64] [--configs 8192 16384 32768+ckpt] [--rank 16]
-        [--out FILE.md]
+    python bench/bench_lora.py [--shape qwen3-1.7B] [--sequences 64] [--rank 16] [--out FILE.md]
+        [--configs 8192 16384 16384+mlp 32768+layers]
 """
 
 from __future__ import annotations
@@ -37,22 +37,22 @@ SEQ_LEN = 1024
 PEAK_TARGET, SYNC_TARGET_MS = 0.5, 10.0
 
 
-def measure_update(weights: TrainWeights, n: int, budget: int, ckpt: bool) -> tuple[float, float]:
+def measure_update(weights: TrainWeights, n: int, budget: int, recompute: str) -> tuple[float, float]:
     """(update tokens/s, peak GiB) of one GRPO update of n x 1,024 tokens, after a warm-up update."""
     vocab = weights.model.config.vocab_size
-    new_update(weights, make_batch(8, SEQ_LEN, vocab, seed=1), "invariant", budget, ckpt)  # compile, allocator
+    new_update(weights, make_batch(8, SEQ_LEN, vocab, seed=1), "invariant", budget, recompute)  # compile, allocator
     batch = make_batch(n, SEQ_LEN, vocab, seed=n)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    _, t_update = new_update(weights, batch, "invariant", budget, ckpt)
+    _, t_update = new_update(weights, batch, "invariant", budget, recompute)
     return n * SEQ_LEN / t_update, torch.cuda.max_memory_allocated() / 2**30
 
 
 def measure_configs(weights: TrainWeights, n: int, configs, what: str) -> list[tuple[float, float]]:
     out = []
-    for budget, ckpt in configs:
-        out.append(measure_update(weights, n, budget, ckpt))
-        print(f"{what}, {budget}{'+ckpt' if ckpt else ''}: {out[-1][0]:,.0f} tokens/s, peak {out[-1][1]:.1f} GiB",
+    for budget, recompute in configs:
+        out.append(measure_update(weights, n, budget, recompute))
+        print(f"{what}, {budget}+{recompute}: {out[-1][0]:,.0f} tokens/s, peak {out[-1][1]:.1f} GiB",
               flush=True)
     return out
 
@@ -66,9 +66,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-1.7B")
     ap.add_argument("--sequences", type=int, default=64, help="sequences of 1,024 tokens per step (default 64)")
-    ap.add_argument("--configs", nargs="+", type=_config, default=[(8192, False), (16384, False), (32768, True)],
-                    help="micro-batch token budgets, +ckpt for activation checkpointing (default 8192 16384 "
-                         "32768+ckpt)")
+    ap.add_argument("--configs", nargs="+", type=_config,
+                    default=[(8192, "none"), (16384, "none"), (16384, "mlp"), (32768, "layers")],
+                    help="micro-batch token budgets, +mlp or +layers for activation checkpointing (default 8192 "
+                         "16384 16384+mlp 32768+layers)")
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank r (alpha = 2r)")
     ap.add_argument("--out", help="also write the table (markdown) to this file")
     a = ap.parse_args()
@@ -104,18 +105,19 @@ def main() -> None:
     sync_ok = "met" if whole_sync_ms <= SYNC_TARGET_MS else "MISSED"
     mib = moved / 2**20
     setup = (f"{a.shape} shape, random weights; one GRPO update of {a.sequences} x {SEQ_LEN} tokens (a quarter "
-             "prompt), invariant kernels, at each micro-batch budget (+ckpt: activation checkpointing per layer); "
+             "prompt), invariant kernels, at each micro-batch budget (recompute: what the backward "
+             "recomputes, activation checkpointing); "
              "peak = the most GPU memory allocated during the update (resident weights and optimizer state "
              f"included). LoRA: r = {lora.rank}, alpha = {lora.alpha:g}, all seven projections, "
              f"{n_adapter / 1e6:.1f} M adapter parameters (fp32 masters + AdamW), frozen bf16 base. Sync: into a "
              "generator holding its own bf16 copy (sync='copy'), median of 20, CUDA-synchronised.")
     lines = [header(), "", setup, "",
-             "| micro-batch tokens | act. ckpt | full tokens/s | LoRA tokens/s | LoRA/full speed | full peak GiB | "
+             "| micro-batch tokens | recompute | full tokens/s | LoRA tokens/s | LoRA/full speed | full peak GiB | "
              f"LoRA peak GiB | LoRA/full peak (target <= {PEAK_TARGET}x) |",
              "|---|---|---|---|---|---|---|---|"]
-    for (budget, ckpt), (f_tps, f_peak), (l_tps, l_peak) in zip(a.configs, full_runs, lora_runs):
+    for (budget, recompute), (f_tps, f_peak), (l_tps, l_peak) in zip(a.configs, full_runs, lora_runs):
         ratio = l_peak / f_peak
-        lines.append(f"| {budget:,} | {'on' if ckpt else 'off'} | {f_tps:,.0f} | {l_tps:,.0f} | {l_tps / f_tps:.2f}x "
+        lines.append(f"| {budget:,} | {recompute} | {f_tps:,.0f} | {l_tps:,.0f} | {l_tps / f_tps:.2f}x "
                      f"| {f_peak:.1f} | {l_peak:.1f} | {ratio:.2f}x ({'met' if ratio <= PEAK_TARGET else 'MISSED'}) |")
     lines += ["", "| sync | bytes | ms |", "|---|---|---|",
               f"| every weight (copy_weights) | {full_bytes / 2**30:.2f} GiB | {full_copy_ms:.2f} |",

@@ -26,7 +26,7 @@ from timing import emit, gpu_ms, header  # noqa: E402
 
 from workbench.kernels import mode, token_logprobs  # noqa: E402
 from workbench.kernels.matmul import matmul  # noqa: E402
-from workbench.models import build  # noqa: E402
+from workbench.models import RECOMPUTE, build  # noqa: E402
 from workbench.rl.config import TrainConfig  # noqa: E402
 from workbench.rl.logprobs import completion_logprobs, score  # noqa: E402
 from workbench.rl.losses import get_loss  # noqa: E402
@@ -78,10 +78,10 @@ def _timed(fn):
     return out, time.perf_counter() - t
 
 
-def new_update(weights, batch, row_mode: str, budget: int, ckpt: bool) -> tuple[float, float]:
+def new_update(weights, batch, row_mode: str, budget: int, recompute: str) -> tuple[float, float]:
     """(seconds of the scoring pass, seconds of the update) of one GRPO step on `batch`."""
     default, overrides = MODES[row_mode]
-    cfg = TrainConfig(kernel_mode=default, max_tokens_per_microbatch=budget, activation_checkpointing=ckpt,
+    cfg = TrainConfig(kernel_mode=default, max_tokens_per_microbatch=budget, activation_checkpointing=recompute,
                       group_size=8, prompts_per_step=max(len(batch) // 8, 1), max_new_tokens=batch.mask.shape[1])
     with mode(default, **overrides):
         (old, _), t_score = _timed(lambda: score(weights.model, batch, budget, 1.0))
@@ -182,12 +182,15 @@ def breakdown(weights, modes) -> None:
                   f"{2 * m * n * k / ms[0] / 1e9:.0f} | {ms[0] / ms[1]:.2f} |", flush=True)
 
 
-def _config(text: str) -> tuple[int, bool]:
-    """'16384' or '32768+ckpt' -> (token budget, activation checkpointing)."""
-    budget = text.removesuffix("+ckpt")
-    if not budget.isdigit() or int(budget) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a token budget (a positive integer), optionally +ckpt")
-    return int(budget), text.endswith("+ckpt")
+def _config(text: str) -> tuple[int, str]:
+    """'16384', '16384+mlp' or '32768+layers' -> (token budget, what the backward recomputes); '+ckpt' is the
+    earlier name of '+layers' (BENCHMARKS.md's older commands)."""
+    budget, _, what = text.partition("+")
+    what = {"": "none", "ckpt": "layers"}.get(what, what)
+    if not budget.isdigit() or int(budget) < 1 or what not in RECOMPUTE:
+        raise argparse.ArgumentTypeError(f"{text!r}: a token budget (a positive integer), optionally +mlp or "
+                                         "+layers (activation checkpointing)")
+    return int(budget), what
 
 
 def main() -> None:
@@ -197,7 +200,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only steps up to 64 x 1,024 tokens")
     ap.add_argument("--sizes", nargs="+", type=int, help="sequences per step (default 8 64 512; --quick: 8 64)")
     ap.add_argument("--configs", nargs="+", type=_config, default=[(8192, False), (16384, False), (32768, True)],
-                    help="micro-batch token budgets, +ckpt for activation checkpointing (e.g. 8192 32768+ckpt)")
+                    help="micro-batch token budgets, +mlp or +layers for activation checkpointing (e.g. 8192 "
+                         "16384+mlp 32768+layers)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--breakdown", action="store_true",
                     help="instead of the table: GPU busy fraction and kernels of one 16 x 1,024 micro-batch's forward "
@@ -220,27 +224,27 @@ def main() -> None:
              "backward + AdamW; scoring = the no-grad pass that gives the old log-probs. MFU = 6 x params x "
              f"tokens/s / {peak / 1e12:.0f} TFLOP/s (dense bf16 peak); the floor (MFU 1) is "
              f"{peak / flops_per_token:,.0f} tokens/s.", "",
-             "| mode | path | B x T | micro-batch tokens | act. ckpt | update tokens/s | MFU | scoring tokens/s "
+             "| mode | path | B x T | micro-batch tokens | recompute | update tokens/s | MFU | scoring tokens/s "
              "| peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
     sizes = a.sizes or ([8, 64] if a.quick else [8, 64, 512])
     for kernel_mode in a.modes:
-        for budget, ckpt in a.configs:
+        for budget, recompute in a.configs:
             try:  # warm-up: compilation, allocator
-                new_update(weights, make_batch(8, 1024, vocab, seed=1), kernel_mode, budget, ckpt)
+                new_update(weights, make_batch(8, 1024, vocab, seed=1), kernel_mode, budget, recompute)
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
             for n in sizes:
                 batch = make_batch(n, 1024, vocab, seed=n)
                 torch.cuda.reset_peak_memory_stats()
                 try:
-                    t_score, t_update = new_update(weights, batch, kernel_mode, budget, ckpt)
+                    t_score, t_update = new_update(weights, batch, kernel_mode, budget, recompute)
                 except torch.OutOfMemoryError:
-                    lines.append(f"| {kernel_mode} | fused | {n} x 1024 | {budget} | {'on' if ckpt else 'off'} | OOM | | | > 78 |")
+                    lines.append(f"| {kernel_mode} | fused | {n} x 1024 | {budget} | {recompute} | OOM | | | > 78 |")
                     torch.cuda.empty_cache()
                     continue
                 tokens = n * 1024
                 tps = tokens / t_update
-                lines.append(f"| {kernel_mode} | fused | {n} x 1024 | {budget} | {'on' if ckpt else 'off'} | "
+                lines.append(f"| {kernel_mode} | fused | {n} x 1024 | {budget} | {recompute} | "
                              f"{tps:,.0f} | {tps * flops_per_token / peak:.2f} | {tokens / t_score:,.0f} | "
                              f"{torch.cuda.max_memory_allocated() / 2**30:.1f} |")
                 print(lines[-1], flush=True)

@@ -7,6 +7,7 @@ written into `workbench/kernels/matmul.py` by hand: nothing is tuned at run time
 
     python bench/tune_matmul.py            # every candidate on the projection shapes, M = 1 ... 8192
     python bench/tune_matmul.py --decode   # decode steps: a layer's products + the LM head at M = 64, 128, 256
+    python bench/tune_matmul.py --decode-projections   # each decode product: table, narrow tiles, split-K, fused
 """
 
 from __future__ import annotations
@@ -96,7 +97,52 @@ def decode() -> None:
             print(f"  {cfg}: {total(lambda a, b, cfg=cfg: run_with(cfg, a, b.t())):.2f} ms", flush=True)
 
 
+def split_k(a, b, seg: int, bk: int = 128):
+    """a @ b with K cut into slices of `seg` (fp32 partials, each its own chain of k-steps) summed in slice
+    order: what a decode product costs with a shape-only split (pointer loads; the sum a separate kernel)."""
+    m, k = a.shape
+    n = b.shape[1]
+    splits = triton.cdiv(k, seg)
+    parts = torch.empty((splits, m, n), device=a.device, dtype=torch.float32)
+    cfg = mm.MatmulConfig(64, 64, bk, 8, 4, 4)
+    mm._matmul_kernel[(triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)](
+        a, b, parts, m, n, k, seg, a.stride(0), a.stride(1), b.stride(0), b.stride(1), parts.stride(1),
+        parts.stride(2), parts.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=8,
+        EVEN_K=True, DOT_IN_FP32=False, IEEE=False, ACCUMULATE=False, num_warps=4, num_stages=4)
+    return parts.sum(0).to(a.dtype)
+
+
+def decode_projections() -> None:
+    """Each decode product of the Qwen3-1.7B shape at M = 64 and 256, microseconds (cold L2, in a CUDA graph):
+    cuBLAS, the table, narrow 16-column tiles, split-K by 512 and 1,024, and q/k/v and gate/up as one product
+    (their weights side by side: the same chains, so the same bits); the byte floor at 3.0 TB/s beside them."""
+    dev = "cuda"
+    narrow = mm.MatmulConfig(64, 16, 128, 8, 4, 4)
+    shapes = {"q": (2048, 2048), "k or v": (2048, 1024), "o": (2048, 2048), "gate or up": (2048, 6144),
+              "down": (6144, 2048), "lm_head": LM_HEAD, "q+k+v fused": (2048, 4096), "gate+up fused": (2048, 12288)}
+    x = torch.randn(64, 2048, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(4096, 2048, device=dev, dtype=torch.bfloat16) / 2048**0.5
+    print("narrow tiles, same bits as the table:", torch.equal(run_with(narrow, x, w.t()), mm.matmul(x, w.t())))
+    for m in (64, 256):
+        print(f"M = {m}: | product | K x N | floor us | cuBLAS | table | 64x16x128 | split-K 512 | split-K 1024 |")
+        for name, (k, n) in shapes.items():
+            def time(fn, k=k, n=n) -> float:
+                def call():
+                    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                    b = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+                    return lambda: fn(a, b)
+                return 1e3 * gpu_ms(call, 2 * (m * k + n * k + m * n))
+            row = [time(F.linear), time(lambda a, b: mm.matmul(a, b.t())),
+                   time(lambda a, b: run_with(narrow, a, b.t())),
+                   time(lambda a, b: split_k(a, b.t(), 512)), time(lambda a, b: split_k(a, b.t(), 1024))]
+            floor = 2 * (m * k + n * k + m * n) / 3.0e6
+            print(f"| {name} | {k} x {n} | {floor:.1f} | " + " | ".join(f"{t:.1f}" for t in row) + " |", flush=True)
+
+
 def main() -> None:
+    if "--decode-projections" in sys.argv:
+        decode_projections()
+        return
     if "--decode" in sys.argv:
         decode()
         return

@@ -6,9 +6,10 @@ import torch
 from workbench.kernels import attention, attention_paged, attention_with_cache, mode, paged_kv_write
 
 
-def test_training_prefill_decode_bitwise_with_a_poisoned_cache():
-    g = torch.Generator().manual_seed(0)
-    b, t, hq, hkv, d = 3, 21, 4, 2, 16
+@pytest.mark.parametrize("hq, hkv", [(4, 2), (6, 2), (2, 2)])   # decode: query heads packed per KV head, or not
+def test_training_prefill_decode_bitwise_with_a_poisoned_cache(hq, hkv):
+    g = torch.Generator().manual_seed(hq)
+    b, t, d = 3, 21, 16
     q = torch.randn(b, t, hq, d, generator=g).bfloat16()
     k = torch.randn(b, t, hkv, d, generator=g).bfloat16()
     v = torch.randn(b, t, hkv, d, generator=g).bfloat16()
@@ -25,6 +26,10 @@ def test_training_prefill_decode_bitwise_with_a_poisoned_cache():
             one = attention_with_cache(q[i : i + 1, pos : pos + 1], cache_k[i : i + 1], cache_v[i : i + 1],
                                        torch.tensor([pos]), torch.tensor([pos + 1]))
             assert torch.equal(one[0, 0], train[i, pos]), f"sequence {i}, position {pos}"
+    # One decode step of the whole batch, each sequence at its own last position.
+    last = (lens - 1).long()
+    step = attention_with_cache(q[torch.arange(b), last][:, None], cache_k, cache_v, lens - 1, lens)
+    assert torch.equal(step[:, 0], train[torch.arange(b), last])
     # A chunked prefill: positions 8.. of sequence 0 as one step after the first 8.
     chunk = attention_with_cache(q[:1, 8:], cache_k[:1], cache_v[:1], torch.tensor([8]), torch.tensor([21]))
     assert torch.equal(chunk[0], train[0, 8:])

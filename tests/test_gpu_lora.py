@@ -11,6 +11,7 @@ from helpers import random_gpu_model
 
 from workbench.generation import SamplingParams, generate
 from workbench.kernels import mode
+from workbench.models import RECOMPUTE
 from workbench.models.lora import adapter_state
 from workbench.rl.config import TrainConfig
 from workbench.rl.logprobs import completion_logprobs, parity_stats, score
@@ -73,6 +74,24 @@ def test_generator_and_trainer_are_bitwise_with_adapters(trainer_and_generator):
     stats = parity_stats(batch.behavior, trainer, batch.mask)
     assert stats["tokens"] > 1000 and stats["tokens_differing"] == 0, stats
     assert torch.equal(logp.detach(), trainer[mb.index, : mb.width]), "the update's forward gives the same bits"
+
+
+def test_adapter_gradients_are_the_same_bits_whatever_the_recompute(trainer_and_generator):
+    """The trainer's own path: the adapters' fp32 master gradients, accumulated inside the backward's kernels."""
+    weights, generator = trainer_and_generator
+    mb = _rollouts(generator, "invariant").micro_batches(None, 16384)[0]
+    grads = {}
+    for recompute in RECOMPUTE:
+        weights.zero_grad()
+        with mode("invariant"):
+            logp, _ = completion_logprobs(weights.model, mb, 1.0, recompute=recompute)
+        (logp * torch.linspace(-1, 1, logp.numel(), device="cuda").view_as(logp)).sum().backward()
+        grads[recompute] = {k: m.grad.clone() for k, m in weights.masters.items()}
+    weights.zero_grad()
+    assert len(grads["none"]) == 28 * 7 * 2 and all(g.abs().sum() > 0 for g in grads["none"].values())
+    for recompute in RECOMPUTE[1:]:
+        for k, g in grads["none"].items():
+            assert torch.equal(g, grads[recompute][k]), f"{k} ({recompute})"
 
 
 def test_standard_mode_differs(trainer_and_generator):

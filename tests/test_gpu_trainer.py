@@ -24,7 +24,7 @@ def test_gpu_grpo_steps_hold_parity_and_resume(tmp_path):
 
 def test_gpu_ppo_mini_batches_and_the_old_logprobs_source(tmp_path):
     base = dict(steps=3, prompts_per_step=8, group_size=4, max_new_tokens=3, checkpoint_every=3, device="cuda",
-                mini_batches=2, epochs=2, lr=3e-3, max_tokens_per_microbatch=40, activation_checkpointing=True)
+                mini_batches=2, epochs=2, lr=3e-3, max_tokens_per_microbatch=40, activation_checkpointing="layers")
     inv = train(TrainConfig(out_dir=str(tmp_path / "inv"), kernel_mode="invariant", old_logprobs="sampler", **base))
     by = inv.pivot(index="step", columns="metric", values="value")
     assert (by["parity_tokens_differing"] == 0).all() and (by["optimizer_steps"] == 4).all()

@@ -9,6 +9,7 @@ import torch
 from helpers import random_gpu_model
 
 from workbench.kernels import linear, linear_logprobs, mode, token_logprobs
+from workbench.models import RECOMPUTE
 from workbench.rl.logprobs import completion_logprobs, score
 from workbench.rl.rollout import RolloutBatch
 
@@ -79,14 +80,16 @@ def test_the_update_forward_gives_the_scoring_bits(model):
 @pytest.mark.parametrize("kernel_mode", ["invariant", "standard"])
 def test_activation_checkpointing_keeps_the_gradient_bits(model, kernel_mode):
     mb = _batch(3, n=4).micro_batches(None, 1 << 20)[0]
-    grads = []
-    for ckpt in (False, True):
+    grads = {}
+    for recompute in RECOMPUTE:
         model.zero_grad(set_to_none=True)
         with mode(kernel_mode):
-            logp, _ = completion_logprobs(model, mb, 1.0, checkpoint_layers=ckpt)
+            logp, _ = completion_logprobs(model, mb, 1.0, recompute=recompute)
             weights = torch.linspace(-1, 1, logp.numel(), device="cuda").view_as(logp)
         (logp * weights).sum().backward()   # outside the mode: the recomputation must still use the forward's
-        grads.append({k: p.grad.clone() for k, p in model.named_parameters() if "layers.0." in k or "layers.27" in k})
+        grads[recompute] = {k: p.grad.clone() for k, p in model.named_parameters()
+                            if "layers.0." in k or "layers.27" in k}
     model.zero_grad(set_to_none=True)
-    for k in grads[0]:
-        assert torch.equal(grads[0][k], grads[1][k]), k
+    for recompute in RECOMPUTE[1:]:
+        for k in grads["none"]:
+            assert torch.equal(grads["none"][k], grads[recompute][k]), f"{k} ({recompute})"

@@ -22,6 +22,7 @@ from workbench.models import build, load_pretrained, save_pretrained
 from workbench.models.lora import (
     PROJECTIONS,
     LoraConfig,
+    adapter_flat,
     adapter_state,
     attach,
     copy_adapters,
@@ -31,6 +32,7 @@ from workbench.models.peft import load_adapter, read_adapter, save_adapter, to_p
 from workbench.models.transformer import Linear
 from workbench.rl.checkpoint import latest_checkpoint
 from workbench.rl.config import TrainConfig
+from workbench.rl.sync import WeightSync
 from workbench.rl.trainer import Run, train, train_step
 from workbench.rl.weights import TrainWeights
 
@@ -229,6 +231,26 @@ def test_lora_run_syncs_only_adapters_and_resumes_bitwise(policy, tmp_path):
     lagged = train(_train_cfg(policy, tmp_path / "lag", policy_lag=1, steps=2)).pivot(
         index="step", columns="metric", values="value")
     assert list(lagged["policy_lag"]) == [0, 1]
+
+
+def test_adapters_sync_as_one_flat_buffer_and_fall_back_when_moved(tmp_path):
+    """The adapters are views of one buffer, so a copy sync is one copy and one comparison; where a model's
+    adapters were replaced (no longer views), the per-tensor path syncs and checks them instead."""
+    model = _adapted(torch.bfloat16, cfg=LoraConfig(rank=3, alpha=6.0))   # 3 x 64: padded views
+    flat = adapter_flat(model)
+    assert flat is not None and flat.numel() > sum(p.numel() for p in adapter_state(model).values())
+    sync = WeightSync(TrainConfig(adapter="lora", lora_rank=3, lora_alpha=6.0, sync="copy"), model, tmp_path, "cpu")
+    sync(1)
+    assert torch.equal(adapter_flat(sync.generator), flat) and sync.moved_bytes == flat.nbytes
+    assert all(torch.equal(v, adapter_state(sync.generator)[k]) for k, v in adapter_state(model).items())
+    with torch.no_grad():
+        flat.add_(1.0)          # the parameters are views: the model changed
+    q = model.model.layers[0].self_attn.q_proj
+    q.lora_A = torch.nn.Parameter(q.lora_A.detach().clone())    # no longer a view of the flat buffer
+    assert adapter_flat(model) is None
+    sync(2)
+    assert all(torch.equal(v, adapter_state(sync.generator)[k]) for k, v in adapter_state(model).items())
+    assert sync.moved_bytes == sum(p.nbytes for p in adapter_state(model).values())
 
 
 def test_peft_written_adapters_load_and_merge(tmp_path):

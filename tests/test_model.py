@@ -173,6 +173,26 @@ def test_training_prefill_and_decode_logits_are_bitwise_equal():
     assert torch.equal(alone[0], train[1, :6]), "a sequence alone differs from the same in a padded batch"
 
 
+@pytest.mark.parametrize("name", ["qwen3-tied-gqa2", "qwen2-bias", "llama-untied"])
+def test_packed_qkv_is_the_bits_of_three_products(name):
+    """Forwards without autograd run q/k/v as one product over the packed weights: the same logits, bitwise,
+    as the three products of a training forward; a model moved by .to() holds them apart again and runs
+    three products."""
+    model = build(VARIANTS[name], dtype=torch.bfloat16, seed=13)
+    assert all(layer.self_attn.packed() is not None for layer in model.model.layers)
+    ids = _ids(3, 9, TINY.vocab_size, seed=14)
+    lens = torch.tensor([9, 4, 7], dtype=torch.int32)
+    with mode("invariant"):
+        with torch.no_grad():
+            packed = model(ids, seq_lens=lens)
+        separate = model(ids, seq_lens=lens).detach()
+    assert torch.equal(packed, separate)
+    moved = model.to(torch.float32)
+    assert all(layer.self_attn.packed() is None for layer in moved.model.layers)
+    with mode("invariant"), torch.no_grad():
+        torch.testing.assert_close(moved(ids, seq_lens=lens), separate.float(), atol=0.05, rtol=0.05)
+
+
 @pytest.mark.parametrize("shape", ["smollm2-135M", "qwen2-0.5B"])
 def test_real_shapes_training_prefill_and_decode_are_bitwise_equal(shape):
     """One layer with SmolLM2-135M's heads (head_dim 64, 9 over 3) and Qwen2-0.5B's (q/k/v biases, 14 over 2),

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from workbench.kernels import mode
-from workbench.models import build
+from workbench.models import RECOMPUTE, build, lora
 from workbench.rl.config import TrainConfig
 from workbench.rl.logprobs import completion_logprobs, score
 from workbench.rl.losses import get_loss, group_advantages, importance_weights
@@ -167,20 +167,62 @@ def test_ppo_mini_batches_move_the_ratio_and_the_old_logprobs_source_matters():
         TrainConfig(mini_batches=9)
 
 
-@pytest.mark.parametrize("kernel_mode", ["invariant", "standard"])
-def test_activation_checkpointing_gives_the_same_gradient_bits(kernel_mode):
+@pytest.mark.parametrize("kernel_mode, adapters", [("invariant", False), ("standard", False), ("invariant", True)])
+def test_activation_checkpointing_gives_the_same_gradient_bits(kernel_mode, adapters):
+    """The trainer's own path: fp32 master gradients, dW accumulated into `main_grad` inside the products (also
+    under recomputation, where autograd hands the backward other tensor objects than the parameters)."""
+    batch = _batch(6, n=3)
+    lora_cfg = lora.LoraConfig(rank=4, alpha=8.0) if adapters else None
+    weights = TrainWeights(build("tiny", device="cpu", dtype=torch.float32, seed=3), "float32", 1e-3, "cpu",
+                           lora=lora_cfg)
+    if adapters:  # nonzero B, so every adapter's gradient is nonzero
+        with torch.no_grad():
+            for k, m in weights.masters.items():
+                m.copy_(torch.randn_like(m) * 0.1)
+        weights.sync_model()
+    mb = batch.micro_batches(None, 10_000)[0]
+    grads = {}
+    for recompute in RECOMPUTE:
+        weights.zero_grad()
+        with mode(kernel_mode):
+            logp, _ = completion_logprobs(weights.model, mb, TEMPERATURE, recompute=recompute)
+        # the backward outside the mode: the recomputation must still run the forward's kernels
+        (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
+        assert all(p.grad is None for p in weights.model.parameters()), f"a bf16 gradient was left ({recompute})"
+        grads[recompute] = {k: m.grad.clone() for k, m in weights.masters.items()}
+    assert all(g.abs().sum() > 0 for g in grads["none"].values())
+    for recompute in RECOMPUTE[1:]:
+        for k in grads["none"]:
+            assert torch.equal(grads["none"][k], grads[recompute][k]), \
+                f"{k}: recompute={recompute} ran other kernels or rounded dW to bf16 ({kernel_mode})"
+
+
+def test_activation_checkpointing_keeps_less_for_the_backward():
+    """What autograd keeps for the backward, by recompute setting: 'mlp' drops each MLP's three [T, I]
+    activations, 'layers' keeps only the layers' inputs."""
     batch = _batch(6, n=3)
     model = build("tiny", device="cpu", dtype=torch.bfloat16, seed=3)
+    lora.attach(model, lora.LoraConfig(rank=4, alpha=8.0))
     mb = batch.micro_batches(None, 10_000)[0]
-    grads = []
-    for ckpt in (False, True):
-        model.zero_grad(set_to_none=True)
-        with mode(kernel_mode):
-            logp, _ = completion_logprobs(model, mb, TEMPERATURE, checkpoint_layers=ckpt)
-            (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
-        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
-    for k in grads[0]:
-        assert torch.equal(grads[0][k], grads[1][k]), f"{k}: the recomputation ran other kernels ({kernel_mode})"
+    kept = {}
+    for recompute in RECOMPUTE:
+        saved = {}
+
+        def pack(t):
+            if not isinstance(t, torch.nn.Parameter):
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logp, _ = completion_logprobs(model, mb, TEMPERATURE, recompute=recompute)
+        kept[recompute] = sum(saved.values())
+        del logp
+    cfg = model.config
+    mlp = 3 * mb.ids.numel() * cfg.intermediate_size * 2 * cfg.num_hidden_layers   # gate, up, silu*up in bf16
+    assert kept["none"] - kept["mlp"] >= mlp, kept
+    assert kept["layers"] < kept["mlp"], kept
+    with pytest.raises(ValueError, match="activation_checkpointing must be one of none, mlp, layers"):
+        TrainConfig(activation_checkpointing=True)
 
 
 @pytest.mark.parametrize("master_dtype", ["float32", "bfloat16"])

@@ -17,7 +17,9 @@ Numerics contract (mode `invariant`):
   out = acc / l, cast once. Rounding points: bf16(p) and the final cast.
 - KV tiles cover absolute positions [j * BLOCK_N, (j + 1) * BLOCK_N), taken in
   increasing j, with one (BLOCK_M, BLOCK_N, num_warps) for training, prefill and
-  decode: a decode step is the same kernel with one valid query row. Tiles past
+  decode: a decode step is the same arithmetic with one query (`_attn_decode_kernel`
+  puts the query heads of a KV head in the rows of one tile, so the group reads
+  each K/V tile once; a row's bits do not depend on its place in the tile). Tiles past
   a row's position are fully masked for it and change nothing (alpha = 1, p = 0),
   so a query at position t gets the same bits in a training forward, a prefill
   or a decode step, whatever the batch, the other sequences or the padding.
@@ -79,6 +81,26 @@ def _tile_step(q, k, v, m_i, l_i, acc, offs_n, q_pos, kmask, qk_scale,
 
 
 @triton.jit
+def _kv_loop(q, K, V, b, kvh, skb, sks, skh, svb, svs, svh, q_pos, kv_len, hi, qk_scale,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+             DOT_IN_FP32: tl.constexpr, IEEE: tl.constexpr):
+    # The KV tiles [0, hi) of one KV head in increasing order, from an empty softmax state: shared by the
+    # training/prefill kernel and the decode kernel, so a query's chain is one piece of code.
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kmask = offs_n < kv_len
+        k = tl.load(K + b * skb + offs_n[None, :] * sks + kvh * skh + offs_d[:, None], mask=kmask[None, :], other=0.0)
+        v = tl.load(V + b * svb + offs_n[:, None] * svs + kvh * svh + offs_d[None, :], mask=kmask[:, None], other=0.0)
+        m_i, l_i, acc = _tile_step(q, k, v, m_i, l_i, acc, offs_n, q_pos, kmask, qk_scale,
+                                   BLOCK_M, BLOCK_N, DOT_IN_FP32, IEEE)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _attn_fwd_kernel(
     Q, K, V, Out, LSE, q_start_ptr, kv_len_ptr,
     sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sob, sot, soh,
@@ -102,18 +124,10 @@ def _attn_fwd_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + b * sqb + offs_m[:, None] * sqt + h * sqh + offs_d[None, :],
                 mask=offs_m[:, None] < T_q, other=0.0)
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     # Keys past the block's last position are masked for every row of the block.
     hi = tl.minimum(kv_len, q_start + (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kmask = offs_n < kv_len
-        k = tl.load(K + b * skb + offs_n[None, :] * sks + kvh * skh + offs_d[:, None], mask=kmask[None, :], other=0.0)
-        v = tl.load(V + b * svb + offs_n[:, None] * svs + kvh * svh + offs_d[None, :], mask=kmask[:, None], other=0.0)
-        m_i, l_i, acc = _tile_step(q, k, v, m_i, l_i, acc, offs_n, q_pos, kmask, qk_scale,
-                                   BLOCK_M, BLOCK_N, DOT_IN_FP32, IEEE)
+    m_i, l_i, acc = _kv_loop(q, K, V, b, kvh, skb, sks, skh, svb, svs, svh, q_pos, kv_len, hi, qk_scale,
+                             BLOCK_M, BLOCK_N, HEAD_DIM, DOT_IN_FP32, IEEE)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     # A query at a position >= kv_len is padding: zeros.
     out = tl.where(q_pos[:, None] < kv_len, out, 0.0)
@@ -122,6 +136,37 @@ def _attn_fwd_kernel(
     if STORE_LSE:
         tl.store(LSE + bh.to(tl.int64) * T_q + offs_m, m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)),
                  mask=offs_m < T_q)
+
+
+@triton.jit
+def _attn_decode_kernel(
+    Q, K, V, Out, q_start_ptr, kv_len_ptr,
+    sqb, sqh, skb, sks, skh, svb, svs, svh, sob, soh,
+    n_kv_heads, S_kv, group, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    IEEE: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):
+    # A decode step (one query per sequence): one program per (sequence, KV head), the group's query heads as
+    # the rows of one tile, so each K/V tile is read once for the group instead of once per query head. Each
+    # row's arithmetic is `_attn_fwd_kernel`'s for that query (the same tiles, `_tile_step`, config): only the
+    # rows' places in the tile differ, which no row's bits depend on.
+    bh = tl.program_id(0)
+    b = (bh // n_kv_heads).to(tl.int64)
+    kvh = bh % n_kv_heads
+    q_start = tl.maximum(tl.load(q_start_ptr + b), 0)
+    kv_len = tl.minimum(tl.maximum(tl.load(kv_len_ptr + b), 0), S_kv)
+    rows = tl.arange(0, BLOCK_M)
+    head = kvh * group + rows
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * sqb + head[:, None] * sqh + offs_d[None, :], mask=rows[:, None] < group, other=0.0)
+    q_pos = q_start + tl.zeros((BLOCK_M,), tl.int32)
+    hi = tl.minimum(kv_len, q_start + BLOCK_M)   # `_attn_fwd_kernel`'s bound for a query block at q_start
+    m_i, l_i, acc = _kv_loop(q, K, V, b, kvh, skb, sks, skh, svb, svs, svh, q_pos, kv_len, hi, qk_scale,
+                             BLOCK_M, BLOCK_N, HEAD_DIM, DOT_IN_FP32, IEEE)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = tl.where(q_pos[:, None] < kv_len, out, 0.0)
+    tl.store(Out + b * sob + head[:, None] * soh + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=rows[:, None] < group)
 
 
 @triton.jit
@@ -351,7 +396,17 @@ def _forward(q, k, v, q_start, kv_len, store_lse: bool):
     cfg = attention_config(d)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((b * hq, t), device=q.device, dtype=torch.float32) if store_lse else out
-    if b and t:
+    hkv = k.shape[2]
+    if b and t == 1 and not store_lse and 1 < hq // hkv <= cfg["block_m"]:
+        _attn_decode_kernel[(b * hkv,)](
+            q, k, v, out, q_start, kv_len,
+            q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            out.stride(0), out.stride(2), hkv, k.shape[1], hq // hkv, _LOG2E / math.sqrt(d),
+            BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD_DIM=d,
+            IEEE=q.dtype == torch.float32, DOT_IN_FP32=interpreting(),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    elif b and t:
         grid = (triton.cdiv(t, cfg["block_m"]) * b * hq,)
         _attn_fwd_kernel[grid](
             q, k, v, out, lse, q_start, kv_len,

@@ -478,6 +478,10 @@ class LinearFn(torch.autograd.Function):
         else:
             y = (matmul(x2, weight.t(), out_dtype=torch.float32, tma=False) + bias.float()).to(x.dtype)
         ctx.save_for_backward(x2, weight)
+        # The parameter object itself, for its `main_grad`: under activation checkpointing the saved `weight`
+        # comes back from the recomputation as another tensor object, without the attribute, and dW would
+        # silently take the bf16 path.
+        ctx.param = weight
         ctx.x_shape = x.shape
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y.view(*x.shape[:-1], weight.shape[0])
@@ -490,7 +494,7 @@ class LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = matmul(dy2, weight).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            main_grad = getattr(weight, "main_grad", None)
+            main_grad = getattr(ctx.param, "main_grad", None)
             if main_grad is None:
                 dw = matmul(dy2.t(), x2, out_dtype=weight.dtype)
             elif min(weight.shape) <= _NARROW:  # a LoRA adapter: [r, in] or [out, r]

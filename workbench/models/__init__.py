@@ -15,25 +15,16 @@ from .checkpoint import (
     weights_checksum,
     weights_equal,
 )
+from .config import FAMILIES, RECOMPUTE, SIZES, ModelConfig, RopeScaling, config
 from .hub import FetchError, cache_dir, fetch_model, resolve_model
 from .lora import LoraConfig
 from .tokenizer import encode_prompt, has_chat_template, load_tokenizer
-from .transformer import (
-    FAMILIES,
-    SIZES,
-    CausalLM,
-    KVCache,
-    ModelConfig,
-    RopeScaling,
-    build,
-    check_weights,
-    config,
-    copy_weights,
-)
+from .transformer import CausalLM, KVCache, build, check_weights, copy_weights
 
 __all__ = [
     "FAMILIES",
     "FetchError",
+    "RECOMPUTE",
     "SIZES",
     "CausalLM",
     "CheckpointError",

@@ -18,7 +18,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .transformer import FAMILIES, CausalLM, ModelConfig, RopeScaling, build, check_weights
+from .config import FAMILIES, ModelConfig, RopeScaling
+from .transformer import CausalLM, build, check_weights
 
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
                   "mistral": "MistralForCausalLM"}
@@ -214,7 +215,7 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"{path}: {e.args[0]}") from None
     model.load_state_dict(tensors, assign=True)
-    return model.eval()
+    return model.pack().eval()
 
 
 def save_pretrained(model: CausalLM, path: str | os.PathLike, tokenizer=None) -> Path:

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from .checkpoint import CheckpointError, config_to_hf
-from .transformer import ModelConfig
+from .config import ModelConfig
 
 # GGUF architectures that convert (each is the transformers model_type of the same name); llama.cpp
 # permutes q/k only for those in _PERMUTED.

@@ -71,17 +71,46 @@ def targets_of(model: torch.nn.Module, cfg: LoraConfig) -> dict[str, torch.nn.Mo
 
 def attach(model: torch.nn.Module, cfg: LoraConfig) -> None:
     """Add adapters (A and B zeroed, in the model's dtype and device) to the targeted projections and freeze
-    every other parameter. Fill them with `copy_adapters` (e.g. from `init_adapters`)."""
+    every other parameter. Fill them with `copy_adapters` (e.g. from `init_adapters`).
+
+    The adapters are views of one flat buffer (`adapter_flat`), laid out in module order, so a sync between two
+    models with the same adapters is one copy and one comparison, not a few hundred of each."""
     if getattr(model, "lora", None) is not None:
         raise ValueError("the model already has LoRA adapters attached; detach them first")
     for p in model.parameters():
         p.requires_grad_(False)
-    for m in targets_of(model, cfg).values():
-        w = m.weight
-        m.lora_A = torch.nn.Parameter(torch.zeros(cfg.rank, w.shape[1], device=w.device, dtype=w.dtype))
-        m.lora_B = torch.nn.Parameter(torch.zeros(w.shape[0], cfg.rank, device=w.device, dtype=w.dtype))
+    mods = list(targets_of(model, cfg).values())
+    shapes = [((cfg.rank, m.weight.shape[1]), (m.weight.shape[0], cfg.rank)) for m in mods]
+    w = mods[0].weight
+    flat = torch.zeros(sum(_padded(math.prod(s)) for pair in shapes for s in pair), device=w.device, dtype=w.dtype)
+    offset = 0
+    for m, pair in zip(mods, shapes):
+        for name, shape in zip(("lora_A", "lora_B"), pair):
+            n = math.prod(shape)
+            setattr(m, name, torch.nn.Parameter(flat[offset: offset + n].view(shape)))
+            offset += _padded(n)
         m.lora_scale = cfg.scale
     model.lora = cfg
+    model.lora_flat = flat
+    model.lora_modules = mods
+
+
+def _padded(n: int) -> int:
+    # Each view starts 128-byte aligned (bf16): the matmul's TMA descriptors need 16-byte aligned operands.
+    return -(-n // 64) * 64
+
+
+def adapter_flat(model: torch.nn.Module) -> torch.Tensor | None:
+    """The flat buffer every adapter of `model` is a view of (`attach`), or None where one no longer is (the
+    model was moved by `.to()`, or an adapter replaced)."""
+    flat = getattr(model, "lora_flat", None)
+    if flat is None:
+        return None
+    lo, hi = flat.data_ptr(), flat.data_ptr() + flat.nbytes
+    for m in model.lora_modules:   # attach's list: a walk over every module would cost ~1 ms of host time a sync
+        if not (m.lora_A is not None and lo <= m.lora_A.data_ptr() < hi and lo <= m.lora_B.data_ptr() < hi):
+            return None
+    return flat
 
 
 def detach(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -92,6 +121,7 @@ def detach(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             m.lora_A = m.lora_B = None
             m.lora_scale = 0.0
     model.lora = None
+    model.lora_flat = model.lora_modules = None
     return adapters
 
 

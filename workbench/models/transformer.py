@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -41,123 +41,7 @@ from ..kernels import (
     rope_inv_freq,
     silu_mul,
 )
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Hugging Face's `rope_scaling`, for the types the model supports (see `kernels.rope_inv_freq`)."""
-
-    rope_type: str
-    """'linear' or 'llama3'."""
-    factor: float
-    """How much longer the context is than the one the model was trained on."""
-    low_freq_factor: float = 1.0
-    """llama3: wavelengths above original_max_position_embeddings / this are scaled by 1 / factor."""
-    high_freq_factor: float = 4.0
-    """llama3: wavelengths below original_max_position_embeddings / this are left alone."""
-    original_max_position_embeddings: int = 8192
-    """llama3: the context length of pre-training."""
-
-    def __post_init__(self):
-        if self.rope_type not in ("linear", "llama3"):
-            raise ValueError(f"RoPE scaling type {self.rope_type!r} is not supported; supported: linear, llama3")
-        if not self.factor > 0:
-            raise ValueError(f"RoPE scaling factor must be > 0, got {self.factor!r}")
-        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
-            raise ValueError("llama3 RoPE scaling needs high_freq_factor > low_freq_factor > 0, got "
-                             f"{self.high_freq_factor} and {self.low_freq_factor}")
-
-    def to_hf(self) -> dict:
-        """The dict Hugging Face configs hold (only the fields its type reads)."""
-        if self.rope_type == "linear":
-            return {"rope_type": "linear", "factor": self.factor}
-        return asdict(self)
-
-
-FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
-"""Hugging Face `model_type`s the model runs; each is a set of the flags below."""
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    model_type: str = "qwen3"
-    """The Hugging Face family (qwen3, qwen2, llama, mistral): what a saved checkpoint is declared as."""
-    vocab_size: int = 151936
-    """Tokens in the vocabulary."""
-    hidden_size: int = 2048
-    """Width of the residual stream."""
-    intermediate_size: int = 6144
-    """Width of the SwiGLU MLP."""
-    num_hidden_layers: int = 28
-    """Decoder layers."""
-    num_attention_heads: int = 16
-    """Query heads."""
-    num_key_value_heads: int = 8
-    """Key/value heads (GQA groups)."""
-    head_dim: int = 128
-    """Width of one head (Hugging Face derives hidden_size / num_attention_heads where a config omits it)."""
-    rms_norm_eps: float = 1e-6
-    """RMSNorm epsilon."""
-    rope_theta: float = 1_000_000.0
-    """RoPE base."""
-    rope_scaling: RopeScaling | None = None
-    """RoPE scaling (Llama 3.x: 'llama3'; 'linear'); None: plain RoPE."""
-    qk_norm: bool = True
-    """Per-head RMSNorm of queries and keys before RoPE (Qwen3)."""
-    attention_bias: bool = False
-    """Biases on the q, k and v projections (Qwen2)."""
-    tie_word_embeddings: bool = True
-    """lm_head shares the embedding matrix."""
-    max_position_embeddings: int = 40960
-    """Longest sequence the model is meant for."""
-
-    def __post_init__(self):
-        if self.model_type not in FAMILIES:
-            raise ValueError(f"model_type {self.model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
-        if isinstance(self.rope_scaling, dict):
-            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0:
-                raise ValueError(f"ModelConfig.{f.name} must be positive, got {v}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads})")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def _qwen3(**kw) -> ModelConfig:
-    return ModelConfig(model_type="qwen3", **kw)
-
-
-SIZES: dict[str, ModelConfig] = {
-    # Runs in the CPU interpreter in seconds (Qwen3's flags).
-    "tiny": _qwen3(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512),
-    "qwen3-0.6B": _qwen3(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28),
-    "qwen3-1.7B": _qwen3(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28),
-    "qwen3-4B": _qwen3(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32),
-    "qwen3-8B": _qwen3(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                       tie_word_embeddings=False),
-    # SmolLM2-135M's shape (a Llama: no q/k norm, no biases, head_dim 64, GQA 3).
-    "smollm2-135M": ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                                rms_norm_eps=1e-5, rope_theta=100_000.0, qk_norm=False,
-                                max_position_embeddings=8192),
-    # Qwen2-0.5B's shape (q/k/v biases, GQA 7, head_dim 64).
-    "qwen2-0.5B": ModelConfig(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                              num_attention_heads=14, num_key_value_heads=2, head_dim=64, qk_norm=False,
-                              attention_bias=True, max_position_embeddings=32768),
-}
-
-
-def config(name: str) -> ModelConfig:
-    """A named shape: 'tiny', 'qwen3-0.6B' ... 'qwen3-8B', 'smollm2-135M' or 'qwen2-0.5B'."""
-    if name not in SIZES:
-        raise ValueError(f"unknown model shape {name!r}; known shapes: {list(SIZES)}")
-    return SIZES[name]
+from .config import RECOMPUTE, ModelConfig, config
 
 
 @dataclass
@@ -255,11 +139,54 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
+    def pack(self) -> None:
+        """Lay q/k/v's weights (and biases) out one after another in one buffer, each parameter a view of it, so
+        a forward without autograd can run them as one product (`packed`). Copies; call after loading."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        for kind in ("weight", "bias"):
+            old = [getattr(p, kind) for p in projs]
+            if old[0] is None:
+                continue
+            buf = torch.cat([t.detach() for t in old])
+            for p, t, view in zip(projs, old, buf.split([t.shape[0] for t in old])):
+                setattr(p, kind, nn.Parameter(view, requires_grad=t.requires_grad))
+
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(weight [Nq + 2 Nkv, H], bias) over q/k/v's parameters where `pack` laid them out and they still are
+        (a `.to()` moves each parameter alone), without adapters or hooks on the projections (`audit` watches
+        each one run); else None. Each output column is the same chain of k-steps as in its own projection
+        (invariant mode), so the same bits, in one launch instead of three: the narrow k and v products of a
+        decode step are mostly fixed cost."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if any(p.lora_A is not None or p._forward_hooks or p._forward_pre_hooks for p in projs):
+            return None
+        out = []
+        for kind in ("weight", "bias"):
+            ts = [getattr(p, kind) for p in projs]
+            if ts[0] is None:
+                out.append(None)
+                continue
+            offset, ptr = ts[0].storage_offset(), ts[0].untyped_storage().data_ptr()
+            for t in ts:
+                if t.untyped_storage().data_ptr() != ptr or t.storage_offset() != offset or not t.is_contiguous():
+                    return None
+                offset += t.numel()
+            rows = sum(t.shape[0] for t in ts)
+            out.append(ts[0].as_strided((rows, *ts[0].shape[1:]), ts[0].stride()))
+        return out[0], out[1]
+
     def forward(self, x, cos, sin, seq_lens, cache=None, layer=0, start=None):
         b, t, _ = x.shape                                                   # x [B, T, H]
-        q = self.q_proj(x).view(b, t, self.hq, self.d)                      # [B, T, Hq, D]
-        k = self.k_proj(x).view(b, t, self.hkv, self.d)                     # [B, T, Hkv, D]
-        v = self.v_proj(x).view(b, t, self.hkv, self.d)                     # [B, T, Hkv, D]
+        qkv = None if torch.is_grad_enabled() else self.packed()
+        if qkv is None:
+            q = self.q_proj(x).view(b, t, self.hq, self.d)                  # [B, T, Hq, D]
+            k = self.k_proj(x).view(b, t, self.hkv, self.d)                 # [B, T, Hkv, D]
+            v = self.v_proj(x).view(b, t, self.hkv, self.d)                 # [B, T, Hkv, D]
+        else:
+            q, k, v = linear(x, *qkv).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+            q, k, v = q.view(b, t, self.hq, self.d), k.view(b, t, self.hkv, self.d), v.view(b, t, self.hkv, self.d)
+            if self.qk_norm:  # the norm reads rows of one stride; rope and attention take any strides
+                q, k = q.contiguous(), k.contiguous()
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)             # cos, sin [B, T, D/2]
@@ -289,16 +216,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, cos, sin, seq_lens, cache=None, layer=0, start=None):
+    def forward(self, x, residual, cos, sin, seq_lens, cache=None, layer=0, start=None, recompute_mlp=False):
         """The residual stream as (x, residual), the stream being x + residual: each add is fused into the
         norm that reads its sum (`RMSNorm.add`), one pass over the rows instead of two, the same bits as
-        `h = h + sublayer(norm(h))`. Layer 0 gets residual None (the stream is the embeddings)."""
+        `h = h + sublayer(norm(h))`. Layer 0 gets residual None (the stream is the embeddings).
+
+        recompute_mlp: keep only the MLP's input and recompute its products in the backward."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.add(x, residual)
         x = self.self_attn(h, cos, sin, seq_lens, cache, layer, start)
         h, residual = self.post_attention_layernorm.add(x, residual)
+        if recompute_mlp:
+            return checkpoint(self.mlp, h, use_reentrant=False, context_fn=_same_mode()), residual
         return self.mlp(h), residual
 
 
@@ -317,6 +248,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.lora = None  # the LoraConfig of attached adapters (`lora.attach`), or None
+        self.lora_flat = None  # the one buffer the adapters are views of (`lora.adapter_flat`)
+        self.lora_modules = None  # the adapted projections, in the buffer's order
         self.model = DecoderStack(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
@@ -337,6 +270,13 @@ class CausalLM(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * std)
         return self
 
+    def pack(self) -> CausalLM:
+        """Every attention's q/k/v weights in one buffer (`Attention.pack`): one product for the three in the
+        forwards that record no autograd graph (generation, scoring)."""
+        for layer in self.model.layers:
+            layer.self_attn.pack()
+        return self
+
     def inv_freq(self, device) -> torch.Tensor:
         """RoPE frequencies [D/2] fp32, computed where they are used (on the trainer's and the
         generator's device alike, so both get the same bits; a few tiny ops, capturable in a CUDA graph)."""
@@ -345,15 +285,18 @@ class CausalLM(nn.Module):
         return rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling, device=device)
 
     def hidden_states(self, input_ids, seq_lens=None, cache: KVCache | None = None, start=None,
-                      checkpoint_layers: bool = False):
+                      recompute: str = "none"):
         """Final-norm hidden states [B, T, H]; see `forward`.
 
-        checkpoint_layers: keep only each decoder layer's input and recompute the layer in the backward
-        (training only). The recomputation runs the same kernels in the same mode, so the gradients are the
-        same bits as without it.
+        recompute (training forwards): what the backward recomputes instead of keeping. 'none'; 'mlp': each
+        MLP's gate/up products and silu(gate)*up (at the 1.7B shape half the activations, for ~15% more
+        compute); 'layers': each whole decoder layer from its input (the least memory, ~1/3 more compute).
+        The recomputation runs the same kernels in the same mode, so the gradients are the same bits.
         """
-        if checkpoint_layers and cache is not None:
-            raise ValueError("checkpoint_layers is for training forwards; a KV cache forward has no backward")
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+        if recompute != "none" and cache is not None:
+            raise ValueError("recompute is for training forwards; a KV cache forward has no backward")
         b, t = input_ids.shape                                              # input_ids [B, T]
         dev = input_ids.device
         if start is not None and cache is None:
@@ -365,12 +308,14 @@ class CausalLM(nn.Module):
         positions = start[:, None] + torch.arange(t, device=dev)            # [B, T]
         cos, sin = rope_cos_sin(positions, self.inv_freq(dev))             # [B, T, D/2] fp32
         x, residual = self.model.embed_tokens(input_ids), None              # [B, T, H]
+        grad = torch.is_grad_enabled()
         for i, layer in enumerate(self.model.layers):
-            if checkpoint_layers and torch.is_grad_enabled():
+            if recompute == "layers" and grad:
                 x, residual = checkpoint(layer, x, residual, cos, sin, seq_lens, use_reentrant=False,
                                          context_fn=_same_mode())
             else:
-                x, residual = layer(x, residual, cos, sin, seq_lens, cache, i, start)
+                x, residual = layer(x, residual, cos, sin, seq_lens, cache, i, start,
+                                    recompute_mlp=recompute == "mlp" and grad)
         return self.model.norm.add(x, residual)[0]
 
     def hidden_states_paged(self, input_ids, positions, cache: PagedKVCache):
@@ -420,6 +365,7 @@ def build(cfg: ModelConfig | str, device="cpu", dtype=torch.bfloat16, seed: int 
         model = CausalLM(cfg).to(dtype)
     if str(device) != "meta":
         model = model.to_empty(device=device)
+        model.pack()
     if seed is not None:
         model.init_weights(seed)
     return model

@@ -88,7 +88,8 @@ def last_good(out: Path) -> str:
     return f"the last good checkpoint (step {_complete(folder)}) is in {folder}"
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a rename is durable only once its folder is)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -128,12 +129,12 @@ def _save(root: Path, out: Path, step: int, weights: TrainWeights, metrics: pd.D
                                                 "generator_version": None if lagged is None else lagged[0],
                                                 "param_groups": state["param_groups"], **extra}, indent=1))
     for f in tmp.iterdir():
-        _fsync(f)
-    _fsync(tmp)
+        fsync_path(f)
+    fsync_path(tmp)
     if final.exists():  # the same step saved again (a resumed run repeating its last save): not newer, replace
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync(root)
+    fsync_path(root)
     steps = sorted((int(m.group(1)), f) for f in root.iterdir() if (m := _STEP.fullmatch(f.name)))
     for _, old in steps[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)

@@ -19,10 +19,10 @@ from .rollout import MicroBatch, RolloutBatch
 
 
 def completion_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool = False,
-                        checkpoint_layers: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        recompute: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
     """([b, width] fp32 log-probs, [b, width] entropies or None) of `mb`'s completion tokens, 0 on padding;
-    differentiable in the model's weights when grad is enabled."""
-    hidden = model.hidden_states(mb.ids, mb.lens, checkpoint_layers=checkpoint_layers)     # [b, T, H]
+    differentiable in the model's weights when grad is enabled; `recompute` as in `CausalLM.hidden_states`."""
+    hidden = model.hidden_states(mb.ids, mb.lens, recompute=recompute)                      # [b, T, H]
     lp, ent = linear_logprobs(hidden[mb.rows, mb.positions], model.lm_head_weight, mb.targets, temperature,
                               with_entropy=with_entropy)                                    # [n]
     shape = (len(mb.index), mb.width)

@@ -67,8 +67,7 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
             # forward's many small kernels behind an idle GPU (~5% of an update at the 1.7B shape).
             losses = []
             for mb in batch.micro_batches(part, cfg.max_tokens_per_microbatch):
-                logp, _ = completion_logprobs(model, mb, cfg.temperature,
-                                              checkpoint_layers=cfg.activation_checkpointing)
+                logp, _ = completion_logprobs(model, mb, cfg.temperature, recompute=cfg.activation_checkpointing)
                 cols = slice(0, mb.width)
                 mask = batch.mask[mb.index, cols]
                 w = None if inputs.weights is None else inputs.weights[mb.index, cols]

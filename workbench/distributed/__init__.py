@@ -1,0 +1,29 @@
+"""Beyond one process, on torch.distributed: the torchrun launch and the trainer/rollout split (`launch`), the
+weight broadcast with its digest check (`broadcast`), and sharded DCP checkpoints (`checkpoint`).
+See docs/distributed.md."""
+
+from .broadcast import DEFAULT_BUCKET_BYTES, SyncResult, broadcast_weights, verify_weights, weights_digest
+from .checkpoint import checkpoints, latest
+from .checkpoint import load as load_checkpoint
+from .checkpoint import save as save_checkpoint
+from .launch import Dist, Roles, free_port, from_env, init, roles, shutdown, spawn
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "Dist",
+    "Roles",
+    "SyncResult",
+    "broadcast_weights",
+    "checkpoints",
+    "free_port",
+    "from_env",
+    "init",
+    "latest",
+    "load_checkpoint",
+    "roles",
+    "save_checkpoint",
+    "shutdown",
+    "spawn",
+    "verify_weights",
+    "weights_digest",
+]
