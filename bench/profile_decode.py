@@ -8,7 +8,9 @@ weights), 128-token prompts, batch 64 and 256, invariant and standard mode. Per 
   prefill-only run;
 - each kind's byte floor where it has one (matmuls: every projection's and the LM head's weights read once;
   attention: each sequence's K/V read once) at the measured copy bandwidth;
-- what is left: the step's time not covered by kernels (host work between replays, launch gaps).
+- what is left: the step's time not covered by kernels, split into the graph replayed back to back alone
+  (its kernels plus the gaps between its nodes) and the rest (the loop's host work and eager bookkeeping);
+- kernel launches per step (graph nodes plus the loop's eager ops).
 
     python bench/profile_decode.py [--out FILE.md] [--batches 64 256]
 """
@@ -28,8 +30,9 @@ from bench_generate import PROMPT, _prompts  # noqa: E402
 from timing import copy_gbs, emit, header  # noqa: E402
 
 from workbench.generation import SamplingParams, generate  # noqa: E402
+from workbench.generation.generator import DecodeStep, Record  # noqa: E402
 from workbench.kernels import mode  # noqa: E402
-from workbench.models import build  # noqa: E402
+from workbench.models import KVCache, build  # noqa: E402
 
 STEPS = 255  # 256 new tokens (bench_generate's): the first comes from the prefill
 # Kernel name fragments -> kind, first match wins (Triton kernels by their function names, cuBLAS/ATen by theirs).
@@ -54,7 +57,7 @@ def kind_of(name: str) -> str:
 
 
 def kernel_ms(model, prompts, mode_name: str, new_tokens: int) -> dict[str, float]:
-    """GPU ms by kind of one eager generation of `new_tokens` tokens."""
+    """GPU ms by kind of one eager generation of `new_tokens` tokens, and the number of launches (`launches`)."""
     with mode(mode_name), profile(activities=[ProfilerActivity.CUDA]) as prof:
         generate(model, prompts, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0),
                  cuda_graphs=False)
@@ -65,7 +68,38 @@ def kernel_ms(model, prompts, mode_name: str, new_tokens: int) -> dict[str, floa
         us = e.self_cuda_time_total if us is None else us
         if us:
             out[kind_of(e.key)] += us / 1e3
+            out["launches"] += e.count
     return out
+
+
+def replay_ms(model, prompts, mode_name: str) -> float:
+    """One decode step's CUDA graph (its bookkeeping included) replayed back to back, nothing between replays: ms
+    per replay (median of 5 runs of 50, each replay a step further along the cache)."""
+    cfg = model.config
+    dev = model.lm_head_weight.device
+    b = len(prompts)
+    lens = torch.tensor([len(p) for p in prompts], device=dev, dtype=torch.int32)
+    ids = torch.tensor([p + [0] * (PROMPT - len(p)) for p in prompts], device=dev)
+    cache = KVCache.allocate(cfg, b, PROMPT + STEPS + 1, dev)
+    times = []
+    with mode(mode_name), torch.no_grad():
+        model.hidden_states(ids, seq_lens=lens, cache=cache, start=torch.zeros_like(lens))
+        rows = torch.arange(b, device=dev)
+        record = Record.allocate(b, STEPS + 1, dev)
+        pending = (ids[:, 0], torch.zeros(b, device=dev), torch.zeros(b, device=dev))
+        never = torch.tensor([-1], device=dev)                      # no stop token: every row stays live
+        step = DecodeStep(model, cache, SamplingParams(temperature=1.0, seed=0), record, never, rows, rows, pending,
+                          lens, 0, graph=True)
+        step()                                                       # runs once, then captures
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(50):
+                step.graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 50)
+    return sorted(times)[2]
 
 
 def step_ms(model, prompts, mode_name: str) -> float:
@@ -98,9 +132,9 @@ def main() -> None:
              f"{PROMPT + STEPS // 2}; the step as `generate` runs it (graphs, the same {STEPS} steps), median of 5. "
              "In standard mode norms, RoPE and SwiGLU are ATen elementwise kernels, counted under `other`. Floors "
              f"at {gbs:.0f} GB/s (measured copy).", "",
-             "| mode | batch | step ms | kernels ms | not kernels ms | " + " | ".join(f"{k} ms" for k in kinds)
-             + " | matmul floor ms | attention floor ms |",
-             "|---|---|---|---|---|" + "---|" * len(kinds) + "---|---|"]
+             "| mode | batch | step ms | kernels ms | not kernels ms | graph alone ms | launches | "
+             + " | ".join(f"{k} ms" for k in kinds) + " | matmul floor ms | attention floor ms |",
+             "|---|---|---|---|---|---|---|" + "---|" * len(kinds) + "---|---|"]
     for batch in a.batches:
         prompts = _prompts(batch, cfg.vocab_size)
         kv = batch * (PROMPT + STEPS // 2) * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
@@ -110,8 +144,10 @@ def main() -> None:
             run = kernel_ms(model, prompts, mode_name, STEPS + 1)
             per = {k: (run.get(k, 0.0) - base.get(k, 0.0)) / STEPS for k in kinds}
             busy = sum(per.values())
+            launches = (run["launches"] - base["launches"]) / STEPS
             step = step_ms(model, prompts, mode_name)
             lines.append(f"| {mode_name} | {batch} | {step:.2f} | {busy:.2f} | {step - busy:.2f} | "
+                         f"{replay_ms(model, prompts, mode_name):.2f} | {launches:.0f} | "
                          + " | ".join(f"{per[k]:.2f}" for k in kinds)
                          + f" | {weights / gbs / 1e6:.2f} | {kv / gbs / 1e6:.2f} |")
             print(lines[-1], flush=True)

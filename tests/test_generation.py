@@ -201,6 +201,11 @@ def test_fused_gumbel_draw_is_the_pytorch_formula_and_row_invariant():
         if k is not None:
             assert k[torch.arange(48), got].all(), "only kept entries are drawn"
     assert not torch.equal(gumbel_argmax(logits, 1.0, 6, req, pos), gumbel_argmax(logits, 1.0, 5, req, pos))
+    # One position broadcast to every row (stride 0, as a decode step passes it) and ids read through a stride.
+    step = torch.tensor(7).expand(48)
+    wide = torch.stack([req, req], 1)[:, 0]
+    assert torch.equal(gumbel_argmax(logits, 1.0, 5, wide, step),
+                       gumbel_argmax(logits, 1.0, 5, req.clone(), torch.full((48,), 7)))
 
 
 def test_logit_noise_perturbs_the_sampled_distribution_row_by_row():

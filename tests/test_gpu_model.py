@@ -191,3 +191,15 @@ def test_gpu_model_backward_at_the_real_shapes(shape):
     _, gs = grads("standard")
     worst = max(rel_err(g1[k], gs[k]) for k in g1)
     assert worst < 5e-2, f"invariant and standard gradients differ by {worst:.3g}"
+
+
+@pytest.mark.parametrize("shape", ["qwen3-1.7B", "smollm2-135M", "qwen2-0.5B"])
+@pytest.mark.parametrize("t", [1, 37], ids=["decode", "prefill"])
+def test_gpu_fused_rope_cache_write_is_the_unfused_ops(shape, t):
+    """The generation step's norm + RoPE + cache write in one kernel: the bits of rms_norm, apply_rope and the
+    scatter, at each family's head shape (the model tests above hold the whole forward to the trainer's)."""
+    from test_rope_cache import check_fused_step
+
+    cfg = config(shape)
+    check_fused_step("cuda", b=64, t=t, hq=cfg.num_attention_heads, hkv=cfg.num_key_value_heads, d=cfg.head_dim,
+                     norm=cfg.qk_norm, cache_len=400, eps=cfg.rms_norm_eps)

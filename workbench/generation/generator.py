@@ -1,10 +1,11 @@
 """The embedded generator: batched sampling on a static KV cache, with per-token log-probs.
 
 One prefill over the right-padded prompts, then one decode step per new token,
-every request at its own position. Finished requests leave the batch: when at
-most half the rows are still running, the cache is compacted to those rows (in
-`invariant` mode a row's bits do not depend on the batch, so this changes no
-result). The decode step itself has no data-dependent Python branch.
+every request at its own position. Each step (recording the pending tokens, the
+model, sampling the next) is one CUDA graph on a GPU, with no data-dependent
+Python branch. Finished requests leave the batch: when at most half the rows are
+still running, the cache is compacted to those rows (in `invariant` mode a row's
+bits do not depend on the batch, so this changes no result).
 """
 
 from __future__ import annotations
@@ -64,39 +65,77 @@ def _next_logits(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
     return linear(hidden, model.lm_head_weight)                                  # [B, V]
 
 
-class DecodeStep:
-    """One decode step for a fixed set of rows: the model on one token per row, then sampling.
+# The host reads the live-row count (a GPU sync) every this many steps, not every step: between reads it only
+# queues graph replays, so the GPU runs them back to back. A batch that has finished runs at most this many - 1
+# steps more (their tokens are not recorded), and compaction comes up to as many steps later; in invariant mode
+# neither changes a bit.
+CHECK_EVERY = 4
 
-    On a GPU the step is captured once as a CUDA graph and replayed (its inputs
-    are copied into static buffers), so a step costs no Python launch overhead.
+
+@dataclass
+class Record:
+    """Every request's tokens and log-probs so far; `DecodeStep` writes into it, rows mapped to requests."""
+
+    tokens: torch.Tensor    # [B, N] long
+    raw: torch.Tensor       # [B, N] fp32
+    sampled: torch.Tensor   # [B, N] fp32
+    n_out: torch.Tensor     # [B] long: tokens recorded per request
+    done: torch.Tensor      # [B] bool: ended by a stop token
+
+    @classmethod
+    def allocate(cls, b: int, n: int, device) -> Record:
+        raw = torch.zeros((b, n), device=device, dtype=torch.float32)
+        return cls(torch.zeros((b, n), device=device, dtype=torch.long), raw, torch.zeros_like(raw),
+                   torch.zeros(b, device=device, dtype=torch.long), torch.zeros(b, device=device, dtype=torch.bool))
+
+    def add(self, rows, column, tok, lp, slp, stop) -> None:
+        """Record each live row's token at `column` (a device scalar); rows already done ride along unrecorded.
+        Tensor ops only, no host read: it runs inside the decode step's graph."""
+        running = ~self.done[rows]
+        col = column.expand_as(rows)
+        self.tokens[rows, col] = torch.where(running, tok, self.tokens[rows, col])
+        self.raw[rows, col] = torch.where(running, lp, self.raw[rows, col])
+        self.sampled[rows, col] = torch.where(running, slp, self.sampled[rows, col])
+        self.n_out[rows] += running.long()
+        self.done[rows] |= (tok[:, None] == stop).any(1) & running
+
+
+class DecodeStep:
+    """The decode loop's body for a fixed set of rows: record each row's pending token, then run the model on it
+    and sample the next, which becomes pending. Its state (rows, pending token, positions, the step's column)
+    lives in static buffers it advances itself, so on a GPU the whole body is one CUDA graph replayed with no
+    host work in between.
     """
 
-    def __init__(self, model: CausalLM, cache: KVCache, params: SamplingParams, rows: int, graph: bool):
-        dev = model.lm_head_weight.device
-        self.model, self.cache, self.params = model, cache, params
-        self.tok = torch.zeros(rows, device=dev, dtype=torch.long)
-        self.pos = torch.zeros(rows, device=dev, dtype=torch.int32)
-        self.req = torch.zeros(rows, device=dev, dtype=torch.long)
-        self.index = torch.zeros(rows, device=dev, dtype=torch.long)
-        self.ones = torch.ones(rows, device=dev, dtype=torch.int32)
+    def __init__(self, model: CausalLM, cache: KVCache, params: SamplingParams, record: Record, stop, rows, req,
+                 pending: tuple, pos, step: int, graph: bool):
+        self.model, self.cache, self.params, self.record, self.stop = model, cache, params, record, stop
+        self.rows, self.req, self.pos = rows.clone(), req.clone(), pos.clone()   # req: each row's request id
+        self.tok, self.lp, self.slp = (t.clone() for t in pending)
+        self.column = torch.tensor(step, device=rows.device)            # the pending token's index
+        self.ones = torch.ones_like(self.pos)
         self.use_graph = graph
         self.graph = None
 
-    def _body(self):
+    def _body(self) -> None:
+        self.record.add(self.rows, self.column, self.tok, self.lp, self.slp, self.stop)
         hidden = self.model.hidden_states(self.tok[:, None], seq_lens=self.ones, cache=self.cache, start=self.pos)
-        return sample(_next_logits(self.model, hidden[:, 0]), self.params, self.req, self.index)
-
-    def __call__(self, tok, pos, req, index):
-        """(tokens, raw log-probs, sampled log-probs) for the tokens after `tok` at positions `pos`."""
+        # Randomness is keyed by (seed, request id, index of the new token): not by batch or prompt length.
+        tok, lp, slp = sample(_next_logits(self.model, hidden[:, 0]), self.params, self.req,
+                              (self.column + 1).expand_as(self.req).contiguous())
         self.tok.copy_(tok)
-        self.pos.copy_(pos)
-        self.req.copy_(req)
-        self.index.copy_(index)
+        self.lp.copy_(lp)
+        self.slp.copy_(slp)
+        self.pos += 1
+        self.column += 1
+
+    def __call__(self) -> None:
         if not self.use_graph:
             return self._body()
         if self.graph is None:
-            # Warm up (compilation, allocator, handles) on these very inputs: it writes the same K/V
-            # the replay below writes again, so the cache never holds another token's keys.
+            # The first call runs eagerly on a side stream (compilation, allocator, handles warm up on real
+            # work: the body advances its own state, so it must run once, not once more for the capture),
+            # then records the graph, which the later calls replay.
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -104,9 +143,20 @@ class DecodeStep:
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.out = self._body()
+                self._body()
+            return None
         self.graph.replay()
-        return self.out
+        return None
+
+    def finish(self) -> None:
+        """Record the pending tokens (the last step's, or those of rows the loop stopped)."""
+        self.record.add(self.rows, self.column, self.tok, self.lp, self.slp, self.stop)
+
+    def compacted(self, keep: torch.Tensor, cache: KVCache) -> DecodeStep:
+        """A step over the rows `keep` (indices into this step's rows) and the cache holding only them."""
+        return DecodeStep(self.model, cache, self.params, self.record, self.stop, self.rows[keep],
+                          self.req[keep], (self.tok[keep], self.lp[keep], self.slp[keep]), self.pos[keep],
+                          int(self.column), self.use_graph)
 
 
 @torch.no_grad()
@@ -145,52 +195,34 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams,
     sync()
     t1 = time.perf_counter()
 
-    tokens = torch.zeros((b, params.max_new_tokens), device=dev, dtype=torch.long)
-    raw = torch.zeros((b, params.max_new_tokens), device=dev, dtype=torch.float32)
-    smp = torch.zeros_like(raw)
-    n_out = torch.zeros(b, device=dev, dtype=torch.long)       # tokens generated so far, per request
-    done = torch.zeros(b, device=dev, dtype=torch.bool)
-    stopped = torch.zeros(b, device=dev, dtype=torch.bool)
-    rows = torch.arange(b, device=dev)                          # live rows -> original request index
-    pos = lens.clone()                                          # position where each live row's `tok` goes
+    record = Record.allocate(b, params.max_new_tokens, dev)
     graphs = cuda_graphs and dev.type == "cuda"
-    step_fn = None
-    steps = 0
-    for step in range(params.max_new_tokens):
-        running = ~done[rows]                                   # finished rows ride along until compaction
-        tokens[rows, step] = torch.where(running, tok, tokens[rows, step])
-        raw[rows, step] = torch.where(running, lp, raw[rows, step])
-        smp[rows, step] = torch.where(running, slp, smp[rows, step])
-        n_out[rows] += running.long()
-        hit = torch.isin(tok, stop) & running
-        stopped[rows] |= hit
-        done[rows] |= hit
-        steps += 1
-        if step + 1 == params.max_new_tokens:
-            break
-        live = ~done[rows]
-        n_live = int(live.sum())
-        if n_live == 0:
-            break
-        if n_live * 2 <= rows.numel():
-            keep = live.nonzero().squeeze(1)
-            rows, pos, tok = rows[keep], pos[keep], tok[keep]
-            cache = KVCache(cache.k[:, keep].contiguous(), cache.v[:, keep].contiguous())
-            step_fn = None
-        if step_fn is None:
-            step_fn = DecodeStep(model, cache, params, rows.numel(), graphs)
-        index = torch.full_like(rows, step + 1)
-        tok, lp, slp = step_fn(tok, pos, req[rows], index)
-        pos = pos + 1
+    step_fn = DecodeStep(model, cache, params, record, stop, torch.arange(b, device=dev), req, (tok, lp, slp),
+                         lens, 0, graphs)
+    step = 0                                                    # index of the pending token
+    while step + 1 < params.max_new_tokens:
+        if step % CHECK_EVERY == 0:
+            live = ~record.done[step_fn.rows]
+            n_live = int(live.sum())
+            if n_live == 0:
+                break
+            if n_live * 2 <= live.numel():
+                keep = live.nonzero().squeeze(1)
+                cache = KVCache(cache.k[:, keep].contiguous(), cache.v[:, keep].contiguous())
+                step_fn = step_fn.compacted(keep, cache)
+        step_fn()
+        step += 1
+    step_fn.finish()
+    steps = step + 1
     sync()
     t2 = time.perf_counter()
 
     completions = []
     for i in range(b):
-        n = int(n_out[i])
+        n = int(record.n_out[i])
         completions.append(Completion(
-            request_id=ids_list[i], prompt=list(prompts[i]), tokens=tokens[i, :n].tolist(),
-            logprobs=raw[i, :n].cpu(), sampled_logprobs=smp[i, :n].cpu(),
-            finish_reason="stop" if bool(stopped[i]) else "length",
+            request_id=ids_list[i], prompt=list(prompts[i]), tokens=record.tokens[i, :n].tolist(),
+            logprobs=record.raw[i, :n].cpu(), sampled_logprobs=record.sampled[i, :n].cpu(),
+            finish_reason="stop" if bool(record.done[i]) else "length",
         ))
     return GenerationOutput(completions, prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps)

@@ -16,6 +16,7 @@ from .matmul import linear, matmul_config
 from .mode import MODES, current_state, get_mode, mode, set_mode
 from .rmsnorm import rms_norm, rms_norm_add
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+from .rope_cache import rope_cache_write
 from .silu_mul import silu_mul
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "paged_kv_write",
     "rms_norm",
     "rms_norm_add",
+    "rope_cache_write",
     "rope_cos_sin",
     "rope_inv_freq",
     "row_cumsum",

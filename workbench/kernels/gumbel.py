@@ -93,6 +93,8 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, seed: int, request_i
         if keep.shape != logits.shape or keep.device != logits.device:
             raise ValueError(f"gumbel_argmax: `keep` must have the logits' shape {tuple(logits.shape)} and device")
         keep = rows_view("gumbel_argmax", "keep", keep.view(torch.uint8) if keep.dtype == torch.bool else keep)
+    # The kernel reads one id and one position per row at unit stride (a broadcast position is stride 0).
+    request_ids, positions = request_ids.contiguous(), positions.contiguous()
     out = torch.empty(r, device=logits.device, dtype=torch.int64)
     if r:
         _gumbel_argmax_kernel[(r,)](

@@ -31,12 +31,14 @@ from ..kernels import (
     attention_paged,
     attention_with_cache,
     current_state,
+    get_mode,
     linear,
     lora_add,
     mode,
     paged_kv_write,
     rms_norm,
     rms_norm_add,
+    rope_cache_write,
     rope_cos_sin,
     rope_inv_freq,
     silu_mul,
@@ -175,6 +177,10 @@ class Attention(nn.Module):
             out.append(ts[0].as_strided((rows, *ts[0].shape[1:]), ts[0].stride()))
         return out[0], out[1]
 
+    def _fuses(self) -> bool:
+        """Whether the modes in force are the ones `rope_cache_write` has the bits of (invariant norm and rope)."""
+        return get_mode("apply_rope") == "invariant" and (not self.qk_norm or get_mode("rms_norm") == "invariant")
+
     def forward(self, x, cos, sin, seq_lens, cache=None, layer=0, start=None):
         b, t, _ = x.shape                                                   # x [B, T, H]
         qkv = None if torch.is_grad_enabled() else self.packed()
@@ -185,6 +191,11 @@ class Attention(nn.Module):
         else:
             q, k, v = linear(x, *qkv).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
             q, k, v = q.view(b, t, self.hq, self.d), k.view(b, t, self.hkv, self.d), v.view(b, t, self.hkv, self.d)
+            if isinstance(cache, KVCache) and self._fuses():
+                norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+                q = rope_cache_write(q, k, v, cos, sin, cache.k[layer], cache.v[layer], start, *norms)
+                o = attention_with_cache(q, cache.k[layer], cache.v[layer], start, start + seq_lens)
+                return self.o_proj(o.reshape(b, t, self.hq * self.d))
             if self.qk_norm:  # the norm reads rows of one stride; rope and attention take any strides
                 q, k = q.contiguous(), k.contiguous()
         if self.qk_norm:
