@@ -114,3 +114,15 @@ class PagedSim:
         cache = PagedKVCache(self.pages, as_t(cu, torch.int32), as_t(kv, torch.int32), as_t(table, torch.int32),
                              as_t(slots, torch.int64), max(len(t) for _, t in chunks))
         return as_t(ids, torch.long), as_t(pos, torch.long), cache
+
+
+def same_bits(a, b) -> bool:
+    """Nested dicts/lists of tensors and plain values, tensors compared as bytes (NaN and -0.0 as bits)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same_bits, a, b))
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+            a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    return a == b

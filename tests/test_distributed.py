@@ -1,6 +1,7 @@
 """torch.distributed on CPU: 2 processes over gloo on 127.0.0.1, each started by `launch.spawn` with torchrun's
 variables, on the tiny model: the weight broadcast and its checks, FSDP2's forward bits, DCP checkpoints
-(bitwise resume at world size 2, loadable at world size 1, atomic saves)."""
+(bitwise resume at world size 2, loadable at world size 1, atomic saves). The trainer's data parallelism:
+test_data_parallel.py."""
 
 from __future__ import annotations
 
@@ -9,23 +10,12 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import same_bits
 
 from workbench.distributed import broadcast, checkpoint, launch
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
-
-
-def _same(a, b) -> bool:
-    """Nested dicts/lists of tensors and plain values, tensors compared as bytes (NaN and -0.0 as bits)."""
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same, a, b))
-    if torch.is_tensor(a):
-        return torch.is_tensor(b) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-            a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
-    return a == b
 
 
 def test_roles():
@@ -145,7 +135,7 @@ def _fsdp_forward_worker() -> None:
     ids = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(0))
     with mode("invariant"), torch.no_grad():
         want, got = ref(ids), sharded(ids)
-    assert got.dtype == torch.bfloat16 and _same(got, want)
+    assert got.dtype == torch.bfloat16 and same_bits(got, want)
 
 
 def test_fsdp2_forward_bits_match_unsharded():
@@ -203,7 +193,7 @@ def _checkpoint_worker(root: str, snapshot: str) -> None:
 
     state = checkpoint.load(checkpoint.latest(root), model, opt)
     assert (state["step"], state["version"], state["seeds"], state["world_size"]) == (2, 2, {"data": 7}, 2)
-    assert _same(_full_state(model, opt), saved)
+    assert same_bits(_full_state(model, opt), saved)
 
 
 def test_checkpoint_resume_bitwise_and_at_world_size_one(tmp_path):
@@ -222,7 +212,7 @@ def test_checkpoint_resume_bitwise_and_at_world_size_one(tmp_path):
     state = checkpoint.load(checkpoint.latest(root), model, opt)
     assert state["step"] == 2 and state["extra"] == {"note": "test"}
     got_model, got_optim = get_state_dict(model, opt)
-    assert _same(got_model, saved_model) and _same(got_optim, saved_optim)
+    assert same_bits(got_model, saved_model) and same_bits(got_optim, saved_optim)
 
     # A single-process save replaces the killed save's leftovers and keeps the newest two.
     _train_step(model, opt, 3)

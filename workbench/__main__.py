@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from .compare import CompareConfig
@@ -50,8 +51,9 @@ def _train(cfg: TrainConfig, args) -> int:
     from .rl.trainer import train
 
     table = train(cfg)
-    print(table[table.step == table.step.max()].set_index("metric")["value"].to_string())
-    print(f"metrics: {cfg.out_dir}/metrics.csv")
+    if os.environ.get("RANK", "0") == "0":   # under torchrun every rank returns the table: rank 0 prints it
+        print(table[table.step == table.step.max()].set_index("metric")["value"].to_string())
+        print(f"metrics: {cfg.out_dir}/metrics.csv")
     return 0
 
 

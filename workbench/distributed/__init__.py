@@ -1,15 +1,17 @@
 """Beyond one process, on torch.distributed: the torchrun launch and the trainer/rollout split (`launch`), the
-weight broadcast with its digest check (`broadcast`), and sharded DCP checkpoints (`checkpoint`).
-See docs/distributed.md."""
+weight broadcast with its digest check (`broadcast`), sharded DCP checkpoints (`checkpoint`), and the trainer's
+replicated data parallelism (`data_parallel`). See docs/distributed.md."""
 
 from .broadcast import DEFAULT_BUCKET_BYTES, SyncResult, broadcast_weights, verify_weights, weights_digest
 from .checkpoint import checkpoints, latest
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_checkpoint
+from .data_parallel import DataParallel
 from .launch import Dist, Roles, free_port, from_env, init, roles, shutdown, spawn
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "DataParallel",
     "Dist",
     "Roles",
     "SyncResult",

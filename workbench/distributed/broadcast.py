@@ -209,10 +209,11 @@ def weights_digest(model: nn.Module) -> torch.Tensor:
     """[tensors, 2] int64 on the weights' device, in `named_weights` order: per tensor, the sum of its bits read as
     int16 words (int8 for 1-byte dtypes), and the sum of its rows' word sums weighted by 1 + row index (mod a
     prime). Exact integer sums, so equal bits give equal digests on every device."""
-    return _digest(named_weights(model))
+    return digest(named_weights(model))
 
 
-def _digest(named: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+def digest(named: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """`weights_digest` of any named tensors (each contiguous, all on one device), in the order given."""
     rows = []
     for _, t in named:
         words = t.reshape(-1).view(torch.int8 if t.element_size() == 1 else torch.int16)
@@ -239,7 +240,7 @@ def verify_weights(model: nn.Module, version: int | None = None, *, src: int = 0
 def _compare_digests(named: list[tuple[str, torch.Tensor]], version: int, src: int,
                      group: dist.ProcessGroup | None) -> None:
     ranks = _group_ranks(group)
-    digests = _gather(_digest(named), group, len(ranks)).cpu()
+    digests = _gather(digest(named), group, len(ranks)).cpu()
     ref = digests[ranks.index(src)]
     bad = {r: [named[i][0] for i in torch.nonzero((d != ref).any(1)).flatten().tolist()]
            for r, d in zip(ranks, digests) if not torch.equal(d, ref)}

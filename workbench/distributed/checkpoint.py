@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ..rl.checkpoint import fsync_path
+from ..files import fsync_path
 
 STATE = "state.json"
 """Written last into a checkpoint folder: its presence (and parsing) marks the checkpoint complete."""

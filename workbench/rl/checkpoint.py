@@ -26,6 +26,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..files import fsync_path
 from ..models.lora import adapter_state
 from ..models.peft import save_adapter
 from .config import TrainConfig
@@ -86,15 +87,6 @@ def last_good(out: Path) -> str:
     if folder is None:
         return "no checkpoint was written yet"
     return f"the last good checkpoint (step {_complete(folder)}) is in {folder}"
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a folder (a rename is durable only once its folder is)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(out: Path, step: int, weights: TrainWeights, metrics: pd.DataFrame, cfg: TrainConfig,

@@ -40,7 +40,7 @@ class TrainConfig:
     steps: int = 2
     """Policy updates (the defaults are a CPU smoke run of about 45 s)."""
     prompts_per_step: int = 2
-    """Prompts sampled per step."""
+    """Prompts sampled per step (under torchrun: shared among the ranks, a multiple of the world size)."""
     group_size: int = 4
     """Completions per prompt."""
     max_new_tokens: int = 4

@@ -33,9 +33,10 @@ def weight_delta_metrics(sq_delta: dict[str, float], sq_before: dict[str, float]
 
 
 class MetricsLog:
-    """The long table being built, and optionally a TensorBoard writer fed the same numbers."""
+    """The long table being built, and optionally a TensorBoard writer fed the same numbers. With `out` None the
+    table stays in memory (the ranks of a data-parallel run other than rank 0, which alone writes files)."""
 
-    def __init__(self, variant: str, seed: int, out: Path, tensorboard: bool):
+    def __init__(self, variant: str, seed: int, out: Path | None, tensorboard: bool):
         self.rows: list[dict] = []
         self.variant, self.seed, self.out = variant, seed, out
         self.tensorboard = tensorboard
@@ -70,6 +71,8 @@ class MetricsLog:
         if self.writer is not None:
             self.writer.close()
         table = self.table()
+        if self.out is None:
+            return table
         tmp = self.out / ".metrics.csv.tmp"
         table.to_csv(tmp, index=False)
         os.replace(tmp, self.out / "metrics.csv")  # a kill while writing keeps the previous table whole

@@ -18,12 +18,19 @@ the sync moves the adapters only (docs/lora.md).
 
 Metrics are a long table (step, metric, value, variant, seed), also sent to TensorBoard when asked.
 On a failure (parity break, NaN loss) the metrics so far are still written before the error.
+
+Under torchrun (`torchrun --nproc-per-node N -m workbench train ...`) the run is replicated data-parallel
+(`workbench.distributed.data_parallel`): every rank holds the whole model, generates and trains on its share of
+each step's prompts (whole groups), and takes the same optimizer step on the gradients summed over the ranks.
+The parity check, the advantages and the metrics are over the whole step, so every rank takes the same
+decisions; rank 0 alone writes files, in the same format as one process (docs/distributed.md).
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
@@ -47,12 +54,15 @@ from .tasks import make_task
 from .update import UpdateInputs, update
 from .weights import TrainWeights
 
+if TYPE_CHECKING:  # imported where the run starts (Run): workbench.distributed imports workbench.rl pieces
+    from ..distributed.data_parallel import DataParallel
+
 
 class ParityError(RuntimeError):
     """Generator and trainer log-probs differ in a run that claims bitwise parity."""
 
 
-def _starting_policy(cfg: TrainConfig, out: Path, device: str):
+def _starting_policy(cfg: TrainConfig, out: Path, device: str, dp: DataParallel):
     # fp32 where it becomes the masters; a LoRA base is frozen in bf16 (the same bits as a cast of the fp32 load).
     dtype = torch.float32 if cfg.master_dtype == "float32" and cfg.adapter == "none" else torch.bfloat16
     if cfg.policy:
@@ -61,9 +71,11 @@ def _starting_policy(cfg: TrainConfig, out: Path, device: str):
     if cfg.task != "arithmetic":
         raise ValueError(f"task {cfg.task!r} needs a starting checkpoint (policy=...); the self-trained policy "
                          "only knows arithmetic")
-    model, tok, _ = train_policy(PolicyConfig(seed=cfg.seed, difficulty=cfg.difficulty, device=device),
-                                 out / "policy")
-    return model, tok
+    # Rank 0 trains it and saves it; the other ranks load that copy, for its shape and tokenizer (the weights
+    # every rank starts from are rank 0's: `DataParallel.replicate`).
+    trained = dp.on_main(lambda: train_policy(PolicyConfig(seed=cfg.seed, difficulty=cfg.difficulty, device=device),
+                                              out / "policy")[:2])
+    return trained or (load_pretrained(out / "policy", dtype=dtype, device=device), load_tokenizer(out / "policy"))
 
 
 def _vllm_engine(cfg: TrainConfig, model, out: Path):
@@ -77,13 +89,22 @@ def _vllm_engine(cfg: TrainConfig, model, out: Path):
 
 
 class Run:
-    """A training run's state: the weights, the generator's sync, the task, the metrics."""
+    """A training run's state: the weights, the generator's sync, the task, the metrics, this rank's place."""
 
     def __init__(self, cfg: TrainConfig):
+        # Imported here, not at the top: workbench.distributed imports workbench.rl pieces (its checkpoints).
+        from ..distributed.data_parallel import DataParallel
+
         self.cfg = cfg
         self.out = Path(cfg.out_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
         self.device = resolve_device(cfg.device)
+        self.dp = DataParallel.join(self.device)   # one process without torchrun's variables
+        self.share = self.dp.shard(cfg.prompts_per_step)   # this rank's prompts of each step
+        if self.dp.is_main:   # the only rank that writes the run's files
+            self.out.mkdir(parents=True, exist_ok=True)
+        if cfg.generator == "vllm" and self.dp.world_size > 1:
+            raise ValueError("generator='vllm' under torchrun is not supported yet (one engine per rank, each "
+                             "with its own process group): use generator='embedded', or run vLLM in one process")
         if cfg.generator == "vllm":
             from ..generation.vllm_backend import require_vllm
 
@@ -95,30 +116,39 @@ class Run:
         if not cfg.resume and last is not None:
             raise ValueError(f"{self.out} already holds a run (checkpoint {last}); continue it with resume=True "
                              "(--resume), or give another out_dir (or delete that one)")
-        write_config(cfg, self.out / "config.yaml")
-        self.log = MetricsLog(cfg.variant or cfg.kernel_mode, cfg.seed, self.out, cfg.tensorboard)
+        main = self.dp.is_main
+        if main:
+            write_config(cfg, self.out / "config.yaml")
+        self.log = MetricsLog(cfg.variant or cfg.kernel_mode, cfg.seed, self.out if main else None,
+                              cfg.tensorboard and main)
         torch.manual_seed(cfg.seed)
         self.task = make_task(cfg.task, seed=cfg.seed, difficulty=cfg.difficulty, source=cfg.task_source,
                               question_field=cfg.question_field, answer_field=cfg.answer_field)
-        start, self.tok = _starting_policy(cfg, self.out, self.device)
+        start, self.tok = _starting_policy(cfg, self.out, self.device, self.dp)
         self.weights = TrainWeights(start, cfg.master_dtype, cfg.lr, self.device, cfg.weight_decay,
                                     cfg.max_grad_norm, cfg.lora_config(), cfg.seed)
         del start
+        self.dp.replicate(self.weights)
         self.reference = None
         if cfg.kl_coef > 0 and cfg.kl_to == "reference":
             # With LoRA the start is the base (B = 0): the reference is the base without adapters.
             self.reference = build(self.weights.model.config, device=self.device, dtype=torch.bfloat16, seed=None)
             copy_weights(base_state(self.weights.model), self.reference)
         self.start_step, lagged, previous = 0, None, None
-        if cfg.resume:
+        if cfg.resume:   # every rank reads the same checkpoint (rank 0 wrote it)
             self.start_step, previous, lagged = load_checkpoint(self.out, self.weights, cfg, self.device)
+        self.dp.check_replicas(self.weights, self.start_step)
         self.log.start(self.start_step + 1, previous)
         engine = _vllm_engine(cfg, self.weights.model, self.out) if cfg.generator == "vllm" else None
-        self.sync = WeightSync(cfg, self.weights.model, self.out, self.device, engine, lagged)
+        # sync='checkpoint' goes through a folder of each rank's own.
+        sync_root = self.out if main else self.out / f"rank-{self.dp.rank}"
+        self.sync = WeightSync(cfg, self.weights.model, sync_root, self.device, engine, lagged)
         self.sync(self.start_step)
 
     def checkpoint(self, step: int) -> None:
-        save_checkpoint(self.out, step, self.weights, self.log.table(), self.cfg, self.sync.lagged)
+        """Rank 0 writes it (the replicas are identical: today's format, resumable at any world size)."""
+        self.dp.on_main(lambda: save_checkpoint(self.out, step, self.weights, self.log.table(), self.cfg,
+                                                self.sync.lagged))
 
 
 def train(cfg: TrainConfig) -> pd.DataFrame:
@@ -127,7 +157,7 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
     With `time_limit_s`, the run may stop early (checkpointed): the table then ends before cfg.steps."""
     start = time.perf_counter()
     run = Run(cfg)
-    bar = tqdm(total=cfg.steps, initial=run.start_step, disable=not cfg.progress,
+    bar = tqdm(total=cfg.steps, initial=run.start_step, disable=not cfg.progress or not run.dp.is_main,
                desc=f"train ({cfg.variant or cfg.kernel_mode}, seed {cfg.seed})")
     try:
         with mode(cfg.kernel_mode):
@@ -135,37 +165,44 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
                 reward, differing = train_step(run, step)
                 bar.set_postfix(reward=f"{reward:.3f}", differing=differing)
                 bar.update(1)
-                out_of_time = bool(cfg.time_limit_s) and time.perf_counter() - start > cfg.time_limit_s
+                # One decision for every rank, or the ranks that go on would wait for the others forever.
+                out_of_time = bool(cfg.time_limit_s) and run.dp.any(time.perf_counter() - start > cfg.time_limit_s)
                 if step % cfg.checkpoint_every == 0 or step == cfg.steps or out_of_time:
                     run.checkpoint(step)
                 if out_of_time and step < cfg.steps:
-                    print(f"{cfg.out_dir}: time limit ({cfg.time_limit_s:.0f} s) reached after step {step} of "
-                          f"{cfg.steps}; checkpointed, continue with resume=True")
+                    if run.dp.is_main:
+                        print(f"{cfg.out_dir}: time limit ({cfg.time_limit_s:.0f} s) reached after step {step} of "
+                              f"{cfg.steps}; checkpointed, continue with resume=True")
                     break
     finally:
         bar.close()
         table = run.log.close()
+        run.dp.close()
     return table
 
 
 def train_step(run: Run, step: int) -> tuple[float, int]:
     """One rollout -> reward -> advantages -> update -> sync; metrics go to run.log.
 
+    Data-parallel, each rank does it on its share of the step's prompts; what needs the whole step (the parity
+    check, the advantages, the metrics) gathers every rank's rows, in rank order: the one-process batch.
     Returns (mean reward, tokens differing) for the progress bar.
     """
-    cfg, log, model, sync = run.cfg, run.log, run.weights.model, run.sync
+    cfg, log, model, sync, dp = run.cfg, run.log, run.weights.model, run.sync, run.dp
     spec = get_loss(cfg.loss)
     version = step - 1  # updates applied so far
     t0 = time.perf_counter()
 
     # Rollout: the generator samples with the weights of version gen_version.
     gen_version = sync.version
-    problems = run.task.problems(cfg.prompts_per_step, start=step * cfg.prompts_per_step)
+    problems = run.task.problems(cfg.prompts_per_step, start=step * cfg.prompts_per_step)[run.share]
     prompts = [encode_prompt(run.tok, p.prompt, cfg.chat_template) for p in problems for _ in range(cfg.group_size)]
     sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                               stop_token_ids=(run.tok.eos_token_id,), seed=cfg.seed * 1_000_003 + step,
                               logit_noise=cfg.sampler_noise)
-    ids = list(range(len(prompts)))
+    # The step's row numbers as request ids: a completion's randomness is the same at any world size.
+    rows = slice(run.share.start * cfg.group_size, run.share.stop * cfg.group_size)
+    ids = list(range(rows.start, rows.stop))
     if sync.engine is not None:
         gen = sync.engine.generate(prompts, sampling, request_ids=ids)
     else:
@@ -185,15 +222,17 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     budget = cfg.max_tokens_per_microbatch
     recomputed, entropy = score(sync.generator if gen_version != version else model, batch, budget,
                                 cfg.temperature, with_entropy=True)
-    parity = parity_stats(batch.behavior, recomputed, batch.mask)
+    # Over the whole step: a break on any rank stops every rank, each raising the same error.
+    behavior_all, recomputed_all, mask_all = dp.gather_rows(batch.behavior, recomputed, batch.mask)
+    parity = parity_stats(behavior_all, recomputed_all, mask_all)
     # Logged first, so the step that breaks parity is on record in metrics.csv.
     log(step, "parity_max_abs_diff", parity["max_abs_diff"])
     log(step, "parity_mean_abs_diff", parity["mean_abs_diff"])
     log(step, "parity_tokens_differing", parity["tokens_differing"])
     log(step, "sampler_trainer_kl", parity["kl"])
     log(step, "is_ess", parity["ess"])
-    if step == 1:  # the starting policy's per-token mismatch, for histograms
-        save_token_logprobs(run.out / "step1_logprobs.npz", batch.behavior, recomputed, batch.mask)
+    if step == 1 and dp.is_main:  # the starting policy's per-token mismatch, for histograms
+        save_token_logprobs(run.out / "step1_logprobs.npz", behavior_all, recomputed_all, mask_all)
     # With sampler_noise the mismatch is the experiment's own knob, measured above, not a broken kernel.
     if cfg.kernel_mode == "invariant" and not cfg.sampler_noise and parity["tokens_differing"]:
         msg = (f"step {step}: generator and trainer log-probs differ on {parity['tokens_differing']} of "
@@ -201,7 +240,8 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
         if cfg.parity == "error":
             raise ParityError(f"{msg}; {last_good(run.out)}. Check that no op runs in standard mode "
                               "(mode overrides) and that the generator and trainer share the weights.")
-        print("warning:", msg)
+        if dp.is_main:
+            print("warning:", msg)
     mask = batch.mask
     later = {}  # metrics logged once the update is known to be finite
     kl_target = None
@@ -214,8 +254,10 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     if kl_target is not None and cfg.kl_in_reward:
         kl = kl_estimate(recomputed, kl_target, cfg.kl_estimator) * mask
         shaped = rewards - cfg.kl_coef * kl.sum(1)
-        later["kl"] = float(kl.sum() / mask.sum())
-    advantages = group_advantages(shaped, cfg.group_size, scale=spec.advantage_scale)
+        later["kl"] = dp.ratio_of_sums(kl.sum(), mask.sum())
+    # From the whole step's rewards ('batch' scales by all of them), then this rank's rows.
+    rewards_all, shaped_all = dp.gather_rows(rewards, shaped)
+    advantages = group_advantages(shaped_all, cfg.group_size, scale=spec.advantage_scale)[rows]
 
     # Update.
     old = recomputed if cfg.old_logprobs == "recompute" else batch.behavior
@@ -224,36 +266,42 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
         kind, level = cfg.correction.split("-")
         is_weights = importance_weights(old, batch.behavior, mask, level, "truncate" if kind == "tis" else "mask",
                                         cfg.correction_cap)
-        later["is_weight_mean"] = float((is_weights * mask).sum() / mask.sum())
+        later["is_weight_mean"] = dp.ratio_of_sums((is_weights * mask).sum(), mask.sum())
     inputs = UpdateInputs(advantages, old, is_weights, None if cfg.kl_in_reward else kl_target)
 
     def bad_loss(loss):
         raise FloatingPointError(f"step {step}: the loss is {loss.item()}; {last_good(run.out)}. "
                                  "Lower the learning rate or check the rewards.")
 
-    stats = update(cfg, spec, run.weights, batch, inputs, step, bad_loss)
+    stats = update(cfg, spec, run.weights, batch, inputs, step, bad_loss, dp)
+    dp.check_replicas(run.weights, step)   # every rank took the same step: the same bits, checked
     t_train = time.perf_counter()
 
     # Sync: the generator gets the weights it samples the next step with.
     sync(step)
     t_sync = time.perf_counter()
 
+    # The whole step's numbers (the slowest rank's times), so that rank 0's table describes the step.
+    per_sequence = dp.gather_objects([(s, len(c), g.finish_reason == "length")
+                                      for s, c, g in zip(scores, batch.completions, gen.completions)])
+    scores, lengths, truncated = (list(column) for column in zip(*per_sequence))
+    seconds = dict(zip(("generate", "train", "sync", "step"),
+                       dp.max([t_gen - t0, t_train - t_gen, t_sync - t_train, t_sync - t0])))
     for name, value in {**later, **stats}.items():
         log(step, name, value)
-    log(step, "reward_mean", rewards.mean())
-    log(step, "reward_std", rewards.std())
-    log(step, "accuracy", (rewards > 0).float().mean())
+    log(step, "reward_mean", rewards_all.mean())
+    log(step, "reward_std", rewards_all.std())
+    log(step, "accuracy", (rewards_all > 0).float().mean())
     for name in scores[0]:
         log(step, f"accuracy_{name}", sum(s[name] for s in scores) / len(scores))
-    log(step, "entropy", (entropy * mask).sum() / mask.sum())
-    lengths = [len(c) for c in batch.completions]
+    log(step, "entropy", dp.ratio_of_sums((entropy * mask).sum(), mask.sum()))
     log(step, "response_length", sum(lengths) / len(lengths))
-    log(step, "truncation_rate", sum(c.finish_reason == "length" for c in gen.completions) / len(lengths))
+    log(step, "truncation_rate", sum(truncated) / len(lengths))
     log(step, "policy_lag", version - gen_version)
-    log(step, "time_generate", t_gen - t0)
-    log(step, "time_train", t_train - t_gen)
-    log(step, "time_sync", t_sync - t_train)
+    log(step, "time_generate", seconds["generate"])
+    log(step, "time_train", seconds["train"])
+    log(step, "time_sync", seconds["sync"])
     log(step, "sync_bytes", sync.moved_bytes)
-    log(step, "time_step", t_sync - t0)
-    log(step, "tokens_per_s", sum(lengths) / (t_sync - t0))
-    return rewards.mean().item(), parity["tokens_differing"]
+    log(step, "time_step", seconds["step"])
+    log(step, "tokens_per_s", sum(lengths) / seconds["step"])
+    return rewards_all.mean().item(), parity["tokens_differing"]

@@ -8,6 +8,11 @@ accumulated over the micro-batches are the gradient of the part's loss, normalis
 The old log-probs, the correction weights and the KL target are computed once, before the first
 update, over the whole step; from the second mini-batch on the ratio leaves 1 and the clip fractions
 measure how far the policy moved.
+
+Data-parallel (`dp`, `workbench.distributed.data_parallel`): the batch is this rank's share of the step. The
+mini-batches are cut from the whole step's sequences with the same permutation as in one process, each rank
+trains on its own rows of each, the `Totals` are the whole mini-batch's (every rank's), and the gradients are
+summed over the ranks before each optimizer step: the same gradient as one process, up to the summation order.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +29,9 @@ from .logprobs import completion_logprobs
 from .losses import AGGREGATIONS, LossConfig, LossSpec, Totals, aggregate, kl_estimate
 from .rollout import RolloutBatch
 from .weights import TrainWeights
+
+if TYPE_CHECKING:  # not at run time: workbench.distributed imports workbench.rl pieces
+    from ..distributed.data_parallel import DataParallel
 
 
 @dataclass
@@ -39,17 +48,24 @@ class UpdateInputs:
     """The log-probs the KL penalty pulls towards (reference or sampler), or None without a KL in the loss."""
 
 
-def _mini_batches(n: int, cfg: TrainConfig, step: int, epoch: int) -> list[torch.Tensor]:
+def _mini_batches(n: int, cfg: TrainConfig, step: int, epoch: int, rank: int = 0,
+                  world: int = 1) -> list[tuple[int, torch.Tensor]]:
+    """The epoch's mini-batches of the step's n * world sequences (rank r holds rows r * n .. (r + 1) * n - 1):
+    per mini-batch its size and this rank's rows of it, as indices into the rank's n. The permutation depends on
+    the seed, the step and the epoch only, so a mini-batch holds the same sequences at any world size."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1_009 + epoch)
-    return list(torch.randperm(n, generator=g).tensor_split(cfg.mini_batches))
+    first = rank * n
+    return [(len(part), part[(part >= first) & (part < first + n)] - first)
+            for part in torch.randperm(n * world, generator=g).tensor_split(cfg.mini_batches)]
 
 
 def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: RolloutBatch, inputs: UpdateInputs,
-           step: int, on_bad_loss) -> dict[str, float]:
-    """Train on the step's rollouts; returns the update's metrics, averaged over its optimizer steps.
+           step: int, on_bad_loss, dp: DataParallel | None = None) -> dict[str, float]:
+    """Train on the step's rollouts; returns the update's metrics, averaged over its optimizer steps (with `dp`:
+    over the whole step, the same on every rank).
 
     `on_bad_loss(loss)` is called (and must raise) when a micro-batch's loss is not finite, before that
-    mini-batch's optimizer step.
+    mini-batch's optimizer step (with `dp`: on every rank, when any rank's loss is not finite).
     """
     base = spec.defaults
     norm = cfg.max_new_tokens if base.aggregation == AGGREGATIONS[2] else None
@@ -57,16 +73,23 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
     model = weights.model
     sums: dict[str, torch.Tensor | float] = defaultdict(float)
     sq_deltas: dict[str, float] = defaultdict(float)
+    grad_norm = 0.0
     updates = 0
-    for epoch in range(cfg.epochs):
-        for part in _mini_batches(len(batch), cfg, step, epoch):
-            totals = Totals(len(part), int(batch.mask[part.to(batch.device)].sum()))
+    place = (0, 1) if dp is None else (dp.rank, dp.world_size)
+    plan = [_mini_batches(len(batch), cfg, step, epoch, *place) for epoch in range(cfg.epochs)]
+    # Each mini-batch's real tokens over every rank, for its loss's normalisation: one reduction per update.
+    tokens = torch.stack([batch.mask[rows.to(batch.device)].sum() for parts in plan for _, rows in parts])
+    tokens = iter((tokens if dp is None else dp.sum(tokens)).tolist())
+    for parts in plan:
+        for size, rows in parts:
+            totals = Totals(size, int(next(tokens)))
             weights.zero_grad()
             # No host sync inside this loop (the losses and statistics stay on the device until the
             # optimizer step): a sync after each backward would leave the host launching the next
             # forward's many small kernels behind an idle GPU (~5% of an update at the 1.7B shape).
             losses = []
-            for mb in batch.micro_batches(part, cfg.max_tokens_per_microbatch):
+            # No micro-batch when this rank holds no row of the mini-batch (data-parallel): it adds zeros to the sum.
+            for mb in batch.micro_batches(rows, cfg.max_tokens_per_microbatch):
                 logp, _ = completion_logprobs(model, mb, cfg.temperature, recompute=cfg.activation_checkpointing)
                 cols = slice(0, mb.width)
                 mask = batch.mask[mb.index, cols]
@@ -81,17 +104,28 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
                 losses.append(loss.detach())
                 for k, v in stats.items():
                     sums[k] += v.detach()
-            losses = torch.stack(losses)
-            finite = torch.isfinite(losses)
-            if not bool(finite.all()):
-                on_bad_loss(losses[~finite][0])
+            losses = torch.stack(losses) if losses else batch.mask.new_zeros(0)
+            if dp is None:
+                finite = torch.isfinite(losses)
+                bad = None if bool(finite.all()) else losses[~finite][0]
+            else:  # every rank learns of it, so none is left waiting in the gradient sum
+                bad = dp.first_non_finite(losses)
+            if bad is not None:
+                on_bad_loss(bad)
             sums["loss"] += losses.sum()
+            if dp is not None:
+                dp.all_reduce_grads(weights)
             result = weights.step()
-            sums["grad_norm"] += result.pop("grad_norm")
+            grad_norm += result.pop("grad_norm")   # of the summed gradient: the same on every rank
             for k, v in result.items():
                 sq_deltas[k] += v * v
             updates += 1
+    if dp is not None:   # each rank's sums are its share of the whole mini-batches' means
+        names = sorted(sums)   # one order on every rank
+        summed = dict(zip(names, dp.sum(torch.stack([sums[k] for k in names])).unbind()))
+        sums = {k: summed[k] for k in sums}
     out = {k: float(v) / updates for k, v in sums.items()}
+    out["grad_norm"] = grad_norm / updates
     # Several optimizer steps: the root of their summed squared (relative) changes; the net change would need a
     # copy of the weights from before the first.
     out.update({k: math.sqrt(v) for k, v in sq_deltas.items()})

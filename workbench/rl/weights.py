@@ -5,7 +5,8 @@
   gradients 4 (during an update only) + AdamW moments 8 = 18. Micro-batches accumulate in fp32: each
   bf16 parameter's `main_grad` is its master's fp32 gradient, zeroed at the start of a mini-batch, and the
   linear layers' backward adds dW into it inside the weight-gradient product (Megatron-LM's convention);
-  the other parameters' bf16 gradients live only until a hook has added them into it.
+  the other parameters' bf16 gradients live only until a hook has added them into it. The masters' gradients
+  are views of one flat buffer (`grad_buffer`), which a data-parallel run sums over its ranks in one collective.
 - master_dtype 'bfloat16': AdamW on the bf16 weights themselves (bf16 moments, bf16 gradient
   accumulation), the setup of most RL blog posts: 8 bytes per parameter.
 - LoRA (`lora`): the bf16 base is frozen (no masters, no gradients, no optimizer state; its linear layers'
@@ -27,6 +28,10 @@ from ..models import CausalLM, build, copy_weights, weights_checksum
 from ..models.lora import LoraConfig, adapter_state, attach, base_state, copy_adapters, init_adapters
 from .metrics import layer_group, weight_delta_metrics
 
+_GRAD_ALIGN = 64
+"""Each master's view of the flat gradient buffer starts at a multiple of this many elements (256 bytes): as
+aligned as a tensor of its own for the kernels that accumulate into it (a TMA descriptor needs 16 bytes)."""
+
 
 class TrainWeights:
     def __init__(self, start: CausalLM, master_dtype: str, lr: float, device: str, weight_decay: float = 0.0,
@@ -37,6 +42,8 @@ class TrainWeights:
         self.lora = lora
         self._bf16: list[torch.Tensor] = []
         self._base_checksum: str | None = None
+        self.grad_buffer: torch.Tensor | None = None
+        """During an update with masters: every master's fp32 gradient, one flat buffer (None otherwise)."""
         if self.has_masters and lora is None:
             # The starting model's own fp32 tensors become the masters: no second copy.
             self.masters = {k: v.detach().float() for k, v in start.state_dict().items()}
@@ -125,15 +132,21 @@ class TrainWeights:
             for p in self.params:
                 p.grad = None
             return
-        for m, p in zip(self.masters.values(), self._bf16):
-            m.grad = torch.zeros_like(m)
+        sizes = [-(-m.numel() // _GRAD_ALIGN) * _GRAD_ALIGN for m in self.masters.values()]
+        device = self.params[0].device
+        self.grad_buffer = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+        offset = 0
+        for m, p, size in zip(self.masters.values(), self._bf16, sizes):
+            m.grad = self.grad_buffer[offset: offset + m.numel()].view_as(m)
             p.main_grad = m.grad
+            offset += size
 
     def _release_main_grads(self) -> None:
         # The fp32 gradients are freed after the step (the optimizer holds them until then), so the rollouts
         # between updates have their memory.
         for p in self._bf16:
             p.main_grad = None
+        self.grad_buffer = None
 
     def sync_model(self) -> None:
         """The bf16 model from the masters (after an optimizer step or a resume)."""
