@@ -1,10 +1,13 @@
 """GPU benchmark of the embedded generator: generated tokens/s, Qwen3-1.7B shape with random weights
 (or a real checkpoint: --model FOLDER), 128-token prompts, 256 new tokens (no stop token), batch 64
-and 256: invariant mode, standard mode and Hugging Face `transformers` `generate` on the same weights,
-in the same run; and the decode step's time beside its memory-bandwidth floor ((weights + KV cache
-bytes) / measured copy bandwidth).
+and 256: invariant mode, the fast standard baseline (`standard-fused`: cuBLAS, FlashAttention over the
+cache, fused row-wise kernels), Hugging Face's eager formulas (`standard`) and `transformers`
+`generate` on the same weights, in the same run; and the decode step's time beside its
+memory-bandwidth floor ((weights + KV cache bytes) / measured copy bandwidth).
+--long: long rollouts instead, batch 64 with 1,024 and 4,096 new tokens (one timed run each), with
+the peak GPU memory and the static KV cache's size.
 
-    python bench/bench_generate.py [--model FOLDER] [--out FILE.md] [--skip-hf]
+    python bench/bench_generate.py [--model FOLDER] [--out FILE.md] [--skip-hf] [--long]
 """
 
 from __future__ import annotations
@@ -18,13 +21,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import copy_gbs, emit, header  # noqa: E402
+from timing import MODES, copy_gbs, emit, header  # noqa: E402
 
 from workbench.generation import SamplingParams, generate  # noqa: E402
 from workbench.kernels import mode  # noqa: E402
 from workbench.models import build, load_pretrained, save_pretrained  # noqa: E402
 
 PROMPT, NEW = 128, 256
+LONG = (1024, 4096)
 
 
 def _prompts(batch: int, vocab: int):
@@ -32,16 +36,39 @@ def _prompts(batch: int, vocab: int):
     return torch.randint(0, vocab, (batch, PROMPT), generator=g).tolist()
 
 
-def ours(model, batch: int, mode_name: str) -> tuple[float, float]:
-    """(tokens/s over prefill + decode, decode ms per step) of the run of median tokens/s of 3 (a single run has
-    shown a prefill 15x its usual time on an H100)."""
-    params = SamplingParams(temperature=1.0, max_new_tokens=NEW, seed=0)
+def ours(model, batch: int, mode_name: str, new: int = NEW, runs: int = 3) -> tuple[float, float, float]:
+    """(tokens/s over prefill + decode, decode ms per step, peak GiB allocated) of the run of median tokens/s of
+    `runs` (a single run has shown a prefill 15x its usual time on an H100)."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=new, seed=0)
     prompts = _prompts(batch, model.config.vocab_size)
-    with mode(mode_name):
+    default, overrides = MODES[mode_name]
+    with mode(default, **overrides):
         generate(model, prompts, SamplingParams(max_new_tokens=4))  # compile and capture
-        runs = sorted((generate(model, prompts, params) for _ in range(3)), key=lambda o: o.tokens_per_s)
-    out = runs[1]
-    return out.tokens_per_s, out.decode_s / max(out.steps - 1, 1) * 1e3
+        torch.cuda.reset_peak_memory_stats()
+        outs = sorted((generate(model, prompts, params) for _ in range(runs)), key=lambda o: o.tokens_per_s)
+    out = outs[len(outs) // 2]
+    return out.tokens_per_s, out.decode_s / max(out.steps - 1, 1) * 1e3, torch.cuda.max_memory_allocated() / 2**30
+
+
+def kv_bytes(cfg, batch: int, tokens: int) -> int:
+    """Bytes of K and V (bf16) for `batch` sequences of `tokens` tokens."""
+    return batch * tokens * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+
+
+def long_rollouts(model, weight_bytes: int, copy: float) -> list[str]:
+    """Batch 64 at 1,024 and 4,096 new tokens: the step against its floor at the mean KV length, and memory."""
+    cfg = model.config
+    lines = ["| new tokens | mode | tok/s | decode step ms | floor ms | step / floor | peak GiB | "
+             "static KV cache GiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for new in LONG:
+        floor_ms = (weight_bytes + kv_bytes(cfg, 64, PROMPT + new // 2)) / copy / 1e6
+        for mode_name in ("invariant", "standard-fused"):
+            tps, step, peak = ours(model, 64, mode_name, new, runs=1)
+            lines.append(f"| {new} | {mode_name} | {tps:,.0f} | {step:.2f} | {floor_ms:.2f} | "
+                         f"{step / floor_ms:.2f} | {peak:.1f} | {kv_bytes(cfg, 64, PROMPT + new) / 2**30:.1f} |")
+            print(lines[-1], flush=True)
+    return lines
 
 
 def hf(model, batch: int) -> float:
@@ -65,6 +92,7 @@ def main() -> None:
     ap.add_argument("--out", help="also write the tables (markdown) to this file")
     ap.add_argument("--skip-hf", action="store_true", help="leave out transformers.generate (slow)")
     ap.add_argument("--model", help="a checkpoint folder (default: the Qwen3-1.7B shape, random weights)")
+    ap.add_argument("--long", action="store_true", help="batch 64 at 1,024 and 4,096 new tokens instead")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_generate.py needs a CUDA GPU")
@@ -72,19 +100,24 @@ def main() -> None:
     cfg = model.config
     copy = max(copy_gbs())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if a.long:
+        emit([header(), "", *long_rollouts(model, weight_bytes, copy), "", f"Copy bandwidth {copy:.0f} GB/s; peak "
+              "GiB: torch's peak allocation during the timed run, weights included."], a.out)
+        return
     lines = [header(), "",
-             "| batch | invariant tok/s | standard tok/s | HF generate tok/s | inv / std | inv / HF | "
-             "decode step ms (inv) | bandwidth floor ms | step / floor |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| batch | invariant tok/s | standard-fused tok/s | standard tok/s | HF generate tok/s | "
+             "inv / std-fused | inv / HF | decode step ms (inv) | (std-fused) | bandwidth floor ms | step / floor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for batch in (64, 256):
-        inv_tps, inv_ms = ours(model, batch, "invariant")
-        std_tps, _ = ours(model, batch, "standard")
+        inv_tps, inv_ms, _ = ours(model, batch, "invariant")
+        fused_tps, fused_ms, _ = ours(model, batch, "standard-fused")
+        std_tps, _, _ = ours(model, batch, "standard")
         hf_tps = float("nan") if a.skip_hf or batch > 64 else hf(model, batch)
         # A mid-generation step reads every weight once and each sequence's K/V (prompt + half the new tokens).
-        kv = batch * (PROMPT + NEW // 2) * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
-        floor_ms = (weight_bytes + kv) / copy / 1e6
-        lines.append(f"| {batch} | {inv_tps:,.0f} | {std_tps:,.0f} | {hf_tps:,.0f} | {inv_tps / std_tps:.2f} | "
-                     f"{inv_tps / hf_tps:.1f} | {inv_ms:.2f} | {floor_ms:.2f} | {inv_ms / floor_ms:.2f} |")
+        floor_ms = (weight_bytes + kv_bytes(cfg, batch, PROMPT + NEW // 2)) / copy / 1e6
+        lines.append(f"| {batch} | {inv_tps:,.0f} | {fused_tps:,.0f} | {std_tps:,.0f} | {hf_tps:,.0f} | "
+                     f"{inv_tps / fused_tps:.2f} | {inv_tps / hf_tps:.1f} | {inv_ms:.2f} | {fused_ms:.2f} | "
+                     f"{floor_ms:.2f} | {inv_ms / floor_ms:.2f} |")
     lines += ["", f"Model: {a.model or 'Qwen3-1.7B shape, random weights'}. Copy bandwidth {copy:.0f} GB/s; weights "
               f"{weight_bytes / 1e9:.2f} GB (bf16). HF generate is run at batch 64 only."]
     emit(lines, a.out)

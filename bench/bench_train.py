@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import emit, gpu_ms, header  # noqa: E402
+from timing import MODES, emit, gpu_ms, header  # noqa: E402
 
 from workbench.kernels import mode, token_logprobs  # noqa: E402
 from workbench.kernels.matmul import matmul  # noqa: E402
@@ -34,12 +34,6 @@ from workbench.rl.rollout import RolloutBatch  # noqa: E402
 from workbench.rl.update import UpdateInputs, update  # noqa: E402
 from workbench.rl.weights import TrainWeights  # noqa: E402
 
-# The kernel modes a row runs under: (default, per-op overrides). `standard-fused` is the fast standard baseline:
-# cuBLAS and SDPA stay, the row-wise ops (one row in, one row out, no reduction across rows) take this package's
-# fused Triton kernels instead of Hugging Face's eager formulas with their fp32 round trips. Liger's kernels are
-# the ecosystem's version of the same fusion; ours are used so the baseline needs nothing installed.
-MODES = {"invariant": ("invariant", {}), "standard": ("standard", {}),
-         "standard-fused": ("standard", {"rms_norm": "invariant", "silu_mul": "invariant", "apply_rope": "invariant"})}
 
 # Dense bf16 tensor-core peaks (no sparsity), by device name.
 PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}

@@ -1,5 +1,6 @@
 """Where a decode step's time goes (issue 16's first item): the embedded generator at the Qwen3-1.7B shape (random
-weights), 128-token prompts, batch 64 and 256, invariant and standard mode. Per decode step:
+weights), 128-token prompts, batch 64 and 256, invariant mode, the fast standard baseline (`standard-fused`) and
+Hugging Face's eager formulas (`standard`). Per decode step:
 
 - the step as `generate` runs it (CUDA graph replay plus the loop's bookkeeping), from its own timer, over the
   same steps;
@@ -10,9 +11,10 @@ weights), 128-token prompts, batch 64 and 256, invariant and standard mode. Per 
   attention: each sequence's K/V read once) at the measured copy bandwidth;
 - what is left: the step's time not covered by kernels, split into the graph replayed back to back alone
   (its kernels plus the gaps between its nodes) and the rest (the loop's host work and eager bookkeeping);
+- the step's first call (run eagerly, then captured), which each `generate` call pays once;
 - kernel launches per step (graph nodes plus the loop's eager ops).
 
-    python bench/profile_decode.py [--out FILE.md] [--batches 64 256]
+    python bench/profile_decode.py [--out FILE.md] [--batches 64 256] [--modes invariant standard-fused standard]
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -27,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_generate import PROMPT, _prompts  # noqa: E402
-from timing import copy_gbs, emit, header  # noqa: E402
+from timing import MODES, copy_gbs, emit, header  # noqa: E402
 
 from workbench.generation import SamplingParams, generate  # noqa: E402
 from workbench.generation.generator import DecodeStep, Record  # noqa: E402
@@ -35,10 +38,11 @@ from workbench.kernels import mode  # noqa: E402
 from workbench.models import KVCache, build  # noqa: E402
 
 STEPS = 255  # 256 new tokens (bench_generate's): the first comes from the prefill
-# Kernel name fragments -> kind, first match wins (Triton kernels by their function names, cuBLAS/ATen by theirs).
+# Kernel name fragments -> kind, first match wins (Triton kernels by their function names, cuBLAS/ATen by theirs;
+# FlashAttention's name holds "cutlass" too, so attention is tried first).
 KINDS = (
-    ("matmul", ("_matmul", "gemm", "sm90_xmma", "cutlass", "nvjet")),
     ("attention", ("_attn", "flash", "fmha", "attention")),
+    ("matmul", ("_matmul", "gemm", "sm90_xmma", "cutlass", "nvjet")),
     ("norm", ("_rms_norm", "rms")),
     ("rope", ("_rope",)),
     ("swiglu", ("_silu", "silu")),
@@ -56,9 +60,14 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def _mode(name: str):
+    default, overrides = MODES[name]
+    return mode(default, **overrides)
+
+
 def kernel_ms(model, prompts, mode_name: str, new_tokens: int) -> dict[str, float]:
     """GPU ms by kind of one eager generation of `new_tokens` tokens, and the number of launches (`launches`)."""
-    with mode(mode_name), profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with _mode(mode_name), profile(activities=[ProfilerActivity.CUDA]) as prof:
         generate(model, prompts, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0),
                  cuda_graphs=False)
         torch.cuda.synchronize()
@@ -72,9 +81,10 @@ def kernel_ms(model, prompts, mode_name: str, new_tokens: int) -> dict[str, floa
     return out
 
 
-def replay_ms(model, prompts, mode_name: str) -> float:
+def replay_ms(model, prompts, mode_name: str) -> tuple[float, float]:
     """One decode step's CUDA graph (its bookkeeping included) replayed back to back, nothing between replays: ms
-    per replay (median of 5 runs of 50, each replay a step further along the cache)."""
+    per replay (median of 5 runs of 50, each replay a step further along the cache); and the ms of the step's
+    first call, which every `generate` call pays once (the step run eagerly, then captured)."""
     cfg = model.config
     dev = model.lm_head_weight.device
     b = len(prompts)
@@ -82,7 +92,7 @@ def replay_ms(model, prompts, mode_name: str) -> float:
     ids = torch.tensor([p + [0] * (PROMPT - len(p)) for p in prompts], device=dev)
     cache = KVCache.allocate(cfg, b, PROMPT + STEPS + 1, dev)
     times = []
-    with mode(mode_name), torch.no_grad():
+    with _mode(mode_name), torch.no_grad():
         model.hidden_states(ids, seq_lens=lens, cache=cache, start=torch.zeros_like(lens))
         rows = torch.arange(b, device=dev)
         record = Record.allocate(b, STEPS + 1, dev)
@@ -90,7 +100,11 @@ def replay_ms(model, prompts, mode_name: str) -> float:
         never = torch.tensor([-1], device=dev)                      # no stop token: every row stays live
         step = DecodeStep(model, cache, SamplingParams(temperature=1.0, seed=0), record, never, rows, rows, pending,
                           lens, 0, graph=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
         step()                                                       # runs once, then captures
+        torch.cuda.synchronize()
+        first = (time.perf_counter() - t) * 1e3
         for _ in range(5):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -99,14 +113,14 @@ def replay_ms(model, prompts, mode_name: str) -> float:
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end) / 50)
-    return sorted(times)[2]
+    return sorted(times)[2], first
 
 
 def step_ms(model, prompts, mode_name: str) -> float:
     """The decode step as `generate` runs it (CUDA graphs), over the same steps as the profile: median of 5. Each
     `generate` call captures its graph once, so this includes 1/255 of a capture."""
     times = []
-    with mode(mode_name):
+    with _mode(mode_name):
         generate(model, prompts, SamplingParams(max_new_tokens=4))  # compile and capture
         for _ in range(5):
             out = generate(model, prompts, SamplingParams(temperature=1.0, max_new_tokens=STEPS + 1, seed=0))
@@ -118,6 +132,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="also write the table (markdown) to this file")
     ap.add_argument("--batches", nargs="+", type=int, default=[64, 256])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode.py needs a CUDA GPU")
@@ -130,15 +145,15 @@ def main() -> None:
              f"Qwen3-1.7B shape, random weights, {PROMPT}-token prompts; kernels per decode step = (profile of "
              f"{STEPS} eager decode steps - profile of the prefill alone) / {STEPS}, at a mean KV length of "
              f"{PROMPT + STEPS // 2}; the step as `generate` runs it (graphs, the same {STEPS} steps), median of 5. "
-             "In standard mode norms, RoPE and SwiGLU are ATen elementwise kernels, counted under `other`. Floors "
+             "In `standard` mode norms, RoPE and SwiGLU are ATen elementwise kernels, counted under `other`. Floors "
              f"at {gbs:.0f} GB/s (measured copy).", "",
-             "| mode | batch | step ms | kernels ms | not kernels ms | graph alone ms | launches | "
+             "| mode | batch | step ms | kernels ms | not kernels ms | graph alone ms | first step ms | launches | "
              + " | ".join(f"{k} ms" for k in kinds) + " | matmul floor ms | attention floor ms |",
-             "|---|---|---|---|---|---|---|" + "---|" * len(kinds) + "---|---|"]
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(kinds) + "---|---|"]
     for batch in a.batches:
         prompts = _prompts(batch, cfg.vocab_size)
         kv = batch * (PROMPT + STEPS // 2) * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
-        for mode_name in ("invariant", "standard"):
+        for mode_name in a.modes:
             kernel_ms(model, prompts, mode_name, 2)  # compile
             base = kernel_ms(model, prompts, mode_name, 1)
             run = kernel_ms(model, prompts, mode_name, STEPS + 1)
@@ -146,8 +161,9 @@ def main() -> None:
             busy = sum(per.values())
             launches = (run["launches"] - base["launches"]) / STEPS
             step = step_ms(model, prompts, mode_name)
+            replay, first = replay_ms(model, prompts, mode_name)
             lines.append(f"| {mode_name} | {batch} | {step:.2f} | {busy:.2f} | {step - busy:.2f} | "
-                         f"{replay_ms(model, prompts, mode_name):.2f} | {launches:.0f} | "
+                         f"{replay:.2f} | {first:.0f} | {launches:.0f} | "
                          + " | ".join(f"{per[k]:.2f}" for k in kinds)
                          + f" | {weights / gbs / 1e6:.2f} | {kv / gbs / 1e6:.2f} |")
             print(lines[-1], flush=True)

@@ -8,6 +8,7 @@ written into `workbench/kernels/matmul.py` by hand: nothing is tuned at run time
     python bench/tune_matmul.py            # every candidate on the projection shapes, M = 1 ... 8192
     python bench/tune_matmul.py --decode   # decode steps: a layer's products + the LM head at M = 64, 128, 256
     python bench/tune_matmul.py --decode-projections   # each decode product: table, narrow tiles, split-K, fused
+    python bench/tune_matmul.py --decode-tiles   # a grid of tiles per decode product and M bucket, bits checked
 """
 
 from __future__ import annotations
@@ -63,12 +64,12 @@ CANDIDATES = [
 
 
 def run_with(cfg, a, b):
-    saved = mm.MATMUL_BUCKETS
-    mm.MATMUL_BUCKETS = ((1 << 62, cfg),)
+    saved, saved_wide = mm.MATMUL_BUCKETS, mm.WIDE_BUCKETS
+    mm.MATMUL_BUCKETS, mm.WIDE_BUCKETS = ((1 << 62, cfg),), ()
     try:
         return mm.matmul(a, b)
     finally:
-        mm.MATMUL_BUCKETS = saved
+        mm.MATMUL_BUCKETS, mm.WIDE_BUCKETS = saved, saved_wide
 
 
 def decode() -> None:
@@ -139,7 +140,79 @@ def decode_projections() -> None:
             print(f"| {name} | {k} x {n} | {floor:.1f} | " + " | ".join(f"{t:.1f}" for t in row) + " |", flush=True)
 
 
+def _tile_grid() -> list:
+    """Tile shapes for the decode buckets: every M x N x K tile of the grid, with as many stages (6, 4 or 3)
+    as fit in ~200 KiB of shared memory and 8 warps from 128 x 128 on; two persistent ones for M = 512."""
+    grid = []
+    for bm, bn, bk in itertools.product((16, 32, 64, 128), (16, 32, 64, 128, 256), (64, 128, 256)):
+        stages = [s for s in (6, 4, 3) if s * (bm * bk + bk * bn) * 2 <= 200 * 1024]
+        if stages and bm * bn <= 128 * 256:
+            grid.append(mm.MatmulConfig(bm, bn, bk, 8, 8 if bm * bn >= 128 * 128 else 4, stages[0]))
+    return grid + [mm.MatmulConfig(128, 256, 64, 8, 8, 3, persistent=True),
+                   mm.MatmulConfig(128, 128, 64, 8, 8, 4, persistent=True)]
+
+
+def decode_tiles() -> None:
+    """Each decode product of the Qwen3-1.7B shape (q+k+v and gate+up as the generator runs them, one product
+    each) at the M of each decode bucket, us per product (cold L2, in a CUDA graph), for every tile of
+    `_tile_grid` that gives the table's bits: per bucket and product the best five against the table and
+    cuBLAS, then what a decode step's products cost with one config per bucket and with one per product."""
+    dev = "cuda"
+    torch.manual_seed(0)
+    products = {"qkv": (2048, 4096), "o": (2048, 2048), "gate_up": (2048, 12288), "down": (6144, 2048),
+                "lm_head": LM_HEAD}
+    per_step = {"qkv": LAYERS, "o": LAYERS, "gate_up": LAYERS, "down": LAYERS, "lm_head": 1}
+    buckets = {32: (16, 32), 128: (64, 128), 512: (256, 512)}
+    x = torch.randn(300, 6144, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(2048, 6144, device=dev, dtype=torch.bfloat16) / 6144**0.5
+    ref = mm.matmul(x, w.t())
+    grid = []
+    for cfg in _tile_grid():
+        try:
+            same = torch.equal(run_with(cfg, x, w.t()), ref) and torch.equal(run_with(cfg, x[7:8], w.t()), ref[7:8])
+        except triton.runtime.errors.OutOfResources:
+            continue
+        if same:
+            grid.append(cfg)
+        else:
+            print(f"  {cfg}: NOT the table's bits; dropped", flush=True)
+    print(f"{len(grid)} tiles give the table's bits", flush=True)
+
+    def time(fn, m, k, n) -> float:
+        def call():
+            a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            b = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+            return lambda: fn(a, b)
+        return 1e3 * gpu_ms(call, 2 * (m * k + n * k + m * n), reps=10)
+
+    for top, ms in buckets.items():
+        table = {}
+        cublas = {}
+        times = {}                       # (product, cfg index) -> us summed over the bucket's M
+        for name, (k, n) in products.items():
+            table[name] = sum(time(lambda a, b: mm.matmul(a, b.t()), m, k, n) for m in ms)
+            cublas[name] = sum(time(F.linear, m, k, n) for m in ms)
+            for i, cfg in enumerate(grid):
+                times[name, i] = sum(time(lambda a, b, cfg=cfg: run_with(cfg, a, b.t()), m, k, n) for m in ms)
+            best = sorted(range(len(grid)), key=lambda i, name=name: times[name, i])[:5]
+            print(f"M in {ms} | {name} {k} x {n} | cuBLAS {cublas[name]:.1f} | table {table[name]:.1f} | "
+                  + " | ".join(f"{grid[i].block_m}x{grid[i].block_n}x{grid[i].block_k} w{grid[i].num_warps} "
+                               f"s{grid[i].num_stages}{' p' if grid[i].persistent else ''} {times[name, i]:.1f}"
+                               for i in best), flush=True)
+
+        def step(t) -> float:
+            return sum(per_step[name] * t(name) for name in products) / len(ms) / 1e3
+
+        one = min(range(len(grid)), key=lambda i: step(lambda name: times[name, i]))
+        print(f"M in {ms}, a decode step's products, ms: cuBLAS {step(cublas.get):.3f}, table {step(table.get):.3f}, "
+              f"best single {grid[one]} {step(lambda name: times[name, one]):.3f}, best per product "
+              f"{step(lambda name: min(times[name, i] for i in range(len(grid)))):.3f}", flush=True)
+
+
 def main() -> None:
+    if "--decode-tiles" in sys.argv:
+        decode_tiles()
+        return
     if "--decode-projections" in sys.argv:
         decode_projections()
         return

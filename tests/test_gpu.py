@@ -60,8 +60,8 @@ def test_gpu_forward_backward_deterministic(name):
 
 
 def test_gpu_every_matmul_bucket_gives_the_same_bits():
-    """The M buckets differ in tile shapes and BLOCK_K, TMA and pointer kernels in how tiles are loaded:
-    forcing each onto the same rows changes no bit. Backward layouts too."""
+    """The M buckets (and the wide products' ones) differ in tile shapes and BLOCK_K, TMA and pointer kernels
+    in how tiles are loaded: forcing each onto the same rows changes no bit. Backward layouts too."""
     from workbench.kernels import matmul as mm
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -70,15 +70,16 @@ def test_gpu_every_matmul_bucket_gives_the_same_bits():
     x = torch.randn(700, 2048, generator=g).cuda().bfloat16()
     w = (torch.randn(4096, 2048, generator=g) / 45).cuda().bfloat16()
     outs = []
-    saved = mm.MATMUL_BUCKETS
+    saved, saved_wide = mm.MATMUL_BUCKETS, mm.WIDE_BUCKETS
     try:
-        for cfg in [c for _, c in saved] + [mm._FEW_TILES]:
+        mm.WIDE_BUCKETS = ()
+        for cfg in [c for _, c in saved + saved_wide] + [mm._FEW_TILES]:
             mm.MATMUL_BUCKETS = ((1 << 62, cfg),)
             outs.append(mm.matmul(x, w.t()))
             # The pointer kernel against the TMA kernel, in each bucket.
             outs.append(mm.matmul(x, w.t(), tma=False))
     finally:
-        mm.MATMUL_BUCKETS = saved
+        mm.MATMUL_BUCKETS, mm.WIDE_BUCKETS = saved, saved_wide
     for cfg_out in outs[1:]:
         assert torch.equal(cfg_out, outs[0])
     dy = torch.randn(700, 4096, generator=g).cuda().bfloat16()

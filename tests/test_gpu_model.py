@@ -59,6 +59,26 @@ def test_gpu_attention_negative_control_standard_decode_differs():
     assert not dec_ok, "SDPA gave decode == training at every position tried: the control shows nothing"
 
 
+def test_gpu_standard_decode_is_flash_attention_over_the_used_keys():
+    """A standard decode step reads each sequence's first kv_len cached keys through FlashAttention
+    (`seqused_k`): it agrees with the masked SDPA call to bf16 rounding and never reads the cache past kv_len
+    (NaN there would show)."""
+    from workbench.kernels.attention import _flash_decode_ok, _sdpa
+
+    q, k, v = _qkv(len(LENS), max(LENS), seed=3)
+    cache_k = torch.full((len(LENS), 1536, 8, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    cache_v = torch.full_like(cache_k, float("nan"))
+    kv_len = torch.tensor(LENS, device="cuda", dtype=torch.int32)
+    for b, n in enumerate(LENS):
+        cache_k[b, :n], cache_v[b, :n] = k[b, :n], v[b, :n]
+    step = q[:, :1]
+    assert _flash_decode_ok(step, cache_k)
+    with mode("standard"):
+        out = attention_with_cache(step, cache_k, cache_v, kv_len - 1, kv_len)
+    ref = _sdpa(step, cache_k.nan_to_num(0.0), cache_v.nan_to_num(0.0), kv_len - 1, kv_len)
+    assert not out.isnan().any() and rel_err(out, ref) < 1e-2
+
+
 def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b|, inf where either holds a NaN (Python's max would skip a NaN)."""
     if torch.isnan(a).any() or torch.isnan(b).any():

@@ -366,6 +366,12 @@ def test_matmul_tiles_follow_m_on_hopper_only(monkeypatch):
     want = [next(c for top, c in mm.MATMUL_BUCKETS if m <= top) for m in ms]
     assert [mm.matmul_config(m, torch.bfloat16, dev) for m in ms] == want
     assert len(set(want)) == len(mm.MATMUL_BUCKETS)
+    # Up to 512 rows, products wider than _WIDE_N columns (gate+up, the LM head) take the wide table.
+    monkeypatch.setattr(mm, "_num_sms", lambda index: 132)
+    wide = [next((c for top, c in mm.WIDE_BUCKETS if m <= top), w) for m, w in zip(ms, want)]
+    assert [mm.matmul_config(m, torch.bfloat16, dev, n=151936) for m in ms] == wide
+    small = [m for m in ms if m <= 512]
+    assert [mm.matmul_config(m, torch.bfloat16, dev, n=mm._WIDE_N) for m in small] == want[:len(small)]
     assert len({mm.matmul_config(m, torch.float32, dev) for m in ms}) == 1
     cfg = mm.tile_config(dev)
     assert cfg["capability"] == "sm90" and cfg["bf16_buckets"] and cfg["tma"] and "buckets" in cfg["bf16_rule"]

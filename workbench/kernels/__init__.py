@@ -13,13 +13,14 @@ from .linear_logprobs import linear_logprobs
 from .logprobs import entropy, logprob_rows, logsumexp, token_logprobs, token_logprobs_and_entropy
 from .lora_add import lora_add
 from .matmul import linear, matmul_config
-from .mode import MODES, current_state, get_mode, mode, set_mode
+from .mode import FUSED_ROWWISE, MODES, current_state, get_mode, mode, set_mode
 from .rmsnorm import rms_norm, rms_norm_add
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .rope_cache import rope_cache_write
 from .silu_mul import silu_mul
 
 __all__ = [
+    "FUSED_ROWWISE",
     "MODES",
     "REGISTRY",
     "Op",

@@ -490,6 +490,33 @@ def _sdpa(q, k, v, q_start, kv_len):
     return (out.transpose(1, 2).nan_to_num(0.0) * real).to(q.dtype)
 
 
+def _flash_decode_ok(q, k) -> bool:
+    """Whether a standard decode step can take FlashAttention (`_flash_decode`): one query per sequence, a GPU of
+    sm80 or newer, bf16/fp16, head_dim a multiple of 8 up to 256 (FlashAttention-2's limits)."""
+    d = q.shape[-1]
+    return (q.is_cuda and q.shape[1] == 1 and q.dtype in (torch.bfloat16, torch.float16) and d % 8 == 0
+            and d <= 256 and torch.cuda.get_device_capability(q.device)[0] >= 8 and k.stride(-1) == 1)
+
+
+def _flash_decode(q, k_cache, v_cache, kv_len):
+    """One query per sequence [B, 1, Hq, D] against its first kv_len[b] cached keys, by PyTorch's own
+    FlashAttention-2 (its varlen forward): the static cache [B, S, Hkv, D] is read as S-key slots, of which
+    `seqused_k` keeps each sequence's first kv_len. No mask is built and no key past kv_len is read (the masked
+    SDPA call reads all S and falls back from flash attention). A KV head's Hq / Hkv query heads go in as that
+    many query rows of one head (all at the last position, so no causal mask), so each K/V tile is read once for
+    them: FlashAttention's own decode layout (`seqlenq_ngroups_swapped`), which its varlen entry does not do
+    itself. The usual fast path: vLLM's decode is FlashAttention over its cache too."""
+    b, _, hq, d = q.shape
+    s, hkv = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    rows = q.reshape(b, hkv, g, d).transpose(1, 2).reshape(b * g, hkv, d)    # query head h = kv * g + i
+    cu = torch.arange(b + 1, device=q.device, dtype=torch.int32)
+    out = torch.ops.aten._flash_attention_forward(
+        rows, k_cache.reshape(b * s, hkv, d), v_cache.reshape(b * s, hkv, d), cu * g, cu * s, g, s, 0.0, False,
+        False, seqused_k=kv_len.to(torch.int32))[0]
+    return out.view(b, g, hkv, d).transpose(1, 2).reshape(b, 1, hq, d)
+
+
 def attention_standard(q, k, v, seq_lens=None):
     """PyTorch SDPA's causal kernel (flash attention on the GPU), padding or not.
 
@@ -527,6 +554,8 @@ def attention_with_cache(q, k_cache, v_cache, q_start, kv_len):
     q_start = _lengths("attention_with_cache", "q_start", q_start, b, s, q.device)
     kv_len = _lengths("attention_with_cache", "kv_len", kv_len, b, s, q.device)
     if get_mode("attention") == "standard":
+        if _flash_decode_ok(q, k_cache):
+            return _flash_decode(q, k_cache, v_cache, kv_len)
         return _sdpa(q, k_cache, v_cache, q_start, kv_len)
     check_device("attention_with_cache", q)
     return _forward(q, k_cache, v_cache, q_start, kv_len, store_lse=False)[0]

@@ -12,10 +12,11 @@ Numerics contract (mode `invariant`):
   bias added in fp32, and the sum cast once: the one rounding cuBLAS's
   bias epilogue and the CPU's addmm give too. The add is elementwise, so
   rows stay independent of the batch.
-- The bf16 tile config may change with M (`MATMUL_BUCKETS`, a fixed table) on
-  Hopper (sm90) alone, because there the per-element chain of k-steps does not
-  depend on the tiles: every bucket is checked bitwise against the others
-  (`tests/test_gpu.py`), since a row's result must not depend on its bucket.
+- The bf16 tile config may change with M (`MATMUL_BUCKETS`, a fixed table; up to
+  512 rows, wide products take `WIDE_BUCKETS`) on Hopper (sm90) alone, because
+  there the per-element chain of k-steps does not depend on the tiles: every
+  bucket is checked bitwise against the others (`tests/test_gpu.py`), since a
+  row's result must not depend on its bucket.
   The capability is read at run time (once per device): on any other GPU bf16
   takes one config for every M, and fp32 does everywhere, so no row can meet
   another tiling (and TMA is used from sm90 on only). So a row of x gives the
@@ -232,14 +233,25 @@ _INTERPRETER = MatmulConfig(32, 256, 64, group_m=4, num_warps=4, num_stages=1)
 # row: on Hopper a dot over a K block is a chain of k=16 MMA steps in
 # increasing k, whatever the tiling. That is what lets the tiles follow M, on
 # Hopper alone (`matmul_config` reads the device's capability; other GPUs take
-# `_BF16_ONE`); tests/test_gpu.py checks it again for these buckets. The M <= 128 bucket (decode at batch 33-128)
-# was re-chosen on an H100 by `tune_matmul.py --decode`: a decode step's products at M = 64 in 2.28 ms instead of
-# 3.11 with 64 x 64 x 64 tiles (cuBLAS 2.09); the narrow tiles give the narrow projections more programs.
+# `_BF16_ONE`); tests/test_gpu.py checks it again for these buckets. The three decode buckets (M <= 512) were
+# re-chosen on an H100 by `tune_matmul.py --decode-tiles` (45 tile shapes with BLOCK_K up to 256, every one of
+# them the table's bits), per bucket the best for the 1.7B shape's q+k+v, o and down products together: a decode
+# step's products in 1.77 / 1.82 / 2.84 ms (M 16-32 / 64-128 / 256-512, mean of the bucket's edges) instead of
+# 1.95 / 2.07 / 3.37 with the earlier table (cuBLAS 1.69 / 1.75 / 2.53).
 MATMUL_BUCKETS: tuple[tuple[int, MatmulConfig], ...] = (
-    (32, MatmulConfig(16, 64, 128, group_m=8, num_warps=4, num_stages=4)),
-    (128, MatmulConfig(64, 32, 128, group_m=8, num_warps=4, num_stages=4)),
-    (512, MatmulConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)),
+    (32, MatmulConfig(16, 64, 256, group_m=8, num_warps=4, num_stages=4)),
+    (128, MatmulConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=6)),
+    (512, MatmulConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=4)),
     (1 << 62, MatmulConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, persistent=True)),
+)
+# Hopper, bf16, a decode bucket's products wider than `_WIDE_N` columns (gate+up, the LM head): wider tiles win
+# there (same measurement): at M 64-128 the LM head in 484 us instead of 599 (cuBLAS 485), at M 256-512 in 817
+# instead of 1,048 (cuBLAS 698). Same chain of k-steps, so the same bits (tests/test_gpu.py).
+_WIDE_N = 4096
+WIDE_BUCKETS: tuple[tuple[int, MatmulConfig], ...] = (
+    (32, MatmulConfig(32, 128, 128, group_m=8, num_warps=4, num_stages=4)),
+    (128, MatmulConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=4)),
+    (512, MatmulConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, persistent=True)),
 )
 # Hopper, bf16, where the bucket's tiles would number fewer than the SMs (the weight gradient of a narrow
 # projection: Qwen3-1.7B's k/v dW is [1024, 2048], 64 tiles of 128 x 256 on 132 SMs, 1.75x cuBLAS's time).
@@ -289,7 +301,8 @@ def matmul_config(m: int, dtype: torch.dtype, device: torch.device | None = None
     """The tile config for a product with `m` rows (and `n` columns, 0: unknown) on `device` (a CUDA
     device; None: the current one).
 
-    A fixed table. bf16 on Hopper: `MATMUL_BUCKETS`, by M, `_NARROW_N` for at most 32 columns, or
+    A fixed table. bf16 on Hopper: `MATMUL_BUCKETS` by M (`WIDE_BUCKETS` for up to 512 rows and more than
+    `_WIDE_N` columns), `_NARROW_N` for at most 32 columns, or
     `_FEW_TILES` where the bucket's tiles would leave SMs idle (every entry gives the same bits there); on
     any other GPU: one config for every M. fp32 and the interpreter: one config for every M.
     """
@@ -299,7 +312,7 @@ def matmul_config(m: int, dtype: torch.dtype, device: torch.device | None = None
         return _FP32
     if not _uses_buckets(_device_capability(device)):
         return _BF16_ONE
-    for max_m, cfg in MATMUL_BUCKETS:
+    for max_m, cfg in (WIDE_BUCKETS if n > _WIDE_N else ()) + MATMUL_BUCKETS:
         if m <= max_m:
             break
     if cfg.persistent and 0 < n <= _NARROW_N.block_n:
@@ -321,6 +334,7 @@ def tile_config(device: torch.device | None = None) -> dict:
     if _uses_buckets((major, minor)):
         out["bf16_rule"] = "buckets by M (Hopper: the buckets give the same bits, checked by tests/test_gpu.py)"
         out["bf16_buckets"] = [(m, vars(c)) for m, c in MATMUL_BUCKETS]
+        out["bf16_wide_buckets"] = {"columns_over": _WIDE_N, "buckets": [(m, vars(c)) for m, c in WIDE_BUCKETS]}
         out["bf16_few_tiles"] = vars(_FEW_TILES)
         out["bf16_narrow_n"] = vars(_NARROW_N)
     else:

@@ -29,6 +29,15 @@ OPS = ("linear", "rms_norm", "silu_mul", "apply_rope", "token_logprobs", "attent
 """The op names a mode override can name: each op of `registry.REGISTRY` under its own name. The switch owns
 the list (and the registry is checked against it) so that the lowest layer imports nothing above it."""
 
+FUSED_ROWWISE: Mapping[str, str] = MappingProxyType({"rms_norm": "invariant", "silu_mul": "invariant",
+                                                     "apply_rope": "invariant"})
+"""The overrides that make `standard` the fast standard baseline, `mode("standard", **FUSED_ROWWISE)`: cuBLAS and
+FlashAttention stay; the row-wise ops (one row in, one row out, nothing reduced across rows, so nothing that could
+follow the batch) take this package's fused kernels instead of Hugging Face's eager formulas with their fp32 round
+trips, as vLLM's fused norm, RoPE and SiLU kernels and Liger's replace them in the systems people run. Generation
+then also writes the KV cache in the fused RoPE kernel. The mismatch between generator and trainer stays, from the
+matmuls and attention."""
+
 
 @dataclass(frozen=True)
 class ModeState:
