@@ -59,19 +59,22 @@ def test_gpu_attention_negative_control_standard_decode_differs():
     assert not dec_ok, "SDPA gave decode == training at every position tried: the control shows nothing"
 
 
-def test_gpu_standard_decode_is_flash_attention_over_the_used_keys():
+@pytest.mark.parametrize("hq, hkv, d", [(16, 8, 128), (9, 3, 64), (14, 2, 64)])   # Qwen3-1.7B, SmolLM2, Qwen2-0.5B
+def test_gpu_standard_decode_is_flash_attention_over_the_used_keys(hq, hkv, d):
     """A standard decode step reads each sequence's first kv_len cached keys through FlashAttention
-    (`seqused_k`): it agrees with the masked SDPA call to bf16 rounding and never reads the cache past kv_len
-    (NaN there would show)."""
+    (`seqused_k`, a KV head's query heads as rows of one head): it agrees with the masked SDPA call to bf16
+    rounding and never reads the cache past kv_len (NaN there would show)."""
     from workbench.kernels.attention import _flash_decode_ok, _sdpa
 
-    q, k, v = _qkv(len(LENS), max(LENS), seed=3)
-    cache_k = torch.full((len(LENS), 1536, 8, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    lens, cap = [1024, 700, 333, 1, 65], 1536
+    step = torch.randn(len(lens), 1, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    cache_k = torch.full((len(lens), cap, hkv, d), float("nan"), device="cuda", dtype=torch.bfloat16)
     cache_v = torch.full_like(cache_k, float("nan"))
-    kv_len = torch.tensor(LENS, device="cuda", dtype=torch.int32)
-    for b, n in enumerate(LENS):
-        cache_k[b, :n], cache_v[b, :n] = k[b, :n], v[b, :n]
-    step = q[:, :1]
+    kv_len = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    for b, n in enumerate(lens):
+        cache_k[b, :n] = torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        cache_v[b, :n] = torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
     assert _flash_decode_ok(step, cache_k)
     with mode("standard"):
         out = attention_with_cache(step, cache_k, cache_v, kv_len - 1, kv_len)
