@@ -17,7 +17,7 @@ from workbench.generation import (
     trainer_logprobs,
     uniforms,
 )
-from workbench.kernels import mode
+from workbench.kernels import FUSED_ROWWISE, mode
 from workbench.models import build
 
 PARAMS = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, max_new_tokens=5, seed=3)
@@ -158,6 +158,19 @@ def test_standard_mode_report_measures_the_mismatch(model):
     nudged = [torch.nextafter(c.logprobs, torch.zeros_like(c.logprobs)) for c in out.completions]
     off = parity_summary(parity_table(nudged, [c.logprobs for c in out.completions], tokens))
     assert off["tokens_differing"] == off["tokens"] and not off["bitwise_identical"] and off["max_abs_diff"] > 0
+
+
+def test_fast_standard_baseline_samples_close_to_the_trainer(model):
+    """The fast standard baseline (`mode("standard", **FUSED_ROWWISE)`): standard matmuls and attention, the fused
+    row-wise kernels, and on the generation path the fused RoPE + KV-cache write. Its completions' log-probs agree
+    with the same mode's trainer to bf16 rounding (the mismatch is kernels', never a wiring error)."""
+    prompts = _prompts([4, 11, 7], seed=8)
+    with mode("standard", **FUSED_ROWWISE):
+        out = generate(model, prompts, PARAMS)
+        tokens = [c.tokens for c in out.completions]
+        s = parity_summary(parity_table([c.logprobs for c in out.completions],
+                                        trainer_logprobs(model, prompts, tokens), tokens))
+    assert s["tokens"] == sum(map(len, tokens)) > 0 and s["max_abs_diff"] < 0.05, s
 
 
 def test_bad_requests_are_refused(model):
