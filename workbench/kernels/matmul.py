@@ -234,7 +234,7 @@ _INTERPRETER = MatmulConfig(32, 256, 64, group_m=4, num_warps=4, num_stages=1)
 # increasing k, whatever the tiling. That is what lets the tiles follow M, on
 # Hopper alone (`matmul_config` reads the device's capability; other GPUs take
 # `_BF16_ONE`); tests/test_gpu.py checks it again for these buckets. The three decode buckets (M <= 512) were
-# re-chosen on an H100 by `tune_matmul.py --decode-tiles` (45 tile shapes with BLOCK_K up to 256, every one of
+# re-chosen on an H100 by `tune_matmul.py --decode-tiles` (46 tile configs with BLOCK_K up to 256, every one of
 # them the table's bits), per bucket the best for the 1.7B shape's q+k+v, o and down products together: a decode
 # step's products in 1.77 / 1.82 / 2.84 ms (M 16-32 / 64-128 / 256-512, mean of the bucket's edges) instead of
 # 1.95 / 2.07 / 3.37 with the earlier table (cuBLAS 1.69 / 1.75 / 2.53).
