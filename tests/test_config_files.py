@@ -96,3 +96,16 @@ def test_a_written_config_reads_back_as_the_same_run(tmp_path, cfg):
     again = type(cfg)(**read_config_file(tmp_path / "config.yaml", type(cfg)))
     assert again == cfg
     assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_prints_its_help(command, capsys):
+    """`python -m workbench <command> --help` lists every option (a % in a field's docstring once broke `train`'s)."""
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: python -m workbench {command}")
+    _, cls, _ = COMMANDS[command]
+    assert all("--" + f.name.replace("_", "-") in out for f in dataclasses.fields(cls))
+

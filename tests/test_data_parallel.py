@@ -237,3 +237,26 @@ def test_world_size_two_matches_one_process_logprobs_bitwise_and_update_closely(
         torch.testing.assert_close(g2[k], g1[k], rtol=1e-5, atol=1e-7)
     for m in ("reward_mean", "entropy", "loss", "grad_norm", "weight_delta_l2"):
         assert two[m] == pytest.approx(one[m], rel=1e-5, abs=1e-6), m
+
+
+def test_the_readme_command_trains_under_torchrun(policy, tmp_path):
+    """The README's command, `torchrun --nproc-per-node 2 -m workbench train ...`, on CPU: it exits 0, rank 0
+    alone prints the table and writes the run folder, and the metrics hold every step."""
+    import shutil
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    out = tmp_path / "run"
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "workbench", "train", "--device", "cpu",
+           "--policy", policy, "--out-dir", str(out), "--steps", "2", "--prompts-per-step", "2", "--group-size", "2",
+           "--max-new-tokens", "3", "--kernel-mode", "standard", "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count(f"metrics: {out}/metrics.csv") == 1
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.yaml", "metrics.csv",
+                                                     "step1_logprobs.npz"]
+    assert sorted(pd.read_csv(out / "metrics.csv").step.unique()) == [1, 2]

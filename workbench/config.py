@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         tp = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         flag = "--" + f.name.replace("_", "-")
-        help_ = f"{docs.get(f.name, '')} (default: {default!r})"
+        # argparse %-formats help texts: a literal % (e.g. "~15% more compute") must be doubled.
+        help_ = f"{docs.get(f.name, '')} (default: {default!r})".replace("%", "%%")
         origin = typing.get_origin(tp)
         if tp is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
