@@ -21,10 +21,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import MODES, copy_gbs, emit, header  # noqa: E402
+from timing import copy_gbs, emit, header, in_mode  # noqa: E402
 
 from workbench.generation import SamplingParams, generate  # noqa: E402
-from workbench.kernels import mode  # noqa: E402
 from workbench.models import build, load_pretrained, save_pretrained  # noqa: E402
 
 PROMPT, NEW = 128, 256
@@ -41,8 +40,7 @@ def ours(model, batch: int, mode_name: str, new: int = NEW, runs: int = 3) -> tu
     `runs` (a single run has shown a prefill 15x its usual time on an H100)."""
     params = SamplingParams(temperature=1.0, max_new_tokens=new, seed=0)
     prompts = _prompts(batch, model.config.vocab_size)
-    default, overrides = MODES[mode_name]
-    with mode(default, **overrides):
+    with in_mode(mode_name):
         generate(model, prompts, SamplingParams(max_new_tokens=4))  # compile and capture
         torch.cuda.reset_peak_memory_stats()
         outs = sorted((generate(model, prompts, params) for _ in range(runs)), key=lambda o: o.tokens_per_s)

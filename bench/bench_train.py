@@ -22,9 +22,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import MODES, emit, gpu_ms, header  # noqa: E402
+from timing import MODES, emit, gpu_ms, header, in_mode  # noqa: E402
 
-from workbench.kernels import mode, token_logprobs  # noqa: E402
+from workbench.kernels import token_logprobs  # noqa: E402
 from workbench.kernels.matmul import matmul  # noqa: E402
 from workbench.models import RECOMPUTE, build  # noqa: E402
 from workbench.rl.config import TrainConfig  # noqa: E402
@@ -74,10 +74,10 @@ def _timed(fn):
 
 def new_update(weights, batch, row_mode: str, budget: int, recompute: str) -> tuple[float, float]:
     """(seconds of the scoring pass, seconds of the update) of one GRPO step on `batch`."""
-    default, overrides = MODES[row_mode]
-    cfg = TrainConfig(kernel_mode=default, max_tokens_per_microbatch=budget, activation_checkpointing=recompute,
-                      group_size=8, prompts_per_step=max(len(batch) // 8, 1), max_new_tokens=batch.mask.shape[1])
-    with mode(default, **overrides):
+    cfg = TrainConfig(kernel_mode=MODES[row_mode][0], max_tokens_per_microbatch=budget,
+                      activation_checkpointing=recompute, group_size=8, prompts_per_step=max(len(batch) // 8, 1),
+                      max_new_tokens=batch.mask.shape[1])
+    with in_mode(row_mode):
         (old, _), t_score = _timed(lambda: score(weights.model, batch, budget, 1.0))
         adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(1)).cuda()
         inputs = UpdateInputs(adv, old, None, None)
@@ -91,10 +91,8 @@ def old_update(weights, n: int, t: int, row_mode: str) -> float:
     model = weights.model
     ids = torch.randint(0, model.config.vocab_size, (n, t), device="cuda")
     lens = torch.full((n,), t, device="cuda", dtype=torch.int32)
-    default, overrides = MODES[row_mode]
-
     def step():
-        with mode(default, **overrides):
+        with in_mode(row_mode):
             logits = model(ids, seq_lens=lens)
             logp = token_logprobs(logits, torch.roll(ids, -1, dims=1))[:, :-1]
             (-logp.mean()).backward()
@@ -132,9 +130,8 @@ def breakdown(weights, modes) -> None:
 
     batch = make_batch(16, 1024, weights.model.config.vocab_size, seed=0)
     for row_mode in modes:
-        default, overrides = MODES[row_mode]
         for budget in (16384, 8192):
-            with mode(default, **overrides):
+            with in_mode(row_mode):
                 try:
                     forward_backward(weights, batch, budget)
                     t = _timed(lambda b=budget: forward_backward(weights, batch, b))[1]

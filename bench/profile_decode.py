@@ -30,11 +30,10 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_generate import PROMPT, _prompts  # noqa: E402
-from timing import MODES, copy_gbs, emit, header  # noqa: E402
+from timing import MODES, copy_gbs, emit, header, in_mode  # noqa: E402
 
 from workbench.generation import SamplingParams, generate  # noqa: E402
 from workbench.generation.generator import DecodeStep, Record  # noqa: E402
-from workbench.kernels import mode  # noqa: E402
 from workbench.models import KVCache, build  # noqa: E402
 
 STEPS = 255  # 256 new tokens (bench_generate's): the first comes from the prefill
@@ -60,14 +59,9 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def _mode(name: str):
-    default, overrides = MODES[name]
-    return mode(default, **overrides)
-
-
 def kernel_ms(model, prompts, mode_name: str, new_tokens: int) -> dict[str, float]:
     """GPU ms by kind of one eager generation of `new_tokens` tokens, and the number of launches (`launches`)."""
-    with _mode(mode_name), profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with in_mode(mode_name), profile(activities=[ProfilerActivity.CUDA]) as prof:
         generate(model, prompts, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0),
                  cuda_graphs=False)
         torch.cuda.synchronize()
@@ -92,7 +86,7 @@ def replay_ms(model, prompts, mode_name: str) -> tuple[float, float]:
     ids = torch.tensor([p + [0] * (PROMPT - len(p)) for p in prompts], device=dev)
     cache = KVCache.allocate(cfg, b, PROMPT + STEPS + 1, dev)
     times = []
-    with _mode(mode_name), torch.no_grad():
+    with in_mode(mode_name), torch.no_grad():
         model.hidden_states(ids, seq_lens=lens, cache=cache, start=torch.zeros_like(lens))
         rows = torch.arange(b, device=dev)
         record = Record.allocate(b, STEPS + 1, dev)
@@ -120,7 +114,7 @@ def step_ms(model, prompts, mode_name: str) -> float:
     """The decode step as `generate` runs it (CUDA graphs), over the same steps as the profile: median of 5. Each
     `generate` call captures its graph once, so this includes 1/255 of a capture."""
     times = []
-    with _mode(mode_name):
+    with in_mode(mode_name):
         generate(model, prompts, SamplingParams(max_new_tokens=4))  # compile and capture
         for _ in range(5):
             out = generate(model, prompts, SamplingParams(temperature=1.0, max_new_tokens=STEPS + 1, seed=0))

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workbench.kernels import FUSED_ROWWISE
+from workbench.kernels import FUSED_ROWWISE, mode
 
 L2_MULTIPLE = 4
 MAX_SETS = 1024
@@ -82,6 +82,12 @@ def copy_gbs() -> tuple[float, float]:
 # ecosystem's version of that fusion; ours are used so the baseline needs nothing installed. `standard` is Hugging
 # Face's eager formulas, op for op.
 MODES = {"invariant": ("invariant", {}), "standard-fused": ("standard", FUSED_ROWWISE), "standard": ("standard", {})}
+
+
+def in_mode(name: str):
+    """The kernel-mode context of one of `MODES`."""
+    default, overrides = MODES[name]
+    return mode(default, **overrides)
 
 
 def with_grad(fn, args, grad_idx):
