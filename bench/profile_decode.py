@@ -78,7 +78,7 @@ def kernel_ms(model, prompts, mode_name: str, new_tokens: int) -> dict[str, floa
 def replay_ms(model, prompts, mode_name: str) -> tuple[float, float]:
     """One decode step's CUDA graph (its bookkeeping included) replayed back to back, nothing between replays: ms
     per replay (median of 5 runs of 50, each replay a step further along the cache); and the ms of the step's
-    first call, which every `generate` call pays once (the step run eagerly, then captured)."""
+    first call, which every `generate` call pays once (the step captured, then replayed)."""
     cfg = model.config
     dev = model.lm_head_weight.device
     b = len(prompts)
@@ -96,7 +96,7 @@ def replay_ms(model, prompts, mode_name: str) -> tuple[float, float]:
                           lens, 0, graph=True)
         torch.cuda.synchronize()
         t = time.perf_counter()
-        step()                                                       # runs once, then captures
+        step()                                                       # captures, then replays
         torch.cuda.synchronize()
         first = (time.perf_counter() - t) * 1e3
         for _ in range(5):
