@@ -3,11 +3,12 @@
 and 256: invariant mode, the fast standard baseline (`standard-fused`: cuBLAS, FlashAttention over the
 cache, fused row-wise kernels), Hugging Face's eager formulas (`standard`) and `transformers`
 `generate` on the same weights, in the same run; and the decode step's time beside its
-memory-bandwidth floor ((weights + KV cache bytes) / measured copy bandwidth).
+memory-bandwidth floor ((weights + KV cache bytes) / measured copy bandwidth); then the prefill alone, beside
+cuBLAS + FlashAttention on the same shapes and the compute floor.
 --long: long rollouts instead, batch 64 with 1,024 and 4,096 new tokens (one timed run each), with
 the peak GPU memory and the static KV cache's size.
 
-    python bench/bench_generate.py [--model FOLDER] [--out FILE.md] [--skip-hf] [--long]
+    python bench/bench_generate.py [--model FOLDER] [--out FILE.md] [--skip-hf] [--long | --prefill]
 """
 
 from __future__ import annotations
@@ -21,18 +22,20 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import copy_gbs, emit, header, in_mode  # noqa: E402
+from timing import copy_gbs, emit, header, in_mode, peak_flops  # noqa: E402
 
 from workbench.generation import SamplingParams, generate  # noqa: E402
-from workbench.models import build, load_pretrained, save_pretrained  # noqa: E402
+from workbench.models import KVCache, build, load_pretrained, save_pretrained  # noqa: E402
 
 PROMPT, NEW = 128, 256
 LONG = (1024, 4096)
+PREFILLS = ((64, PROMPT), (256, PROMPT), (16, 1024))
+"""(batch, prompt tokens) of the prefill table: the decode table's two prefills and a long prompt."""
 
 
-def _prompts(batch: int, vocab: int):
+def _prompts(batch: int, vocab: int, length: int = PROMPT):
     g = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab, (batch, PROMPT), generator=g).tolist()
+    return torch.randint(0, vocab, (batch, length), generator=g).tolist()
 
 
 def ours(model, batch: int, mode_name: str, new: int = NEW, runs: int = 3) -> tuple[float, float, float]:
@@ -69,6 +72,52 @@ def long_rollouts(model, weight_bytes: int, copy: float) -> list[str]:
     return lines
 
 
+def _wall_ms(call, runs: int = 5) -> float:
+    """Median wall ms of `call` from an idle GPU to its end, launches included: what a generate call pays."""
+    call()
+    times = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return sorted(times)[runs // 2]
+
+
+def prefill(model) -> list[str]:
+    """Prefill of the prompts (no sampling): the generator's (into its static cache, `new` slots beyond the prompt)
+    in invariant and standard-fused mode, and cuBLAS + FlashAttention (the standard-fused forward without a cache:
+    causal SDPA over the prompt) on the same shapes; against the compute floor (the decoder's matmul and causal
+    attention FLOPs at the GPU's dense bf16 peak)."""
+    cfg = model.config
+    linear = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2)
+    lines = ["| batch x prompt | generator invariant ms | generator standard-fused ms | cuBLAS + FlashAttention ms | "
+             "invariant tok/s | cuBLAS + FlashAttention tok/s | inv / cuBLAS+FA | compute floor ms | "
+             "inv / floor |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for batch, prompt in PREFILLS:
+        ids = torch.tensor(_prompts(batch, cfg.vocab_size, prompt), device="cuda")
+        lens = torch.full((batch,), prompt, device="cuda", dtype=torch.int32)
+        cache = KVCache.allocate(cfg, batch, prompt + NEW, "cuda")
+        ms = {}
+        with torch.no_grad():
+            for name in ("invariant", "standard-fused"):
+                with in_mode(name):
+                    ms[name] = _wall_ms(lambda: model.hidden_states(ids, seq_lens=lens, cache=cache,
+                                                                    start=torch.zeros_like(lens)))
+            with in_mode("standard-fused"):
+                ms["flash"] = _wall_ms(lambda: model.hidden_states(ids, seq_lens=lens))
+        tokens = batch * prompt
+        attn = 2 * 2 * batch * prompt * prompt / 2 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+        floor = (2 * linear * tokens + attn) / peak_flops() * 1e3
+        lines.append(f"| {batch} x {prompt} | {ms['invariant']:.1f} | {ms['standard-fused']:.1f} | {ms['flash']:.1f} | "
+                     f"{tokens / ms['invariant'] * 1e3:,.0f} | {tokens / ms['flash'] * 1e3:,.0f} | "
+                     f"{ms['flash'] / ms['invariant']:.2f} | {floor:.1f} | {ms['invariant'] / floor:.2f} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def hf(model, batch: int) -> float:
     import transformers
 
@@ -91,6 +140,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="leave out transformers.generate (slow)")
     ap.add_argument("--model", help="a checkpoint folder (default: the Qwen3-1.7B shape, random weights)")
     ap.add_argument("--long", action="store_true", help="batch 64 at 1,024 and 4,096 new tokens instead")
+    ap.add_argument("--prefill", action="store_true", help="the prefill table alone")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_generate.py needs a CUDA GPU")
@@ -98,6 +148,9 @@ def main() -> None:
     cfg = model.config
     copy = max(copy_gbs())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if a.prefill:
+        emit([header(), "", *prefill(model)], a.out)
+        return
     if a.long:
         emit([header(), "", *long_rollouts(model, weight_bytes, copy), "", f"Copy bandwidth {copy:.0f} GB/s; peak "
               "GiB: torch's peak allocation during the timed run, weights included."], a.out)
@@ -117,7 +170,8 @@ def main() -> None:
                      f"{inv_tps / fused_tps:.2f} | {inv_tps / hf_tps:.1f} | {inv_ms:.2f} | {fused_ms:.2f} | "
                      f"{floor_ms:.2f} | {inv_ms / floor_ms:.2f} |")
     lines += ["", f"Model: {a.model or 'Qwen3-1.7B shape, random weights'}. Copy bandwidth {copy:.0f} GB/s; weights "
-              f"{weight_bytes / 1e9:.2f} GB (bf16). HF generate is run at batch 64 only."]
+              f"{weight_bytes / 1e9:.2f} GB (bf16). HF generate is run at batch 64 only.", "",
+              "Prefill (wall ms, median of 5, launches included):", "", *prefill(model)]
     emit(lines, a.out)
 
 

@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import MODES, emit, gpu_ms, header, in_mode  # noqa: E402
+from timing import MODES, emit, gpu_ms, header, in_mode, peak_flops  # noqa: E402
 
 from workbench.kernels import token_logprobs  # noqa: E402
 from workbench.kernels.matmul import matmul  # noqa: E402
@@ -33,15 +33,6 @@ from workbench.rl.losses import get_loss  # noqa: E402
 from workbench.rl.rollout import RolloutBatch  # noqa: E402
 from workbench.rl.update import UpdateInputs, update  # noqa: E402
 from workbench.rl.weights import TrainWeights  # noqa: E402
-
-
-# Dense bf16 tensor-core peaks (no sparsity), by device name.
-PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
-
-
-def peak_flops() -> float:
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAKS.items() if k in name), float("nan"))
 
 
 def make_weights(shape: str) -> TrainWeights:

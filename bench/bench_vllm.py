@@ -3,7 +3,8 @@ every backend in one run.
 
 Backends (vLLM reads its batch-invariant switch once per process, so each vLLM one runs in a
 worker process of its own; the embedded generator runs in this one, with no vLLM imported):
-- vLLM running the workbench model (`model_impl='workbench'`, batch-invariant mode on);
+- vLLM running the workbench model (`model_impl='workbench'`, batch-invariant mode on, decode steps in full CUDA
+  graphs);
 - vLLM's own Qwen3, batch-invariant mode on, then off (vLLM's default);
 - the embedded generator in invariant and in standard mode.
 
@@ -157,16 +158,18 @@ def worker(backend: str, shapes: list[str], do_throughput: bool) -> None:
 def _run_worker(backend, shapes, do_throughput, timeout):
     cmd = [sys.executable, __file__, "--worker", backend, "--shapes", *shapes, "--throughput", str(int(do_throughput))]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    timed_out = False
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         text, err = out.stdout, out.stderr
     except subprocess.TimeoutExpired as e:
-        text, err = e.stdout or "", f"timed out after {timeout} s"
+        timed_out, text, err = True, e.stdout or "", f"timed out after {timeout} s (--timeout)"
         text = text.decode() if isinstance(text, bytes) else text
     rows = [json.loads(x[7:]) for x in text.splitlines() if x.startswith("RESULT ")]
-    if not rows:
-        print(f"--- {backend} produced no result; its log ends:\n{err[-3000:]}", flush=True)
-        rows = [{"kind": "error", "backend": backend, "shape": "-", "error": err[-300:]}]
+    if not rows or timed_out:
+        # A worker cut off part way has printed some results: say so, or its missing figures read as not measured.
+        print(f"--- {backend}: {len(rows)} results; its log ends:\n{err[-3000:]}", flush=True)
+        rows.append({"kind": "error", "backend": backend, "shape": "-", "error": err[-300:]})
     return rows
 
 

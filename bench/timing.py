@@ -77,6 +77,15 @@ def copy_gbs() -> tuple[float, float]:
     return 4 * n / kernel_ms / 1e6, 4 * n / statistics.median(times) / 1e6
 
 
+# Dense bf16 tensor-core peaks (no sparsity), by device name.
+PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def peak_flops() -> float:
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAKS.items() if k in name), float("nan"))
+
+
 # The kernel modes the benchmarks compare: (default, per-op overrides). `standard-fused` is the fast standard
 # baseline (`kernels.FUSED_ROWWISE`): cuBLAS and FlashAttention, the row-wise ops fused. Liger's kernels are the
 # ecosystem's version of that fusion; ours are used so the baseline needs nothing installed. `standard` is Hugging

@@ -73,11 +73,14 @@ def test_paged_attention_is_the_training_forward_bitwise(page_size):
     cu = torch.tensor([0, 21, 27, 44], dtype=torch.int32)
     out = attention_paged(flat, kp, vp, table, cu, lens, 21)
     assert torch.equal(out, torch.cat([train[i, :n] for i, n in enumerate(lens.tolist())]))
-    # Decode-like rows (one query each, at positions 13, 2, 16) and a chunk (sequence 0 from 8 on).
+    # Decode-like rows (one query each, at positions 13, 2, 16; the decode kernel, a KV head's query heads in one
+    # tile) and, as vLLM pads a graph's batch, a request with no token and no keys and a row past cu_q[-1].
     pos = [13, 2, 16]
-    one = attention_paged(torch.stack([q[i, p] for i, p in enumerate(pos)]), kp, vp, table,
-                          torch.arange(4, dtype=torch.int32), torch.tensor(pos, dtype=torch.int32) + 1, 1)
+    rows = torch.cat([torch.stack([q[i, p] for i, p in enumerate(pos)]), torch.full((1, hq, d), float("nan"))])
+    cu, kv = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32), torch.tensor(pos + [-1], dtype=torch.int32) + 1
+    one = attention_paged(rows.bfloat16(), kp, vp, torch.cat([table, table[:1]]), cu, kv, 1)
     assert all(torch.equal(one[i], train[i, p]) for i, p in enumerate(pos))
+    assert torch.equal(one[3], torch.zeros_like(one[3])), "a padded request's row stays zero"
     chunk = attention_paged(q[0, 8:], kp, vp, table[:1], torch.tensor([0, 13], dtype=torch.int32),
                             torch.tensor([21], dtype=torch.int32), 13)
     assert torch.equal(chunk, train[0, 8:])

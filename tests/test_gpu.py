@@ -160,7 +160,8 @@ def test_gpu_matmul_tiles_follow_m_on_hopper_only():
 def test_gpu_attention_launches_past_65535_sequence_heads():
     """1,040 sequences x 64 query heads (8 KV heads) = 66,560 (sequence, head) programs, past the 65,535 that a
     grid's axes 1 and 2 allow: the training forward and backward, a prefill and a decode step against the static
-    cache and a paged prefill all launch, and give the rows of a small batch (and of the training forward) bitwise."""
+    cache and a paged prefill and decode step all launch, and give the rows of a small batch (and of the training
+    forward) bitwise."""
     from workbench.kernels import attention, attention_paged, attention_with_cache
 
     b, t, hq, hkv, d = 1040, 16, 64, 8, 64
@@ -198,6 +199,9 @@ def test_gpu_attention_launches_past_65535_sequence_heads():
         table = rows.to(torch.int32)[:, None]
         paged = attention_paged(q[real], k, v, table, cu_q, lens, t)
         assert torch.equal(paged, out[real]), "paged prefill"
+        # A paged decode step (each sequence's last token; the decode kernel, 8 query heads per tile).
+        paged = attention_paged(q[rows, last], k, v, table, torch.cat([zeros[:1], (rows + 1).to(torch.int32)]), lens, 1)
+        assert torch.equal(paged, out[rows, last]), "paged decode step"
 
 
 def test_gpu_rms_norm_add_is_the_unfused_add_and_norm():

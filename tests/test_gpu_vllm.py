@@ -1,7 +1,7 @@
 """The vLLM backend on a GPU (skipped without CUDA or without vLLM).
 
-- vLLM running the workbench model (`model_impl='workbench'`): every sampled token's log-prob is the
-  trainer's, bit for bit, on a small random Qwen3 and at the Qwen3-1.7B shape; a request gets the
+- vLLM running the workbench model (`model_impl='workbench'`, decode steps in CUDA graphs): every sampled token's
+  log-prob is the trainer's, bit for bit, on a small random Qwen3 and at the Qwen3-1.7B shape; a request gets the
   same tokens alone and in a batch; a short GRPO run with this backend holds parity every step.
 - The negative control, in a subprocess (vLLM reads its batch-invariant switch once per process):
   vLLM's own Qwen3 without batch-invariant mode differs from the trainer.
@@ -57,6 +57,7 @@ def engine(tmp_path_factory):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_gpu_vllm_runs_the_trainer_bitwise(engine, temperature):
     gen, model, _ = engine
+    assert gen.llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name == "FULL_DECODE_ONLY"
     prompts = _prompts(48, SMALL.vocab_size, seed=1)
     out, s = _parity(gen, model, prompts, SamplingParams(temperature=temperature, max_new_tokens=40, seed=2))
     assert s["tokens"] == 48 * 40 and s["bitwise_identical"], s
@@ -104,9 +105,10 @@ from workbench.generation import SamplingParams, parity_summary, parity_table, t
 from workbench.generation.vllm_backend import VLLMGenerator
 from workbench.kernels import mode
 from workbench.models import load_pretrained
-path, impl, bi = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+path, impl, bi, eager = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1"
 model = load_pretrained(path, dtype=torch.bfloat16, device="cuda")
-gen = VLLMGenerator(path, gpu_memory_utilization=0.2, batch_invariant=bi, model_impl=impl, enforce_eager=True)
+gen = VLLMGenerator(path, gpu_memory_utilization=0.2, batch_invariant=bi, model_impl=impl, enforce_eager=eager)
+graphs = gen.llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name
 g = torch.Generator().manual_seed(1)
 prompts = torch.randint(0, model.config.vocab_size, (32, 24), generator=g).tolist()
 out = gen.generate(prompts, SamplingParams(max_new_tokens=32, seed=3))
@@ -114,14 +116,14 @@ tokens = [c.tokens for c in out.completions]
 with mode("invariant"):
     s = parity_summary(parity_table([c.logprobs for c in out.completions], trainer_logprobs(model, prompts, tokens),
                                     tokens))
-print("RESULT", json.dumps({k: float(v) for k, v in s.items()}))
+print("RESULT", json.dumps({**{k: float(v) for k, v in s.items()}, "graphs": graphs}))
 """
 
 
-def _control(path, impl, bi):
+def _control(path, impl, bi, eager=True):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    out = subprocess.run([sys.executable, "-c", _CONTROL, str(path), impl, "1" if bi else "0"], capture_output=True,
-                         text=True, timeout=540, env=env)
+    out = subprocess.run([sys.executable, "-c", _CONTROL, str(path), impl, "1" if bi else "0", "1" if eager else "0"],
+                         capture_output=True, text=True, timeout=540, env=env)
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     assert line, out.stdout[-2000:] + out.stderr[-4000:]
     return json.loads(line[0][7:])
@@ -136,5 +138,6 @@ def test_gpu_vllm_own_model_without_batch_invariance_differs(engine):
 def test_gpu_vllm_parity_at_the_1p7b_shape(tmp_path):
     """Qwen3-1.7B's shape, random weights, in its own process (another engine, its own memory)."""
     save_pretrained(build("qwen3-1.7B", device="cpu", dtype=torch.bfloat16, seed=0), tmp_path / "ckpt")
-    s = _control(tmp_path / "ckpt", "workbench", bi=True)
+    s = _control(tmp_path / "ckpt", "workbench", bi=True, eager=False)
+    assert s["graphs"] == "FULL_DECODE_ONLY", s
     assert s["tokens"] == 32 * 32 and s["tokens_differing"] == 0 and s["max_abs_diff"] == 0, s

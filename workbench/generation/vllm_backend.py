@@ -146,8 +146,9 @@ class VLLMGenerator:
     """vLLM's offline engine over a Hugging Face checkpoint (Llama, Mistral, Qwen2 or Qwen3), in this process.
 
     max_model_len None takes the checkpoint's max_position_embeddings (40960 for Qwen3, 8192 for SmolLM2): pass a
-    smaller one to fit a small memory share. model_impl 'workbench' always runs eagerly,
-    whatever enforce_eager says. vLLM's batch-invariant mode, once on, also replaces `aten::mm`,
+    smaller one to fit a small memory share. model_impl 'workbench' runs its decode steps as full CUDA graphs
+    (one per batch size vLLM captures), its prefills eagerly, and everything eagerly with enforce_eager or in
+    kernel_mode 'standard'. vLLM's batch-invariant mode, once on, also replaces `aten::mm`,
     `log_softmax` and `mean` for the rest of the process (the workbench's invariant kernels do not
     use them).
     """
@@ -182,10 +183,17 @@ class VLLMGenerator:
             from . import vllm_model
 
             vllm_model.register()
-            # Eager: our kernels launch from Python (no torch.compile, no CUDA graphs of vLLM's);
+            # No torch.compile: our kernels are Triton launches that Dynamo would only trace around. Decode steps
+            # (one token per request) are captured whole (FULL_DECODE_ONLY): the step's metadata lives in vLLM's
+            # persistent buffers, padded requests have no query rows and skip their KV write (slot -1), and no
+            # invariant kernel reads a tensor on the host. Standard paged attention gathers each sequence's keys
+            # by a host-side length (`_paged_sdpa`), which a graph cannot hold: it stays eager.
             # FlashAttention's metadata and cache layout are the ones `vllm_model` reads.
+            eager = enforce_eager or kernel_mode == "standard"
             options.update(hf_overrides={"architectures": [vllm_model.ARCHITECTURE]}, logprobs_mode="raw_logits",
-                           enforce_eager=True, attention_config={"backend": "FLASH_ATTN"})
+                           enforce_eager=eager, attention_config={"backend": "FLASH_ATTN"})
+            if not eager:
+                options["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
         with mode(kernel_mode), one_start_at_a_time():  # the workbench model keeps the mode it is built in
             self.llm = vllm.LLM(**options)
         self._vllm = vllm

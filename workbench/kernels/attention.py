@@ -24,7 +24,9 @@ Numerics contract (mode `invariant`):
   so a query at position t gets the same bits in a training forward, a prefill
   or a decode step, whatever the batch, the other sequences or the padding.
 - Paged: the same tiles of absolute positions, each key gathered from its page
-  (any page size); the tile arithmetic is one shared function (`_tile_step`).
+  (any page size); the tile arithmetic is one shared function (`_tile_step`). A paged
+  step of one token per sequence (`_paged_attn_decode_kernel`) groups a KV head's
+  query heads in one tile as `_attn_decode_kernel` does.
 - No split-KV, no atomics. Masked K/V loads return 0, so stale cache memory can
   never bring a NaN in. Lengths are clamped to the buffers on the GPU (and
   checked, with an error, for CPU tensors). Padding queries (position >= kv_len) give zeros and
@@ -170,6 +172,30 @@ def _attn_decode_kernel(
 
 
 @triton.jit
+def _paged_kv_loop(q, KP, VP, BT, b, kvh, sbt, skp, sks, skh, svp, svs, svh, q_pos, kv_len, hi, qk_scale,
+                   PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   DOT_IN_FP32: tl.constexpr, IEEE: tl.constexpr):
+    # `_kv_loop` over paged keys: the same tiles of absolute positions, each key gathered from its page
+    # BT[b, j // PAGE], slot j % PAGE. Shared by the paged prefill/chunk kernel and the paged decode kernel.
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kmask = offs_n < kv_len
+        page = tl.load(BT + b * sbt + offs_n // PAGE, mask=kmask, other=0).to(tl.int64)
+        slot = offs_n % PAGE
+        k = tl.load(KP + (page * skp + slot * sks)[None, :] + kvh * skh + offs_d[:, None],
+                    mask=kmask[None, :], other=0.0)
+        v = tl.load(VP + (page * svp + slot * svs)[:, None] + kvh * svh + offs_d[None, :],
+                    mask=kmask[:, None], other=0.0)
+        m_i, l_i, acc = _tile_step(q, k, v, m_i, l_i, acc, offs_n, q_pos, kmask, qk_scale,
+                                   BLOCK_M, BLOCK_N, DOT_IN_FP32, IEEE)
+    return l_i, acc
+
+
+@triton.jit
 def _paged_attn_fwd_kernel(
     Q, KP, VP, Out, cu_q_ptr, kv_len_ptr, BT,
     sqt, sqh, skp, sks, skh, svp, svs, svh, sot, soh, sbt,
@@ -177,10 +203,10 @@ def _paged_attn_fwd_kernel(
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
-    # Sequence b's new tokens are rows cu_q[b]:cu_q[b+1] of Q, at the last positions of its kv_len keys;
-    # key j lives in page BT[b, j // PAGE], slot j % PAGE. Tiles, masks and `_tile_step` are the
-    # training kernel's, so a token gets its training-forward bits whatever the paging. Programs as in the
-    # training kernel: n_m = cdiv(max_q, BLOCK_M) query blocks per (sequence, head), the block fastest.
+    # Sequence b's new tokens are rows cu_q[b]:cu_q[b+1] of Q, at the last positions of its kv_len keys.
+    # Tiles, masks and `_tile_step` are the training kernel's, so a token gets its training-forward bits
+    # whatever the paging. Programs as in the training kernel: n_m = cdiv(max_q, BLOCK_M) query blocks per
+    # (sequence, head), the block fastest.
     pid_m = tl.program_id(0) % n_m
     bh = tl.program_id(0) // n_m
     b = (bh // n_q_heads).to(tl.int64)
@@ -196,24 +222,43 @@ def _paged_attn_fwd_kernel(
         offs_d = tl.arange(0, HEAD_DIM)
         rows = q_lo + offs_m
         q = tl.load(Q + rows[:, None] * sqt + h * sqh + offs_d[None, :], mask=offs_m[:, None] < t_q, other=0.0)
-        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
         hi = tl.minimum(kv_len, q_start + (pid_m + 1) * BLOCK_M)
-        for start_n in range(0, hi, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            kmask = offs_n < kv_len
-            page = tl.load(BT + b * sbt + offs_n // PAGE, mask=kmask, other=0).to(tl.int64)
-            slot = offs_n % PAGE
-            k = tl.load(KP + (page * skp + slot * sks)[None, :] + kvh * skh + offs_d[:, None],
-                        mask=kmask[None, :], other=0.0)
-            v = tl.load(VP + (page * svp + slot * svs)[:, None] + kvh * svh + offs_d[None, :],
-                        mask=kmask[:, None], other=0.0)
-            m_i, l_i, acc = _tile_step(q, k, v, m_i, l_i, acc, offs_n, q_pos, kmask, qk_scale,
-                                       BLOCK_M, BLOCK_N, DOT_IN_FP32, IEEE)
+        l_i, acc = _paged_kv_loop(q, KP, VP, BT, b, kvh, sbt, skp, sks, skh, svp, svs, svh, q_pos, kv_len, hi,
+                                  qk_scale, PAGE, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_IN_FP32, IEEE)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(Out + rows[:, None] * sot + h * soh + offs_d[None, :], out.to(Out.dtype.element_ty),
                  mask=offs_m[:, None] < t_q)
+
+
+@triton.jit
+def _paged_attn_decode_kernel(
+    Q, KP, VP, Out, cu_q_ptr, kv_len_ptr, BT,
+    sqt, sqh, skp, sks, skh, svp, svs, svh, sot, soh, sbt,
+    n_kv_heads, group, max_kv, qk_scale,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    IEEE: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):
+    # A step of at most one new token per sequence (vLLM's decode steps, padded requests with none): as
+    # `_attn_decode_kernel`, one program per (sequence, KV head), the group's query heads as the rows of one
+    # tile, each K/V tile gathered once for the group. Each row's arithmetic is `_paged_attn_fwd_kernel`'s for
+    # that token (its bound hi = kv_len for a block holding the last position, the same tiles and config).
+    bh = tl.program_id(0)
+    b = (bh // n_kv_heads).to(tl.int64)
+    kvh = bh % n_kv_heads
+    q_lo = tl.load(cu_q_ptr + b).to(tl.int64)
+    kv_len = tl.minimum(tl.maximum(tl.load(kv_len_ptr + b), 0), max_kv)
+    t_q = tl.minimum(tl.maximum(tl.load(cu_q_ptr + b + 1) - q_lo, 0), kv_len)
+    if t_q > 0:
+        rows = tl.arange(0, BLOCK_M)
+        head = kvh * group + rows
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + q_lo * sqt + head[:, None] * sqh + offs_d[None, :], mask=rows[:, None] < group, other=0.0)
+        q_pos = (kv_len - 1) + tl.zeros((BLOCK_M,), tl.int32)
+        l_i, acc = _paged_kv_loop(q, KP, VP, BT, b, kvh, sbt, skp, sks, skh, svp, svs, svh, q_pos, kv_len, kv_len,
+                                  qk_scale, PAGE, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_IN_FP32, IEEE)
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(Out + q_lo * sot + head[:, None] * soh + offs_d[None, :], out.to(Out.dtype.element_ty),
+                 mask=rows[:, None] < group)
 
 
 @triton.jit
@@ -615,18 +660,21 @@ def attention_paged(q, k_pages, v_pages, block_table, cu_q, kv_len, max_q: int):
     check_device("attention_paged", q)
     d = q.shape[2]
     cfg = attention_config(d)
-    if n_seq and max_q > 0:
-        n_m = triton.cdiv(max_q, cfg["block_m"])
-        _paged_attn_fwd_kernel[(n_m * n_seq * q.shape[1],)](
-            q, k_pages, v_pages, out, cu_q, kv_len, block_table,
+    hq, hkv = q.shape[1], k_pages.shape[2]
+    args = (q, k_pages, v_pages, out, cu_q, kv_len, block_table,
             q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
             v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), out.stride(0), out.stride(1),
-            block_table.stride(0), q.shape[1], q.shape[1] // k_pages.shape[2], block_table.shape[1] * page,
-            _LOG2E / math.sqrt(d), n_m,
-            PAGE=page, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD_DIM=d,
-            IEEE=q.dtype == torch.float32, DOT_IN_FP32=interpreting(),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
+            block_table.stride(0))
+    consts = dict(PAGE=page, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD_DIM=d,
+                  IEEE=q.dtype == torch.float32, DOT_IN_FP32=interpreting(),
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if n_seq and max_q == 1 and 1 < hq // hkv <= cfg["block_m"]:
+        _paged_attn_decode_kernel[(n_seq * hkv,)](*args, hkv, hq // hkv, block_table.shape[1] * page,
+                                                 _LOG2E / math.sqrt(d), **consts)
+    elif n_seq and max_q > 0:
+        n_m = triton.cdiv(max_q, cfg["block_m"])
+        _paged_attn_fwd_kernel[(n_m * n_seq * hq,)](*args, hq, hq // hkv, block_table.shape[1] * page,
+                                                   _LOG2E / math.sqrt(d), n_m, **consts)
     return out
 
 
