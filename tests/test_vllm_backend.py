@@ -187,3 +187,26 @@ def test_workbench_model_in_a_fake_vllm_gives_the_trainer_bits(monkeypatch):
         tempered = model.compute_logits(hidden[0, :5])
         tok = torch.arange(5) * 7
         assert torch.equal(tempered[torch.arange(5), tok], token_logprobs(logits[0, :5], tok, 0.7))
+
+
+def test_workbench_model_runs_decode_steps_in_full_cuda_graphs_unless_eager_or_standard(monkeypatch, tmp_path):
+    """The engine options VLLMGenerator hands vLLM: the workbench model's decode steps as full CUDA graphs with no
+    torch.compile, eager when asked or in standard mode (its paged attention reads lengths on the host)."""
+    import types
+
+    import workbench.generation.vllm_backend as backend
+
+    built = []
+    fake = types.SimpleNamespace(LLM=lambda **kw: built.append(kw),
+                                 ModelRegistry=types.SimpleNamespace(register_model=lambda *a: None))
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(backend, "require_vllm", lambda: None)
+    for name in ("VLLM_BATCH_INVARIANT", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_FLASHINFER_SAMPLER"):
+        monkeypatch.setenv(name, "")  # VLLMGenerator sets them; restored after the test
+    (tmp_path / "config.json").write_text("{}")
+    for kwargs in ({}, {"enforce_eager": True}, {"kernel_mode": "standard"}):
+        VLLMGenerator(tmp_path, **kwargs)
+    graphs, *eager = built
+    assert graphs["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert graphs["enforce_eager"] is False and graphs["attention_config"] == {"backend": "FLASH_ATTN"}
+    assert all(kw["enforce_eager"] and "compilation_config" not in kw for kw in eager)

@@ -11,6 +11,8 @@ numbers; every number of the model comes from the workbench kernels.
   `CausalLM.hidden_states_paged`: our matmul, norms, RoPE, `paged_kv_write` and
   `attention_paged`. In `invariant` mode a token's hidden state has the bits the trainer's forward
   gives it, whatever vLLM batches it with, chunks or pages.
+- Decode steps run in vLLM's full CUDA graphs (`VLLMGenerator`): nothing here reads a tensor on the host,
+  and a padded request (kv_len 0, no query row, slot -1) reads and writes nothing.
 - `compute_logits` returns, in place of logits, `logprob_rows` of our logits at the sampling
   temperature: the trainer's log-probs of every token. The engine runs with
   `logprobs_mode='raw_logits'`, so vLLM reports those values untouched as the sampled tokens'
