@@ -6,7 +6,8 @@ interpreter before any kernel is decorated.
 
 from . import _common  # noqa: F401  (must come first)
 from .registry import REGISTRY, Op  # before the op functions below shadow their modules' names
-from .attention import attention, attention_paged, attention_with_cache, paged_kv_write
+from .attention import attention, attention_with_cache
+from .attention_paged import attention_paged, paged_kv_write
 from .cumsum import row_cumsum
 from .gumbel import gumbel_argmax
 from .linear_logprobs import linear_logprobs
