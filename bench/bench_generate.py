@@ -145,12 +145,12 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_generate.py needs a CUDA GPU")
     model = load_pretrained(a.model, device="cuda") if a.model else build("qwen3-1.7B", device="cuda", seed=0)
-    cfg = model.config
-    copy = max(copy_gbs())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if a.prefill:
         emit([header(), "", *prefill(model)], a.out)
         return
+    cfg = model.config
+    copy = max(copy_gbs())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if a.long:
         emit([header(), "", *long_rollouts(model, weight_bytes, copy), "", f"Copy bandwidth {copy:.0f} GB/s; peak "
               "GiB: torch's peak allocation during the timed run, weights included."], a.out)

@@ -11,7 +11,7 @@ Hugging Face's eager formulas (`standard`). Per decode step:
   attention: each sequence's K/V read once) at the measured copy bandwidth;
 - what is left: the step's time not covered by kernels, split into the graph replayed back to back alone
   (its kernels plus the gaps between its nodes) and the rest (the loop's host work and eager bookkeeping);
-- the step's first call (run eagerly, then captured), which each `generate` call pays once;
+- the step's first call (captured, then replayed), which each `generate` call pays once;
 - kernel launches per step (graph nodes plus the loop's eager ops).
 
     python bench/profile_decode.py [--out FILE.md] [--batches 64 256] [--modes invariant standard-fused standard]

@@ -17,7 +17,7 @@ What a data-parallel step needs beyond one process, each a plain torch.distribut
 At world size 1 (no torchrun) every method returns its input or runs its function as is: one process computes
 exactly what it computed before this module existed. The weights are duck-typed (`workbench.rl.weights.
 TrainWeights`: `model`, `masters`, `has_masters`, `params`, `grad_buffer`): this module imports nothing from
-`workbench.rl`, and the trainer imports it where a run starts. See docs/distributed.md.
+`workbench.rl` (which imports it). See docs/distributed.md.
 """
 
 from __future__ import annotations

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
 from ..config import write_config
+from ..distributed.data_parallel import DataParallel
 from ..env import resolve_device
 from ..generation import SamplingParams, generate
 from ..kernels import mode
@@ -53,9 +53,6 @@ from .sync import WeightSync
 from .tasks import make_task
 from .update import UpdateInputs, update
 from .weights import TrainWeights
-
-if TYPE_CHECKING:  # imported where the run starts (Run): workbench.distributed imports workbench.rl pieces
-    from ..distributed.data_parallel import DataParallel
 
 
 class ParityError(RuntimeError):
@@ -92,9 +89,6 @@ class Run:
     """A training run's state: the weights, the generator's sync, the task, the metrics, this rank's place."""
 
     def __init__(self, cfg: TrainConfig):
-        # Imported here, not at the top: workbench.distributed imports workbench.rl pieces (its checkpoints).
-        from ..distributed.data_parallel import DataParallel
-
         self.cfg = cfg
         self.out = Path(cfg.out_dir)
         self.device = resolve_device(cfg.device)

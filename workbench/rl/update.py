@@ -20,18 +20,15 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from ..distributed.data_parallel import DataParallel
 from .config import TrainConfig
 from .logprobs import completion_logprobs
 from .losses import AGGREGATIONS, LossConfig, LossSpec, Totals, aggregate, kl_estimate
 from .rollout import RolloutBatch
 from .weights import TrainWeights
-
-if TYPE_CHECKING:  # not at run time: workbench.distributed imports workbench.rl pieces
-    from ..distributed.data_parallel import DataParallel
 
 
 @dataclass
