@@ -1,6 +1,7 @@
 """Beyond one process, on torch.distributed: the torchrun launch and the trainer/rollout split (`launch`), the
-weight broadcast with its digest check (`broadcast`), sharded DCP checkpoints (`checkpoint`), and the trainer's
-replicated data parallelism (`data_parallel`). See docs/distributed.md."""
+weight broadcast with its digest check (`broadcast`), sharded DCP checkpoints (`checkpoint`), the trainer's
+replicated data parallelism (`data_parallel`), and split roles with their asynchronous pipeline (`pipeline`). See
+docs/distributed.md."""
 
 from .broadcast import DEFAULT_BUCKET_BYTES, SyncResult, broadcast_weights, verify_weights, weights_digest
 from .checkpoint import checkpoints, latest
@@ -8,11 +9,13 @@ from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_checkpoint
 from .data_parallel import DataParallel
 from .launch import Dist, Roles, free_port, from_env, init, roles, shutdown, spawn
+from .pipeline import Pipeline
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DataParallel",
     "Dist",
+    "Pipeline",
     "Roles",
     "SyncResult",
     "broadcast_weights",

@@ -14,6 +14,9 @@ What a data-parallel step needs beyond one process, each a plain torch.distribut
   every rank's weights compared with rank 0's (replicas that drift apart are named, never trained on silently);
 - `on_main`: work that rank 0 alone does (files), its failure raised on every rank.
 
+With split roles (`pipeline.py`) the ranks that train are a subgroup of the job (`group`): every collective above
+runs over it, and its first member, global rank 0, is the one that writes files.
+
 At world size 1 (no torchrun) every method returns its input or runs its function as is: one process computes
 exactly what it computed before this module existed. The weights are duck-typed (`workbench.rl.weights.
 TrainWeights`: `model`, `masters`, `has_masters`, `params`, `grad_buffer`): this module imports nothing from
@@ -47,6 +50,8 @@ class DataParallel:
     """This process's rank, world size and device."""
     owns_group: bool = False
     """Whether `join` created the process group (then `close` destroys it)."""
+    group: dist.ProcessGroup | None = None
+    """The ranks that train together, their first member global rank 0 (None: every rank of the job)."""
 
     @classmethod
     def join(cls, device: str) -> DataParallel:
@@ -63,29 +68,28 @@ class DataParallel:
 
     @property
     def rank(self) -> int:
-        return self.process.rank
+        """This process's rank among the ranks that train together."""
+        return self.process.rank if self.group is None else dist.get_rank(self.group)
 
     @property
     def world_size(self) -> int:
-        return self.process.world_size
+        """The ranks that train together."""
+        return self.process.world_size if self.group is None else dist.get_world_size(self.group)
 
     @property
     def is_main(self) -> bool:
         """Rank 0: the rank that writes the run's files."""
         return self.process.is_main
 
+    @property
+    def _src(self) -> int:
+        """The group's first rank as a global rank (what torch.distributed's `src` arguments take)."""
+        return 0 if self.group is None else dist.get_global_rank(self.group, 0)
+
     def shard(self, n: int, name: str = "prompts_per_step") -> slice:
         """This rank's contiguous share of n items, the same size on every rank (so replicas train on equal
         shares and the step's rows lie in rank order); `name` is the setting a bad n is reported as."""
-        w = self.world_size
-        if n < w:
-            raise ValueError(f"{name}={n} leaves ranks without work at world size {w}: set {name} to at least {w} "
-                             f"(a multiple of {w}), or start fewer processes")
-        if n % w:
-            raise ValueError(f"{name}={n} does not split evenly over {w} ranks: set {name} to a multiple of {w} "
-                             f"(e.g. {n - n % w} or {n - n % w + w})")
-        per = n // w
-        return slice(self.rank * per, (self.rank + 1) * per)
+        return share(n, self.rank, self.world_size, name)
 
     def gather_rows(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Tensors of one shape and dtype from every rank, each concatenated along dim 0 in rank order; the other
@@ -96,13 +100,13 @@ class DataParallel:
         stacked = torch.stack(tensors)
         shape = torch.tensor(stacked.shape[1:], dtype=torch.int64, device=stacked.device)
         shapes = [torch.empty_like(shape) for _ in range(self.world_size)]
-        dist.all_gather(shapes, shape)
+        dist.all_gather(shapes, shape, group=self.group)
         shapes = [tuple(s.tolist()) for s in shapes]
         widest = [max(s[d] for s in shapes) for d in range(len(shapes[0]))]
         padded = stacked.new_zeros(len(tensors), *widest)
         padded[(slice(None), *(slice(0, n) for n in stacked.shape[1:]))] = stacked
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(parts, padded)
+        dist.all_gather(parts, padded, group=self.group)
         whole = torch.cat([p[:, : s[0]] for p, s in zip(parts, shapes)], dim=1)
         return tuple(whole.unbind(0))
 
@@ -111,7 +115,7 @@ class DataParallel:
         if self.world_size == 1:
             return items
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, items)
+        dist.all_gather_object(out, items, group=self.group)
         return [x for part in out for x in part]
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -119,7 +123,7 @@ class DataParallel:
         if self.world_size == 1:
             return t
         t = t.clone()
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
         return t
 
     def ratio_of_sums(self, num: torch.Tensor, den: torch.Tensor) -> float:
@@ -133,7 +137,7 @@ class DataParallel:
         if self.world_size == 1:
             return values
         t = torch.tensor(values, dtype=torch.float64, device=self.process.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.tolist()
 
     def any(self, flag: bool) -> bool:
@@ -141,7 +145,7 @@ class DataParallel:
         if self.world_size == 1:
             return flag
         t = torch.tensor([int(flag)], device=self.process.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
 
     def first_non_finite(self, losses: torch.Tensor) -> torch.Tensor | None:
@@ -151,7 +155,7 @@ class DataParallel:
             return bad[0] if len(bad) else None
         mine = torch.stack([torch.ones_like(bad[0]), bad[0]]) if len(bad) else losses.new_zeros(2)
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(every, mine)
+        dist.all_gather(every, mine, group=self.group)
         return next((t[1] for t in every if t[0] == 1), None)
 
     def on_main(self, fn: Callable[[], _T]) -> _T | None:
@@ -166,7 +170,7 @@ class DataParallel:
             except Exception as e:
                 error = e
         status = [None if error is None else f"{type(error).__name__}: {error}"]
-        dist.broadcast_object_list(status, src=0)
+        dist.broadcast_object_list(status, src=self._src, group=self.group)
         if error is not None:
             raise error
         if status[0] is not None:
@@ -181,7 +185,7 @@ class DataParallel:
         if self.world_size == 1:
             return
         if weights.grad_buffer is not None:
-            dist.all_reduce(weights.grad_buffer)
+            dist.all_reduce(weights.grad_buffer, group=self.group)
             return
         grads = []
         for p in weights.params:
@@ -190,7 +194,7 @@ class DataParallel:
             grads.append(p.grad)
         for bucket in _buckets(grads, GRAD_BUCKET_ELEMENTS):
             flat = torch.cat([g.reshape(-1).float() for g in bucket])
-            dist.all_reduce(flat)
+            dist.all_reduce(flat, group=self.group)
             for g, summed in zip(bucket, flat.split([g.numel() for g in bucket])):
                 g.copy_(summed.view_as(g))
 
@@ -201,7 +205,7 @@ class DataParallel:
             return
         with torch.no_grad():
             for _, t in _replicated(weights):
-                dist.broadcast(t, src=0)
+                dist.broadcast(t, src=self._src, group=self.group)
 
     def check_replicas(self, weights, step: int) -> None:
         """Raises on every rank, naming the ranks and tensors, if any rank's weights (the bf16 model the generator
@@ -212,7 +216,7 @@ class DataParallel:
         named = _replicated(weights)
         mine = digest(named)
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(every, mine)
+        dist.all_gather(every, mine, group=self.group)
         every = [d.cpu() for d in every]
         bad = {r: [named[i][0] for i in torch.nonzero((d != every[0]).any(1)).flatten().tolist()[:3]]
                for r, d in enumerate(every) if not torch.equal(d, every[0])}
@@ -221,6 +225,19 @@ class DataParallel:
                                f"weights than rank 0 (first differing tensors per rank: {bad}). Every rank applies "
                                "the same summed gradients, so a rank computed differently: another torch, triton "
                                "or kernel mode, or a faulty GPU. Check those ranks before training on.")
+
+
+def share(n: int, index: int, count: int, name: str = "prompts_per_step", who: str = "ranks") -> slice:
+    """Member `index`'s contiguous share of n items among `count` members, the same size for all (so the rows lie
+    in member order); `name` is the setting a bad n is reported as, `who` the members (in the message)."""
+    if n < count:
+        raise ValueError(f"{name}={n} leaves some of the {count} {who} without work: set {name} to at least {count} "
+                         f"(a multiple of {count}), or start fewer processes")
+    if n % count:
+        raise ValueError(f"{name}={n} does not split evenly over {count} {who}: set {name} to a multiple of {count} "
+                         f"(e.g. {n - n % count} or {n - n % count + count})")
+    per = n // count
+    return slice(index * per, (index + 1) * per)
 
 
 def _replicated(weights) -> list[tuple[str, torch.Tensor]]:

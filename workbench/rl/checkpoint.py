@@ -34,9 +34,11 @@ from .weights import TrainWeights
 
 # Fields a resumed run may change; any other difference would silently make another run. The micro-batch budget
 # changes only the order gradients accumulate in (the log-probs are the same bits), so a run that ran out of
-# memory can resume with a smaller one.
+# memory can resume with a smaller one. Like the world size, rollout_ranks only places the work: the samples are the
+# same (request ids are the step's rows), so a run may resume colocated or split.
 _RESUMABLE_CHANGES = {"steps", "resume", "checkpoint_every", "device", "out_dir", "progress", "tensorboard",
-                      "vllm_memory", "max_tokens_per_microbatch", "activation_checkpointing", "time_limit_s"}
+                      "vllm_memory", "max_tokens_per_microbatch", "activation_checkpointing", "time_limit_s",
+                      "rollout_ranks"}
 KEEP = 2
 """Complete checkpoints kept (the newest), so a file damaged after its save still leaves one to resume from."""
 _STEP = re.compile(r"step-(\d+)")

@@ -111,6 +111,8 @@ class TrainConfig:
     """Weight sync into the generator: shared (same bf16 model), copy, or checkpoint (through disk)."""
     policy_lag: int = 0
     """0: synchronous; 1: the generator samples with the weights one update behind (needs sync='copy')."""
+    rollout_ranks: int = 0
+    """Under torchrun: the last this-many ranks only generate, the others only train (0: every rank does both)."""
     checkpoint_every: int = 5
     """Write a resumable checkpoint every this many steps (and at the end)."""
     resume: bool = False
@@ -185,6 +187,18 @@ class TrainConfig:
             raise ValueError(f"policy_lag must be 0 (synchronous) or 1 (one step behind), got {self.policy_lag}")
         if self.policy_lag and self.sync != "copy":
             raise ValueError("policy_lag=1 keeps the generator's weights apart from the trainer's: use sync='copy'")
+        if self.rollout_ranks < 0:
+            raise ValueError(f"rollout_ranks must be an integer >= 0 (0: every rank generates and trains), got "
+                             f"{self.rollout_ranks!r}")
+        if self.rollout_ranks and self.generator != "embedded":
+            raise ValueError(f"generator={self.generator!r} with rollout_ranks > 0 is not supported yet (the rollout "
+                             "ranks run the embedded generator): use generator='embedded', or rollout_ranks=0")
+        if self.rollout_ranks and self.adapter != "none":
+            raise ValueError(f"adapter={self.adapter!r} with rollout_ranks > 0 is not supported yet (the broadcast "
+                             "moves whole models, not adapters): use rollout_ranks=0 (colocated) for LoRA")
+        if self.rollout_ranks and self.sync != "copy":
+            raise ValueError(f"rollout_ranks={self.rollout_ranks} keeps the generators in processes of their own, "
+                             "which get the weights by broadcast: use sync='copy'")
         if self.generator not in ("embedded", "vllm"):
             raise ValueError(f"generator must be 'embedded' or 'vllm', got {self.generator!r}")
         if self.generator == "vllm" and self.sync == "shared":

@@ -24,10 +24,18 @@ Under torchrun (`torchrun --nproc-per-node N -m workbench train ...`) the run is
 each step's prompts (whole groups), and takes the same optimizer step on the gradients summed over the ranks.
 The parity check, the advantages and the metrics are over the whole step, so every rank takes the same
 decisions; rank 0 alone writes files, in the same format as one process (docs/distributed.md).
+
+With `rollout_ranks = r > 0` the last r ranks only generate (`_serve`: a bf16 generator, no masters, no optimizer)
+and the others only train (`workbench.distributed.pipeline`): the step's rollout is then the rollout ranks' samples
+arriving, each with the weight version that drew them, and its sync a broadcast to them. With `policy_lag=1` they
+generate the next step while this one trains; the trainer keeps the lagged weights (`WeightSync`) to check parity
+on the weights that sampled. In invariant mode the run is the one-process run, bit for bit.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 from pathlib import Path
 
@@ -37,6 +45,7 @@ from tqdm.auto import tqdm
 
 from ..config import write_config
 from ..distributed.data_parallel import DataParallel
+from ..distributed.pipeline import Pipeline
 from ..env import resolve_device
 from ..generation import SamplingParams, generate
 from ..kernels import mode
@@ -59,9 +68,11 @@ class ParityError(RuntimeError):
     """Generator and trainer log-probs differ in a run that claims bitwise parity."""
 
 
-def _starting_policy(cfg: TrainConfig, out: Path, device: str, dp: DataParallel):
+def _starting_policy(cfg: TrainConfig, out: Path, device: str, dp: DataParallel, generator_only: bool = False):
     # fp32 where it becomes the masters; a LoRA base is frozen in bf16 (the same bits as a cast of the fp32 load).
-    dtype = torch.float32 if cfg.master_dtype == "float32" and cfg.adapter == "none" else torch.bfloat16
+    # A rollout rank's generator is bf16 (its weights come from trainer rank 0's broadcast).
+    masters = cfg.master_dtype == "float32" and cfg.adapter == "none" and not generator_only
+    dtype = torch.float32 if masters else torch.bfloat16
     if cfg.policy:
         folder = resolve_model(cfg.policy)
         return load_pretrained(folder, dtype=dtype, device=device), load_tokenizer(folder)
@@ -92,11 +103,15 @@ class Run:
         self.cfg = cfg
         self.out = Path(cfg.out_dir)
         self.device = resolve_device(cfg.device)
-        self.dp = DataParallel.join(self.device)   # one process without torchrun's variables
-        self.share = self.dp.shard(cfg.prompts_per_step)   # this rank's prompts of each step
-        if self.dp.is_main:   # the only rank that writes the run's files
+        self.world = DataParallel.join(self.device)   # one process without torchrun's variables
+        # Split roles (rollout_ranks > 0): the ranks that train are a group of their own; a rollout rank has no dp.
+        self.pipeline = Pipeline(self.world, cfg.rollout_ranks, cfg.policy_lag) if cfg.rollout_ranks else None
+        self.dp = self.world if self.pipeline is None else self.pipeline.trainers
+        # This rank's prompts of each step (to train on; on a rollout rank, to generate).
+        self.share = (self.pipeline or self.dp).shard(cfg.prompts_per_step)
+        if self.world.is_main:   # the only rank that writes the run's files
             self.out.mkdir(parents=True, exist_ok=True)
-        if cfg.generator == "vllm" and self.dp.world_size > 1:
+        if cfg.generator == "vllm" and self.world.world_size > 1:
             raise ValueError("generator='vllm' under torchrun is not supported yet (one engine per rank, each "
                              "with its own process group): use generator='embedded', or run vLLM in one process")
         if cfg.generator == "vllm":
@@ -110,7 +125,7 @@ class Run:
         if not cfg.resume and last is not None:
             raise ValueError(f"{self.out} already holds a run (checkpoint {last}); continue it with resume=True "
                              "(--resume), or give another out_dir (or delete that one)")
-        main = self.dp.is_main
+        main = self.world.is_main
         if main:
             write_config(cfg, self.out / "config.yaml")
         self.log = MetricsLog(cfg.variant or cfg.kernel_mode, cfg.seed, self.out if main else None,
@@ -118,7 +133,18 @@ class Run:
         torch.manual_seed(cfg.seed)
         self.task = make_task(cfg.task, seed=cfg.seed, difficulty=cfg.difficulty, source=cfg.task_source,
                               question_field=cfg.question_field, answer_field=cfg.answer_field)
-        start, self.tok = _starting_policy(cfg, self.out, self.device, self.dp)
+        rollout_only = self.dp is None
+        start, self.tok = _starting_policy(cfg, self.out, self.device, self.world, rollout_only)
+        if rollout_only:   # a generator, no masters, no optimizer
+            self.generator = start
+            return
+        # An error from here on stops the rollout ranks too (they wait for their first order).
+        with self.pipeline.stop_on_error() if self.pipeline else contextlib.nullcontext():
+            self._trainer(start)
+
+    def _trainer(self, start) -> None:
+        """A trainer rank's state: the weights from `start`, the reference, a resumed run's, the generator's."""
+        cfg, main = self.cfg, self.world.is_main
         self.weights = TrainWeights(start, cfg.master_dtype, cfg.lr, self.device, cfg.weight_decay,
                                     cfg.max_grad_norm, cfg.lora_config(), cfg.seed)
         del start
@@ -136,8 +162,14 @@ class Run:
         engine = _vllm_engine(cfg, self.weights.model, self.out) if cfg.generator == "vllm" else None
         # sync='checkpoint' goes through a folder of each rank's own.
         sync_root = self.out if main else self.out / f"rank-{self.dp.rank}"
-        self.sync = WeightSync(cfg, self.weights.model, sync_root, self.device, engine, lagged)
+        # Split roles at policy lag 0: the trainer's model is the sampling weights (the rollout ranks get them by
+        # broadcast), so the trainer keeps no generator copy of its own, as one process with sync='shared'.
+        sync_cfg = dataclasses.replace(cfg, sync="shared", rollout_ranks=0) if self.pipeline and not cfg.policy_lag \
+            else cfg
+        self.sync = WeightSync(sync_cfg, self.weights.model, sync_root, self.device, engine, lagged)
         self.sync(self.start_step)
+        if self.pipeline:
+            self.pipeline.start(self.sync.generator, self.sync.version, self.start_step + 1, cfg.steps)
 
     def checkpoint(self, step: int) -> None:
         """Rank 0 writes it (the replicas are identical: today's format, resumable at any world size)."""
@@ -151,10 +183,12 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
     With `time_limit_s`, the run may stop early (checkpointed): the table then ends before cfg.steps."""
     start = time.perf_counter()
     run = Run(cfg)
+    if run.dp is None:
+        return _serve(run)
     bar = tqdm(total=cfg.steps, initial=run.start_step, disable=not cfg.progress or not run.dp.is_main,
                desc=f"train ({cfg.variant or cfg.kernel_mode}, seed {cfg.seed})")
     try:
-        with mode(cfg.kernel_mode):
+        with mode(cfg.kernel_mode), run.pipeline.stop_on_error() if run.pipeline else contextlib.nullcontext():
             for step in range(run.start_step + 1, cfg.steps + 1):
                 reward, differing = train_step(run, step)
                 bar.set_postfix(reward=f"{reward:.3f}", differing=differing)
@@ -168,11 +202,40 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
                         print(f"{cfg.out_dir}: time limit ({cfg.time_limit_s:.0f} s) reached after step {step} of "
                               f"{cfg.steps}; checkpointed, continue with resume=True")
                     break
+            if run.pipeline:
+                run.pipeline.end()
     finally:
         bar.close()
         table = run.log.close()
-        run.dp.close()
+        run.world.close()
     return table
+
+
+def _serve(run: Run) -> pd.DataFrame:
+    """A rollout rank's run (split roles): it generates the steps trainer rank 0 orders, with the weights it sends.
+    Returns an empty table: the metrics are the trainer ranks' (rank 0 writes them)."""
+    def sample(step: int) -> list:   # the completions' log-probs are host tensors: they travel pickled
+        _, prompts, sampling, rows = _step_prompts(run, step)
+        return generate(run.generator, prompts, sampling, request_ids=list(range(rows.start, rows.stop))).completions
+
+    try:
+        with mode(run.cfg.kernel_mode):
+            run.pipeline.serve(run.generator, sample)
+    finally:
+        run.world.close()
+    return run.log.table()
+
+
+def _step_prompts(run: Run, step: int) -> tuple[list, list[list[int]], SamplingParams, slice]:
+    """This rank's share of the step: its problems, their prompts (each group_size times), the sampling settings,
+    and its rows of the step."""
+    cfg = run.cfg
+    problems = run.task.problems(cfg.prompts_per_step, start=step * cfg.prompts_per_step)[run.share]
+    prompts = [encode_prompt(run.tok, p.prompt, cfg.chat_template) for p in problems for _ in range(cfg.group_size)]
+    sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                              stop_token_ids=(run.tok.eos_token_id,), seed=cfg.seed * 1_000_003 + step,
+                              logit_noise=cfg.sampler_noise)
+    return problems, prompts, sampling, slice(run.share.start * cfg.group_size, run.share.stop * cfg.group_size)
 
 
 def train_step(run: Run, step: int) -> tuple[float, int]:
@@ -189,19 +252,24 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
 
     # Rollout: the generator samples with the weights of version gen_version.
     gen_version = sync.version
-    problems = run.task.problems(cfg.prompts_per_step, start=step * cfg.prompts_per_step)[run.share]
-    prompts = [encode_prompt(run.tok, p.prompt, cfg.chat_template) for p in problems for _ in range(cfg.group_size)]
-    sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                              stop_token_ids=(run.tok.eos_token_id,), seed=cfg.seed * 1_000_003 + step,
-                              logit_noise=cfg.sampler_noise)
+    problems, prompts, sampling, rows = _step_prompts(run, step)
     # The step's row numbers as request ids: a completion's randomness is the same at any world size.
-    rows = slice(run.share.start * cfg.group_size, run.share.stop * cfg.group_size)
     ids = list(range(rows.start, rows.stop))
-    if sync.engine is not None:
-        gen = sync.engine.generate(prompts, sampling, request_ids=ids)
+    sent = []   # split roles: the weight syncs to the rollout ranks during this step
+    if run.pipeline is not None:   # split roles: the rollout ranks sampled the whole step; this rank takes its rows
+        received = run.pipeline.receive(step)
+        completions = received.items[rows]
+        if received.version != gen_version or [c.prompt for c in completions] != prompts:
+            raise RuntimeError(f"step {step}: the rollout ranks sampled with weights version {received.version} "
+                               f"(this rank holds {gen_version} for the check), or other prompts than this rank's")
+        t_received = time.perf_counter()
+        # Policy lag 1: the rollout ranks go on to the next step now, with these weights, while this one trains.
+        sent.append(run.pipeline.advance(step, model, version))
+    elif sync.engine is not None:
+        completions = sync.engine.generate(prompts, sampling, request_ids=ids).completions
     else:
-        gen = generate(sync.generator, prompts, sampling, request_ids=ids)
-    batch = RolloutBatch.from_generation(prompts, gen.completions, run.tok.pad_token_id or 0, run.device)
+        completions = generate(sync.generator, prompts, sampling, request_ids=ids).completions
+    batch = RolloutBatch.from_generation(prompts, completions, run.tok.pad_token_id or 0, run.device)
     t_gen = time.perf_counter()
 
     # Reward.
@@ -271,16 +339,22 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     dp.check_replicas(run.weights, step)   # every rank took the same step: the same bits, checked
     t_train = time.perf_counter()
 
-    # Sync: the generator gets the weights it samples the next step with.
+    # Sync: the generator gets the weights it samples the next step with (split roles, policy lag 0: by broadcast
+    # to the rollout ranks, which go on to the next step now).
     sync(step)
+    if run.pipeline is not None:
+        sent.append(run.pipeline.advance(step, model, step))
     t_sync = time.perf_counter()
 
     # The whole step's numbers (the slowest rank's times), so that rank 0's table describes the step.
     per_sequence = dp.gather_objects([(s, len(c), g.finish_reason == "length")
-                                      for s, c, g in zip(scores, batch.completions, gen.completions)])
+                                      for s, c, g in zip(scores, batch.completions, completions)])
     scores, lengths, truncated = (list(column) for column in zip(*per_sequence))
-    seconds = dict(zip(("generate", "train", "sync", "step"),
-                       dp.max([t_gen - t0, t_train - t_gen, t_sync - t_train, t_sync - t0])))
+    seconds = {"generate": t_gen - t0, "train": t_train - t_gen, "sync": t_sync - t_train, "step": t_sync - t0}
+    if run.pipeline is not None:   # the rollout ranks' numbers came with the samples; this rank waited and synced
+        seconds.update(generate=received.generate_s, sync=t_sync - t_train + t_gen - t_received,
+                       rollout_wait=received.rollout_wait_s, trainer_wait=t_received - t0, overlap=received.overlap_s)
+    seconds = dict(zip(seconds, dp.max(list(seconds.values()))))
     for name, value in {**later, **stats}.items():
         log(step, name, value)
     log(step, "reward_mean", rewards_all.mean())
@@ -295,7 +369,10 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     log(step, "time_generate", seconds["generate"])
     log(step, "time_train", seconds["train"])
     log(step, "time_sync", seconds["sync"])
-    log(step, "sync_bytes", sync.moved_bytes)
+    log(step, "sync_bytes", sync.moved_bytes if run.pipeline is None else sum(r.bytes for r in sent if r))
+    for name in ("rollout_wait", "trainer_wait", "overlap"):   # split roles only
+        if name in seconds:
+            log(step, f"time_{name}", seconds[name])
     log(step, "time_step", seconds["step"])
     log(step, "tokens_per_s", sum(lengths) / seconds["step"])
     return rewards_all.mean().item(), parity["tokens_differing"]

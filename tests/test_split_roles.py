@@ -1,0 +1,192 @@
+"""Split roles under torchrun (workbench/distributed/pipeline.py): rank 0 trains, rank 1 only generates, in 2 gloo
+processes on CPU started by `launch.spawn`, on the session's small arithmetic policy, 2 prompts x 2 completions a
+step. In invariant mode the run is the one-process run, bit for bit (synchronous, and with policy_lag=1, where the
+rollout rank really generates step s + 1 while rank 0 updates on step s); a resumed run is the uninterrupted one;
+a parity break, a corrupted weight sync and a bad config stop both ranks with the same error."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import same_bits
+from safetensors.torch import load_file
+
+from workbench.distributed import launch
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+SPLIT_ONLY = ("time_rollout_wait", "time_trainer_wait", "time_overlap")
+"""Metrics a run with split roles adds (the rollout ranks' waits, the trainer's, the overlap)."""
+
+
+def _cfg(policy: str, out, **kw):
+    from workbench.rl.config import TrainConfig
+
+    base = TrainConfig(policy=policy, out_dir=str(out), steps=2, prompts_per_step=2, group_size=2, max_new_tokens=3,
+                       kernel_mode="invariant", checkpoint_every=1, lr=3e-3, progress=False, sync="copy",
+                       rollout_ranks=1)
+    return dataclasses.replace(base, **kw)
+
+
+def _one_process(policy: str, out: Path, **kw) -> subprocess.Popen:
+    """The same run without torchrun (rollout_ranks=0), in a process of its own beside the split run (which leaves
+    a core idle while its trainer waits for samples); its output goes to out.log."""
+    cfg = _cfg(policy, out, rollout_ranks=0, **kw)
+    names = ("policy", "out_dir", "steps", "prompts_per_step", "group_size", "max_new_tokens", "kernel_mode",
+             "checkpoint_every", "lr", "sync", "policy_lag", "rollout_ranks")
+    with open(f"{out}.log", "w") as log:
+        return subprocess.Popen([sys.executable, "-m", "workbench", "train", "--no-progress",
+                                 *(f"{n}={getattr(cfg, n)}" for n in names)], stdout=log, stderr=subprocess.STDOUT)
+
+
+def _split_worker(policy: str, root: str) -> None:
+    from workbench.distributed import broadcast
+    from workbench.distributed.data_parallel import DataParallel
+    from workbench.rl import trainer
+    from workbench.rl.trainer import ParityError, train
+
+    d = launch.init("cpu")
+    out = Path(root)
+    # DataParallel over a group of its own (the trainer ranks'): every collective runs over that group.
+    both, alone = DataParallel(d, group=dist.new_group([0, 1])), dist.new_group([0])
+    assert (both.rank, both.world_size) == (d.rank, 2) and both.gather_objects([d.rank]) == [0, 1]
+    assert both.sum(torch.tensor([1.0])).item() == 2.0 and both.any(d.rank == 1)
+    with pytest.raises((ZeroDivisionError, RuntimeError), match="division by zero"):
+        both.on_main(lambda: 1 / 0)
+    if d.rank == 0:
+        solo = DataParallel(d, group=alone)
+        assert solo.world_size == 1 and solo.shard(3) == slice(0, 3) and solo.max([2.0]) == [2.0]
+    # Invariant mode: synchronous (1 step), and policy_lag=1 (2 steps: step 2 samples with the weights before
+    # step 1's update while the trainer updates on step 1).
+    tables = {"sync": train(_cfg(policy, out / "sync", steps=1)), "lag": train(_cfg(policy, out / "lag", policy_lag=1))}
+    if d.rank == 0:
+        torch.save(tables, out / "tables.pt")
+    else:
+        assert all(t.empty for t in tables.values()), "a rollout rank keeps no metrics"
+
+    # Standard mode, policy_lag=1: a time limit stops the run after step 1 (the rollout rank, already generating
+    # step 2, is drained and stopped), and the resumed run equals the uninterrupted one.
+    std = dict(kernel_mode="standard", policy_lag=1, steps=3)
+    full = train(_cfg(policy, out / "full", **std))
+    first = train(_cfg(policy, out / "resumed", time_limit_s=1e-9, **std))
+    resumed = train(_cfg(policy, out / "resumed", resume=True, **std))
+    if d.rank == 0:
+        assert sorted(first.step.unique()) == [1]
+        torch.save({"full": full, "resumed": resumed}, out / "resume.pt")
+
+    # A parity break on the rollout rank (its log-probs off by 1e-3): both ranks stop with the trainer's ParityError,
+    # the rollout rank after its share of step 2 (ordered before step 1's check) is drained.
+    generate = trainer.generate
+
+    def off(*args, **kw):
+        gen = generate(*args, **kw)
+        for c in gen.completions:
+            c.sampled_logprobs += 1e-3
+        return gen
+
+    if d.rank == 1:
+        trainer.generate = off
+    with pytest.raises(ParityError, match=r"step 1: generator and trainer log-probs differ on \d+ of"):
+        train(_cfg(policy, out / "broken", policy_lag=1))
+    trainer.generate = generate
+
+    # One bit of the rollout rank's copy flipped in the second sync (version 1): the digest check names it, on both.
+    unpack, calls = broadcast._unpack, []
+
+    def corrupting(pieces, buf):
+        unpack(pieces, buf)
+        calls.append(1)
+        if len(calls) == 2:
+            view, start, _, _ = pieces[0]
+            view[start:start + 1].bitwise_xor_(1)
+
+    if d.rank == 1:
+        broadcast._unpack = corrupting
+    with pytest.raises(RuntimeError, match=r"version 1\): ranks \[1\] hold other bits than source rank 0.*"
+                                           r"model\.embed_tokens\.weight"):
+        train(_cfg(policy, out / "corrupt", kernel_mode="standard", steps=3))
+    broadcast._unpack = unpack
+
+    with pytest.raises(ValueError, match="rollout_ranks=2 leaves no trainer rank in a world of 2: use at most 1"):
+        train(_cfg(policy, out / "none", rollout_ranks=2))
+
+
+def _metrics(table: pd.DataFrame | Path) -> pd.DataFrame:
+    """The metrics that are the same bits in equal runs, by step: not the times, nor the bytes a sync moved (a split
+    run broadcasts what one process copies, and a resumed one sends its lagged weights at its start)."""
+    if isinstance(table, Path):
+        table = pd.read_csv(table / "metrics.csv")
+    by = table.pivot(index="step", columns="metric", values="value")
+    return by.loc[:, ~(by.columns.str.startswith("time_") | by.columns.isin(["tokens_per_s", "sync_bytes"]))]
+
+
+def test_split_roles_match_one_process_bitwise_overlap_resume_and_stop_together(policy, tmp_path):
+    one = {"sync": _one_process(policy, tmp_path / "one_sync", steps=1),
+           "lag": _one_process(policy, tmp_path / "one_lag", policy_lag=1)}
+    launch.spawn(_split_worker, 2, policy, str(tmp_path))
+    for name, p in one.items():
+        assert p.wait(timeout=600) == 0, Path(f"{tmp_path / f'one_{name}'}.log").read_text()[-3000:]
+
+    for name in ("sync", "lag"):
+        split, single = tmp_path / name, tmp_path / f"one_{name}"
+        # The rollout rank sampled the same tokens with the same log-probs, and the trainer computed the same bits.
+        pd.testing.assert_frame_equal(_metrics(split), _metrics(single))
+        assert (_metrics(split)["parity_tokens_differing"] == 0).all()
+        a, b = np.load(split / "step1_logprobs.npz"), np.load(single / "step1_logprobs.npz")
+        for side in ("generator", "trainer"):
+            assert a[side].tobytes() == b[side].tobytes() == b["generator"].tobytes()
+        # The same weights after each step (both checkpoints kept), the lagged generator's too.
+        steps = sorted(p.name for p in (single / "checkpoints").iterdir())
+        assert steps == sorted(p.name for p in (split / "checkpoints").iterdir())
+        for step in steps:
+            for f in ("masters.safetensors",) + (("generator.safetensors",) if name == "lag" else ()):
+                assert same_bits(load_file(split / "checkpoints" / step / f),
+                                 load_file(single / "checkpoints" / step / f)), (name, step, f)
+        # Rank 0 alone wrote the run's files, in the one-process layout.
+        assert sorted(p.name for p in split.iterdir()) == ["checkpoints", "config.yaml", "metrics.csv",
+                                                          "step1_logprobs.npz"]
+
+    tables = torch.load(tmp_path / "tables.pt", weights_only=False)
+    lag = tables["lag"].pivot(index="step", columns="metric", values="value")
+    assert list(lag["policy_lag"]) == [0, 1] and lag["weight_delta_l2"][1] > 0, "step 2 sampled with moved weights"
+    # The overlap is real: the rollout rank generated step 2 while rank 0 trained on step 1 (wall-clock spans).
+    assert lag["time_overlap"][2] > 0.5 * min(lag["time_generate"][2], lag["time_train"][1])
+    synchronous = tables["sync"].set_index("metric")["value"]
+    assert synchronous["time_overlap"] == 0 and synchronous["time_trainer_wait"] > 0
+    assert set(SPLIT_ONLY) <= set(lag.columns)
+
+    runs = torch.load(tmp_path / "resume.pt", weights_only=False)
+    pd.testing.assert_frame_equal(_metrics(runs["resumed"]), _metrics(runs["full"]))
+    assert same_bits(load_file(tmp_path / "resumed/checkpoints/step-000003/masters.safetensors"),
+                     load_file(tmp_path / "full/checkpoints/step-000003/masters.safetensors"))
+
+
+def test_bad_split_configs_say_what_to_set(policy, tmp_path, monkeypatch):
+    from workbench.rl.config import TrainConfig
+    from workbench.rl.trainer import train
+
+    for v in launch.TORCHRUN_VARS:
+        monkeypatch.delenv(v, raising=False)
+    with pytest.raises(ValueError, match=r"rollout_ranks=1 needs processes of their own.*torchrun --nproc-per-node N "
+                                         r"\(N > 1\), or set rollout_ranks=0"):
+        train(_cfg(policy, tmp_path / "alone"))
+    assert not (tmp_path / "alone").exists()
+    with pytest.raises(ValueError, match="generator='vllm' with rollout_ranks > 0 is not supported yet.*use "
+                                         "generator='embedded'"):
+        TrainConfig(generator="vllm", sync="copy", rollout_ranks=1)
+    with pytest.raises(ValueError, match="rollout_ranks=1 keeps the generators in processes of their own.*use "
+                                         "sync='copy'"):
+        TrainConfig(rollout_ranks=1)
+    with pytest.raises(ValueError, match="adapter='lora' with rollout_ranks > 0 is not supported yet"):
+        TrainConfig(rollout_ranks=1, sync="copy", adapter="lora")
+    with pytest.raises(ValueError, match="rollout_ranks must be an integer >= 0"):
+        TrainConfig(rollout_ranks=-1)

@@ -1,0 +1,263 @@
+"""Split roles: rollout ranks that only generate, trainer ranks that only train, and what passes between them.
+
+With `rollout_ranks = r > 0` of W ranks (`launch.roles`) the last r ranks hold a bf16 generator and nothing else;
+the first W - r train, replicated data-parallel among themselves (`DataParallel` over their own group). Three
+things move, each a plain torch.distributed collective:
+
+- orders (`Order`): "generate step s with weights version v", or "stop" (with the error that stopped the
+  trainers, or none at the run's end), broadcast from trainer rank 0 over the group {trainer rank 0} + rollout
+  ranks (`sync_group`);
+- the weights, when an order names a version the rollout ranks do not hold yet: `broadcast.broadcast_weights`
+  over the same group, with its digest check;
+- the samples (`Share`: the completions with the generator's own log-probs, the weight version that drew them,
+  the rollout rank's times): `all_gather_object` over every rank, the rollout ranks' shares in rank order (which
+  is the step's row order), the trainer ranks' contributions empty.
+
+The trainer side alone decides; a rollout rank follows orders (`serve`) and holds no schedule of its own. Every
+rank meets the collectives in one sequence (a rollout rank: order, weights if any, share; the trainer ranks: share
+of step s, the order of step s + 1 with its weights, ...), which is why blocking collectives over three groups cannot
+deadlock. Trainer rank 0 orders step s + 1 (`advance`, called once step s's samples are in and again after its
+update) as soon as the weights that step samples with exist:
+- policy_lag 0: after the update of step s (its weights are the next step's);
+- policy_lag 1: right after step s's samples arrive, with the weights the trainer holds then (version s - 1, the
+  update of step s not yet made), so the rollout ranks generate step s + 1 while the trainer updates on step s:
+  the overlap is real, and the generator is exactly one update behind, as `policy_lag=1` means in one process.
+The trainer computes with its own copy of the sampling weights (`workbench.rl.sync.WeightSync`), so the parity
+check compares the generator's log-probs with the trainer's kernels on the weights that sampled.
+
+A stop reaches everyone. Every trainer rank raises the same errors (the data-parallel decisions), then `end`: if the
+rollout ranks were ordered a step the trainers have not taken yet, that step's samples are gathered and dropped, so
+the rollout ranks are back at their next order, which is the stop; they raise the trainer's error (pickled with
+the order) or, at the run's end or a time limit, return. A rollout rank's own failure travels in its share: the
+trainers raise it, and the stop follows. A failed weight broadcast raises on every rank of its group (and on the
+other trainer ranks through `on_main`), so no order follows it. Nobody is left blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import pickle
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from .broadcast import SyncResult, broadcast_weights, named_weights
+from .data_parallel import DataParallel, share
+from .launch import roles
+
+
+@dataclass(frozen=True)
+class Order:
+    """What trainer rank 0 tells the rollout ranks next."""
+
+    step: int | None
+    """The step to generate; None: stop."""
+    version: int | None = None
+    """The weights version to generate it with (sent just after the order when the rollout ranks lack it)."""
+    error: BaseException | None = None
+    """With a stop: the error that stopped the trainer ranks (None: the run ended, or its time limit)."""
+
+
+@dataclass
+class Share:
+    """One rollout rank's samples of one step, as they travel to the trainer ranks."""
+
+    step: int
+    version: int
+    """The weights version that drew them."""
+    items: list
+    """The completions (host tensors: they are pickled)."""
+    generate_s: float
+    """Seconds generating them."""
+    wait_s: float
+    """Seconds before that, waiting: to hand over the previous share, for this order and its weights."""
+    span: tuple[float, float]
+    """Wall-clock (time.time()) start and end of the generation, to measure the overlap with the trainer's update."""
+    error: str | None = None
+    """A failure while generating (items then empty)."""
+
+
+@dataclass
+class Received:
+    """A step's samples on a trainer rank, with the numbers of the exchange."""
+
+    items: list
+    """The whole step's completions, in row order."""
+    version: int
+    """The weights version that drew them."""
+    generate_s: float
+    """The slowest rollout rank's seconds generating them."""
+    rollout_wait_s: float
+    """The rollout ranks' most seconds waiting before generating them."""
+    wait_s: float
+    """This trainer rank's seconds waiting for them."""
+    overlap_s: float
+    """Seconds their generation ran while this trainer rank trained on the previous step."""
+
+
+def _portable(error: BaseException | None) -> BaseException | None:
+    """The error as the rollout ranks will get it: itself when it pickles, else a RuntimeError with its text."""
+    if error is None:
+        return None
+    try:
+        return pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+class Pipeline:
+    """One rank's side of a run with split roles (every rank of the job builds one, in the same order)."""
+
+    def __init__(self, dp: DataParallel, rollout_ranks: int, lag: int):
+        """`dp`: the whole job's (DataParallel.join); `lag`: the config's policy_lag (0 or 1)."""
+        if not dp.process.distributed:
+            raise ValueError(f"rollout_ranks={rollout_ranks} needs processes of their own for the rollouts: launch "
+                             f"with torchrun --nproc-per-node N (N > {rollout_ranks}), or set rollout_ranks=0 to "
+                             "generate and train in one process")
+        self.roles = roles(dp.world_size, rollout_ranks)
+        self.rank = dp.rank
+        self.lag = lag
+        # new_group is a collective over the whole job, members or not: every rank creates both, in one order.
+        trainer_group = dist.new_group(list(self.roles.trainer))
+        self.sync_group = dist.new_group([self.roles.source, *self.roles.receivers])
+        self.is_rollout = self.rank in self.roles.receivers
+        self.trainers = None if self.is_rollout else dataclasses.replace(dp, group=trainer_group, owns_group=False)
+        """The trainer ranks' DataParallel (None on a rollout rank)."""
+        self.version: int | None = None
+        """The weights version the rollout ranks hold (None: not sent yet)."""
+        self.ordered = self.gathered = 0   # the last step ordered, and the last whose samples were gathered
+        self.closed = False
+        """A stop was sent, or a weight broadcast failed (every rank of its group raised): no order may follow."""
+        self.last = 0   # the run's last step (`start`)
+        self._trained = (0.0, 0.0)   # wall-clock span of this trainer rank's work on the last step received
+
+    def shard(self, n: int, name: str = "prompts_per_step") -> slice:
+        """This rank's share of a step's n prompts: among the rollout ranks, which generate them, or among the
+        trainer ranks, which train on them. Both splits are checked on every rank, so a bad n stops every rank."""
+        for ranks, who in ((self.roles.trainer, "trainer ranks"), (self.roles.rollout, "rollout ranks")):
+            share(n, 0, len(ranks), name, who)
+        ranks = self.roles.rollout if self.is_rollout else self.roles.trainer
+        return share(n, ranks.index(self.rank), len(ranks), name)
+
+    # The rollout side.
+
+    def serve(self, generator: nn.Module, sample: Callable[[int], list]) -> None:
+        """A rollout rank's whole run: follow trainer rank 0's orders, `sample(step)` (the step's completions of
+        this rank's share, on the host) with `generator`'s weights, and hand each share over, until a stop."""
+        failure: BaseException | None = None
+        waiting = time.perf_counter()
+        while True:
+            order = self._order()
+            if order.step is None:
+                if failure is not None:
+                    raise failure
+                if order.error is not None:
+                    order.error.add_note(f"(raised by the trainer ranks; rollout rank {self.rank} stops with it)")
+                    raise order.error
+                return
+            if order.version != self.version:
+                self.version = broadcast_weights(generator, None, src=self.roles.source, group=self.sync_group).version
+            t0, start = time.perf_counter(), time.time()
+            items, error = [], None
+            if failure is None:
+                try:
+                    items = sample(order.step)
+                except Exception as e:   # handed over with the share: the trainers stop everyone
+                    failure = e
+            if failure is not None:
+                error = f"{type(failure).__name__}: {failure}"
+            t1 = time.perf_counter()
+            self._gather(Share(order.step, self.version, items, t1 - t0, t0 - waiting, (start, time.time()), error))
+            waiting = t1
+
+    # The trainer side (every trainer rank calls each method; trainer rank 0 alone talks to the rollout ranks).
+
+    def start(self, model: nn.Module, version: int, step: int, last: int) -> None:
+        """Before the first step (`step`, of the run's `last`): the rollout ranks generate it with `model`'s
+        weights, of `version`."""
+        self.last = last
+        if step <= last:
+            self._release(step, model, version)
+
+    def receive(self, step: int) -> Received:
+        """Step `step`'s samples (every trainer rank gets the whole step's)."""
+        t0 = time.perf_counter()
+        shares = [s for s in self._gather(None) if s is not None]
+        wait = time.perf_counter() - t0
+        self.gathered = step
+        failed = [(r, s.error) for r, s in zip(self.roles.receivers, shares) if s.error is not None]
+        if failed:
+            raise RuntimeError(f"step {step}: rollout rank {failed[0][0]} failed: {failed[0][1]}")
+        if {(s.step, s.version) for s in shares} != {(step, self.version)}:
+            raise RuntimeError(f"step {step}: the rollout ranks sent steps/versions "
+                               f"{sorted({(s.step, s.version) for s in shares})}, ordered ({step}, {self.version})")
+        start, end = self._trained
+        overlap = max(min(end, s.span[1]) - max(start, s.span[0]) for s in shares)
+        self._trained = (time.time(), time.time())
+        return Received([x for s in shares for x in s.items], self.version, max(s.generate_s for s in shares),
+                        max(s.wait_s for s in shares), wait, max(overlap, 0.0))
+
+    def advance(self, step: int, model: nn.Module, version: int) -> SyncResult | None:
+        """Called with the trainer's weights (`model`, of `version`) once step `step`'s samples are in, and again
+        after its update: orders step + 1 as soon as `version` is the one it samples with, max(step - lag, 0) (as
+        in one process: `workbench.rl.sync`). Returns the weight sync's result, None when none ran."""
+        self._trained = (self._trained[0], time.time())
+        if step >= self.last or self.ordered > step or version != max(step - self.lag, 0):
+            return None
+        return self._release(step + 1, model, version)
+
+    def end(self, error: BaseException | None = None) -> None:
+        """Trainer ranks, at the run's end, at a time limit, or on an error every trainer rank raises: the rollout
+        ranks stop (raising `error`, when given). A step they were ordered and the trainers will not take is
+        gathered first and dropped."""
+        if self.closed:
+            return
+        if self.ordered > self.gathered:
+            self._gather(None)
+            self.gathered = self.ordered
+        self._order(Order(None, error=_portable(error)))
+        self.closed = True
+
+    @contextlib.contextmanager
+    def stop_on_error(self) -> Iterator[None]:
+        """Trainer ranks' work: an error raised in it (on every trainer rank alike) stops the rollout ranks too."""
+        try:
+            yield
+        except Exception as e:
+            self.end(e)
+            raise
+
+    def _release(self, step: int, model: nn.Module, version: int) -> SyncResult | None:
+        """Orders `step` with the weights of `version`, broadcasting them first when the rollout ranks lack them.
+        The sync's result on every trainer rank (the source's times; the other ranks' zero)."""
+        self._order(Order(step, version))
+        self.ordered = step
+        if version == self.version:
+            return None
+        try:
+            result = self.trainers.on_main(
+                lambda: broadcast_weights(model, version, src=self.roles.source, group=self.sync_group))
+        except BaseException:
+            self.closed = True
+            raise
+        self.version = version
+        return result or SyncResult(version, sum(t.nbytes for _, t in named_weights(model)), 0, 0.0, 0.0)
+
+    def _order(self, order: Order | None = None) -> Order:
+        """Trainer rank 0 sends `order`; a rollout rank receives one (the other trainer ranks take no part)."""
+        if not self.is_rollout and self.rank != self.roles.source:
+            return order
+        box = [order]
+        dist.broadcast_object_list(box, src=self.roles.source, group=self.sync_group)
+        return box[0]
+
+    def _gather(self, mine: Share | None) -> list[Any]:
+        """Every rank's contribution, in rank order (the rollout ranks' shares; None from the trainer ranks)."""
+        out: list[Any] = [None] * (len(self.roles.trainer) + len(self.roles.receivers))
+        dist.all_gather_object(out, mine)
+        return out
