@@ -1,7 +1,7 @@
 """Beyond one process, on torch.distributed: the torchrun launch and the trainer/rollout split (`launch`), the
 weight broadcast with its digest check (`broadcast`), sharded DCP checkpoints (`checkpoint`), the trainer's
-replicated data parallelism (`data_parallel`), and split roles with their asynchronous pipeline (`pipeline`). See
-docs/distributed.md."""
+replicated data parallelism (`data_parallel`) or its FSDP2 sharding (`fsdp`), and split roles with their
+asynchronous pipeline (`pipeline`). See docs/distributed.md."""
 
 from .broadcast import DEFAULT_BUCKET_BYTES, SyncResult, broadcast_weights, verify_weights, weights_digest
 from .checkpoint import checkpoints, latest

@@ -119,8 +119,13 @@ def _write_state(folder: Path, state: dict) -> None:
     fsync_path(path)
 
 
-def _finish(tmp: Path, final: Path, state: dict, keep: int) -> Path:
-    """Rank 0, once every rank's shards are in `tmp`: state.json, then the rename into place, then the pruning."""
+def _finish(tmp: Path, final: Path, state: dict, keep: int, files: Callable[[Path], None] | None) -> Path:
+    """Rank 0, once every rank's shards are in `tmp`: the caller's files, state.json, then the rename into place,
+    then the pruning."""
+    if files is not None:
+        files(tmp)
+        for f in tmp.iterdir():
+            fsync_path(f)
     _write_state(tmp, state)
     fsync_path(tmp)
     if final.exists():  # the same step saved again (a resumed run repeating its last save): not newer, replace
@@ -136,10 +141,11 @@ def _finish(tmp: Path, final: Path, state: dict, keep: int) -> Path:
 
 def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          version: int, seeds: dict[str, int] | None = None, extra: dict | None = None, keep: int = KEEP,
-         group: dist.ProcessGroup | None = None) -> Path:
+         group: dist.ProcessGroup | None = None, files: Callable[[Path], None] | None = None) -> Path:
     """Saves `root/step-NNNNNN` (every rank of `group` calls it): the model's and optimizer's sharded state with
-    DCP, then state.json with step, `version` (the weight version the model holds), `seeds`, the world size and
-    `extra` (JSON values). Returns the folder. Any rank's failure is raised on every rank; the previous checkpoint
+    DCP, then `files(folder)` on the group's first rank (the caller's own files, fsynced with the rest), then
+    state.json with step, `version` (the weight version the model holds), `seeds`, the world size and `extra`
+    (JSON values). Returns the folder. Any rank's failure is raised on every rank; the previous checkpoint
     then stays the newest complete one."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1 (the checkpoint just written), got {keep}")
@@ -160,7 +166,7 @@ def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.O
         with _single_process_quiet():
             dcp.save(_state_dicts(model, optimizer), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
                      process_group=group, no_dist=not dist.is_initialized())
-        return _on_main(lambda: _finish(tmp, final, state, keep), group)
+        return _on_main(lambda: _finish(tmp, final, state, keep, files), group)
     except OSError as e:
         done = latest(root)
         where = f"the newest complete checkpoint is {done}" if done else "no complete checkpoint exists yet"

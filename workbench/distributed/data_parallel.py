@@ -19,8 +19,10 @@ runs over it, and its first member, global rank 0, is the one that writes files.
 
 At world size 1 (no torchrun) every method returns its input or runs its function as is: one process computes
 exactly what it computed before this module existed. The weights are duck-typed (`workbench.rl.weights.
-TrainWeights`: `model`, `masters`, `has_masters`, `params`, `grad_buffer`): this module imports nothing from
-`workbench.rl` (which imports it). See docs/distributed.md.
+TrainWeights`: `model`, `masters`, `has_masters`, `sharded`, `params`, `grad_buffer`): this module imports nothing from
+`workbench.rl` (which imports it). With FSDP2 (`weights.sharded`, `fsdp.py`) the masters are each rank's own shards:
+the replica check then covers the gathered bf16 model alone, and the gradient sum is FSDP2's reduce-scatter. See
+docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -80,6 +82,11 @@ class DataParallel:
     def is_main(self) -> bool:
         """Rank 0: the rank that writes the run's files."""
         return self.process.is_main
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The ranks that train together as a process group (FSDP2 shards over it)."""
+        return self.group or dist.group.WORLD
 
     @property
     def _src(self) -> int:
@@ -201,11 +208,18 @@ class DataParallel:
     def replicate(self, weights) -> None:
         """Rank 0's weights (the bf16 model, and the fp32 masters) on every rank: the run starts from one set of
         bits whatever each rank loaded or trained (rank 0 alone trains a self-trained starting policy)."""
+        self._broadcast(_replicated(weights))
+
+    def broadcast_model(self, model: torch.nn.Module) -> None:
+        """Rank 0's weights of `model` on every rank (FSDP2: the fp32 start, before it is cut into shards)."""
+        self._broadcast(named_weights(model))
+
+    def _broadcast(self, named: list[tuple[str, torch.Tensor]]) -> None:
         if self.world_size == 1:
             return
         with torch.no_grad():
-            for _, t in _replicated(weights):
-                dist.broadcast(t, src=self._src, group=self.group)
+            for _, t in named:
+                dist.broadcast(t.detach(), src=self._src, group=self.group)
 
     def check_replicas(self, weights, step: int) -> None:
         """Raises on every rank, naming the ranks and tensors, if any rank's weights (the bf16 model the generator
@@ -242,9 +256,9 @@ def share(n: int, index: int, count: int, name: str = "prompts_per_step", who: s
 
 def _replicated(weights) -> list[tuple[str, torch.Tensor]]:
     """What must be equal on every rank: the bf16 model's tensors, then the masters (when they are not the model's
-    own parameters), by name."""
+    own parameters, nor FSDP2's shards), by name."""
     named = named_weights(weights.model)
-    if weights.has_masters:
+    if weights.has_masters and weights.sharded is None:
         named += [(f"master {k}", weights.masters[k].detach()) for k in sorted(weights.masters)]
     return named
 

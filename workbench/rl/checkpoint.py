@@ -10,6 +10,12 @@ temporary name, every file and the folder fsynced, then renamed into place (one 
 fsynced; only then are older ones pruned (the newest `KEEP` stay). A run resumes from the newest complete folder,
 so a kill before the rename leaves the previous checkpoint, and one after it the new one. The layout of earlier
 versions (`checkpoint/`, and `.checkpoint-old` left by a kill between its two renames) still resumes.
+
+With FSDP2 (`parallel='fsdp2'`) every trainer rank writes its own shards of the masters and of AdamW's state
+through `workbench.distributed.checkpoint` (torch.distributed.checkpoint, DCP) into the same `checkpoints/step-N`
+folders, atomic the same way; rank 0 adds metrics.csv and the lagged generator's weights, and the run's fields
+(config, generator_version) sit in its state.json's `extra`. It resumes with `parallel='fsdp2'` at any world size
+(DCP reshards; bitwise at the same world size).
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..distributed import fsdp
+from ..distributed.checkpoint import load as load_sharded
+from ..distributed.checkpoint import save as save_sharded
 from ..files import fsync_path
 from ..models.lora import adapter_state
 from ..models.peft import save_adapter
@@ -102,6 +111,19 @@ def save_checkpoint(out: Path, step: int, weights: TrainWeights, metrics: pd.Dat
                       f"{last_good(out)}. Free space or make the folder writable, then resume.") from e
 
 
+def save_sharded_checkpoint(out: Path, step: int, weights: TrainWeights, metrics: pd.DataFrame, cfg: TrainConfig,
+                            lagged: tuple[int, dict] | None) -> Path:
+    """FSDP2: every trainer rank calls it; each writes its shards (DCP), rank 0 the metrics and lagged weights."""
+    def files(folder: Path) -> None:
+        metrics.to_csv(folder / "metrics.csv", index=False)
+        if lagged is not None:
+            save_file({k: v.contiguous() for k, v in lagged[1].items()}, folder / "generator.safetensors")
+
+    extra = {"config": asdict(cfg), "generator_version": None if lagged is None else lagged[0]}
+    return save_sharded(out / "checkpoints", step, weights.sharded, weights.opt, version=step, extra=extra, keep=KEEP,
+                        group=fsdp.group(weights.sharded), files=files)
+
+
 def _save(root: Path, out: Path, step: int, weights: TrainWeights, metrics: pd.DataFrame, cfg: TrainConfig,
           lagged: tuple[int, dict] | None) -> Path:
     final = root / f"step-{step:06d}"
@@ -155,6 +177,8 @@ def load_checkpoint(out: Path, weights: TrainWeights, cfg: TrainConfig, device: 
     if ck is None:
         raise FileNotFoundError(f"resume: no checkpoint in {out / 'checkpoints'}; run without resume first")
     state = json.loads((ck / "state.json").read_text())
+    if state.get("format") == "torch.distributed.checkpoint":   # FSDP2's: the run's fields are its extras
+        state = {**state["extra"], "step": state["step"]}
     changed = config_changes(state["config"], cfg)
     if changed:
         raise ValueError(f"resume: the config differs from the checkpoint's in {changed} (saved, now); "
@@ -162,6 +186,20 @@ def load_checkpoint(out: Path, weights: TrainWeights, cfg: TrainConfig, device: 
     if weights.lora is not None and state.get("base_checksum") != weights.base_checksum():
         raise ValueError(f"resume: the frozen base differs from the one {ck} trained its adapters on; resume from "
                          "the same starting policy (policy=...), or start a new out_dir")
+    if weights.sharded is not None:   # the same config: an FSDP2 checkpoint (DCP reshards to this world size)
+        load_sharded(ck, weights.sharded, weights.opt, group=fsdp.group(weights.sharded))
+        weights.sync_model()
+    else:
+        _load_whole(ck, older, state, weights)
+    lagged = None
+    if state.get("generator_version") is not None:
+        lagged = (state["generator_version"], _read(ck / "generator.safetensors", older, device=device))
+    metrics = pd.read_csv(ck / "metrics.csv")
+    return state["step"], metrics, lagged
+
+
+def _load_whole(ck: Path, older: list[Path], state: dict, weights: TrainWeights) -> None:
+    """The one-process format: the masters and AdamW's state into `weights`, in place."""
     saved = _read(ck / "masters.safetensors", older)
     wanted = {k: tuple(v.shape) for k, v in weights.masters.items()}
     found = {k: tuple(v.shape) for k, v in saved.items()}
@@ -179,8 +217,3 @@ def load_checkpoint(out: Path, weights: TrainWeights, cfg: TrainConfig, device: 
         i, name = key.split(".", 1)
         opt_state["state"].setdefault(int(i), {})[name] = v
     weights.opt.load_state_dict(opt_state)
-    lagged = None
-    if state.get("generator_version") is not None:
-        lagged = (state["generator_version"], _read(ck / "generator.safetensors", older, device=device))
-    metrics = pd.read_csv(ck / "metrics.csv")
-    return state["step"], metrics, lagged

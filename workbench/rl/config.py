@@ -113,6 +113,8 @@ class TrainConfig:
     """0: synchronous; 1: the generator samples with the weights one update behind (needs sync='copy')."""
     rollout_ranks: int = 0
     """Under torchrun: the last this-many ranks only generate, the others only train (0: every rank does both)."""
+    parallel: str = "replicate"
+    """Trainer ranks under torchrun: 'replicate' (each holds all fp32 masters and AdamW state) or 'fsdp2' (sharded)."""
     checkpoint_every: int = 5
     """Write a resumable checkpoint every this many steps (and at the end)."""
     resume: bool = False
@@ -199,6 +201,12 @@ class TrainConfig:
         if self.rollout_ranks and self.sync != "copy":
             raise ValueError(f"rollout_ranks={self.rollout_ranks} keeps the generators in processes of their own, "
                              "which get the weights by broadcast: use sync='copy'")
+        if self.parallel not in ("replicate", "fsdp2"):
+            raise ValueError(f"parallel must be 'replicate' or 'fsdp2', got {self.parallel!r}")
+        if self.parallel == "fsdp2" and (self.master_dtype != "float32" or self.adapter != "none"):
+            raise ValueError(f"parallel='fsdp2' shards the fp32 masters of full fine-tuning; master_dtype="
+                             f"{self.master_dtype!r} with adapter={self.adapter!r} has none to shard: set "
+                             "master_dtype='float32' and adapter='none', or parallel='replicate'")
         if self.generator not in ("embedded", "vllm"):
             raise ValueError(f"generator must be 'embedded' or 'vllm', got {self.generator!r}")
         if self.generator == "vllm" and self.sync == "shared":

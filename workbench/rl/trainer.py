@@ -23,7 +23,10 @@ Under torchrun (`torchrun --nproc-per-node N -m workbench train ...`) the run is
 (`workbench.distributed.data_parallel`): every rank holds the whole model, generates and trains on its share of
 each step's prompts (whole groups), and takes the same optimizer step on the gradients summed over the ranks.
 The parity check, the advantages and the metrics are over the whole step, so every rank takes the same
-decisions; rank 0 alone writes files, in the same format as one process (docs/distributed.md).
+decisions; rank 0 alone writes files, in the same format as one process (docs/distributed.md). With
+`parallel='fsdp2'` the trainer ranks shard the fp32 masters and AdamW's state with FSDP2 (`TrainWeights.sharded`),
+the update's gradients stay fp32 into FSDP2's reduce-scatter, the bf16 model is gathered from the shards after each
+update, and every trainer rank writes its shards of each checkpoint (DCP).
 
 With `rollout_ranks = r > 0` the last r ranks only generate (`_serve`: a bf16 generator, no masters, no optimizer)
 and the others only train (`workbench.distributed.pipeline`): the step's rollout is then the rollout ranks' samples
@@ -51,7 +54,7 @@ from ..generation import SamplingParams, generate
 from ..kernels import mode
 from ..models import build, copy_weights, encode_prompt, load_pretrained, load_tokenizer, resolve_model, save_pretrained
 from ..models.lora import base_state
-from .checkpoint import last_good, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import last_good, latest_checkpoint, load_checkpoint, save_checkpoint, save_sharded_checkpoint
 from .config import TrainConfig
 from .logprobs import parity_stats, save_token_logprobs, score
 from .losses import get_loss, group_advantages, importance_weights, kl_estimate
@@ -111,6 +114,9 @@ class Run:
         self.share = (self.pipeline or self.dp).shard(cfg.prompts_per_step)
         if self.world.is_main:   # the only rank that writes the run's files
             self.out.mkdir(parents=True, exist_ok=True)
+        if cfg.parallel == "fsdp2" and not self.world.process.distributed:
+            raise ValueError("parallel='fsdp2' shards the trainer over torchrun's processes: launch with torchrun "
+                             "--nproc-per-node N, or set parallel='replicate' for one process")
         if cfg.generator == "vllm" and self.world.world_size > 1:
             raise ValueError("generator='vllm' under torchrun is not supported yet (one engine per rank, each "
                              "with its own process group): use generator='embedded', or run vLLM in one process")
@@ -145,8 +151,12 @@ class Run:
     def _trainer(self, start) -> None:
         """A trainer rank's state: the weights from `start`, the reference, a resumed run's, the generator's."""
         cfg, main = self.cfg, self.world.is_main
+        fsdp2 = cfg.parallel == "fsdp2"
+        if fsdp2:   # every rank cuts its shards from rank 0's fp32 start
+            self.dp.broadcast_model(start)
         self.weights = TrainWeights(start, cfg.master_dtype, cfg.lr, self.device, cfg.weight_decay,
-                                    cfg.max_grad_norm, cfg.lora_config(), cfg.seed)
+                                    cfg.max_grad_norm, cfg.lora_config(), cfg.seed,
+                                    self.dp.process_group if fsdp2 else None)
         del start
         self.dp.replicate(self.weights)
         self.reference = None
@@ -172,7 +182,11 @@ class Run:
             self.pipeline.start(self.sync.generator, self.sync.version, self.start_step + 1, cfg.steps)
 
     def checkpoint(self, step: int) -> None:
-        """Rank 0 writes it (the replicas are identical: today's format, resumable at any world size)."""
+        """Rank 0 writes it (the replicas are identical: today's format, resumable at any world size); FSDP2: every
+        trainer rank writes its shards."""
+        if self.weights.sharded is not None:
+            save_sharded_checkpoint(self.out, step, self.weights, self.log.table(), self.cfg, self.sync.lagged)
+            return
         self.dp.on_main(lambda: save_checkpoint(self.out, step, self.weights, self.log.table(), self.cfg,
                                                 self.sync.lagged))
 

@@ -13,6 +13,9 @@ Data-parallel (`dp`, `workbench.distributed.data_parallel`): the batch is this r
 mini-batches are cut from the whole step's sequences with the same permutation as in one process, each rank
 trains on its own rows of each, the `Totals` are the whole mini-batch's (every rank's), and the gradients are
 summed over the ranks before each optimizer step: the same gradient as one process, up to the summation order.
+With FSDP2 (`weights.sharded`) the forward and backward run the sharded module, whose per-layer all-gathers and
+reduce-scatters are collectives: every rank runs as many micro-batches as the rank with the most (the extra ones
+backpropagate a zero loss, adding exact zeros), and the last one's backward reduce-scatters the fp32 sums.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
     base = spec.defaults
     norm = cfg.max_new_tokens if base.aggregation == AGGREGATIONS[2] else None
     loss_cfg = LossConfig(base.eps_low, base.eps_high, base.aggregation, norm)
-    model = weights.model
+    model = weights.module
     sums: dict[str, torch.Tensor | float] = defaultdict(float)
     sq_deltas: dict[str, float] = defaultdict(float)
     grad_norm = 0.0
@@ -77,16 +80,23 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
     # Each mini-batch's real tokens over every rank, for its loss's normalisation: one reduction per update.
     tokens = torch.stack([batch.mask[rows.to(batch.device)].sum() for parts in plan for _, rows in parts])
     tokens = iter((tokens if dp is None else dp.sum(tokens)).tolist())
+    budget = cfg.max_tokens_per_microbatch
+    counts = None
+    if weights.sharded is not None:   # FSDP2: the same number of forwards and backwards on every rank
+        counts = iter(dp.max([len(batch.micro_batches(rows, budget)) for parts in plan for _, rows in parts]))
     for parts in plan:
         for size, rows in parts:
             totals = Totals(size, int(next(tokens)))
+            mbs = batch.micro_batches(rows, budget)
+            runs = len(mbs) if counts is None else int(next(counts))
             weights.zero_grad()
             # No host sync inside this loop (the losses and statistics stay on the device until the
             # optimizer step): a sync after each backward would leave the host launching the next
             # forward's many small kernels behind an idle GPU (~5% of an update at the 1.7B shape).
             losses = []
             # No micro-batch when this rank holds no row of the mini-batch (data-parallel): it adds zeros to the sum.
-            for mb in batch.micro_batches(rows, cfg.max_tokens_per_microbatch):
+            for i, mb in enumerate(mbs):
+                weights.before_backward(last=i == runs - 1)
                 logp, _ = completion_logprobs(model, mb, cfg.temperature, recompute=cfg.activation_checkpointing)
                 cols = slice(0, mb.width)
                 mask = batch.mask[mb.index, cols]
@@ -101,6 +111,11 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
                 losses.append(loss.detach())
                 for k, v in stats.items():
                     sums[k] += v.detach()
+            for i in range(len(mbs), runs):   # FSDP2 only: this rank's row 0, its loss times zero
+                weights.before_backward(last=i == runs - 1)
+                filler = batch.micro_batches(torch.arange(1), budget)[0]
+                logp, _ = completion_logprobs(model, filler, cfg.temperature, recompute=cfg.activation_checkpointing)
+                (logp.sum() * 0.0).backward()
             losses = torch.stack(losses) if losses else batch.mask.new_zeros(0)
             if dp is None:
                 finite = torch.isfinite(losses)
@@ -110,7 +125,7 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
             if bad is not None:
                 on_bad_loss(bad)
             sums["loss"] += losses.sum()
-            if dp is not None:
+            if dp is not None and weights.sharded is None:   # FSDP2 reduced them in the last backward
                 dp.all_reduce_grads(weights)
             result = weights.step()
             grad_norm += result.pop("grad_norm")   # of the summed gradient: the same on every rank

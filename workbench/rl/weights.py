@@ -13,6 +13,12 @@
   backward computes input gradients only, the weight-gradient products are skipped) and the rules above apply to
   the adapters alone: fp32 masters drawn by PEFT's initialisation, cast into the model's bf16 adapters.
 
+- FSDP2 (`shard_group`): the masters are the sharded fp32 module's DTensor parameters and AdamW steps on the
+  shards (`workbench.distributed.fsdp`): per rank 12 / world + 2 bytes per parameter (the bf16 model stays whole:
+  the generator runs it), plus the fp32 gradients during an update (the unsharded `main_grad`s, whole: 4). The
+  update's forward and backward run the sharded module (bf16 weights gathered per layer, dW accumulated in fp32
+  as above and reduce-scattered in fp32); the bf16 model is the gathered cast of the shards.
+
 The optimizer steps one layer group at a time (AdamW is elementwise and skips parameters without a
 gradient, so this is the same update): the group's weights before the step are the only copy the
 weight-change metrics need, never a clone of the whole model.
@@ -23,7 +29,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
+from ..distributed import fsdp
 from ..models import CausalLM, build, copy_weights, weights_checksum
 from ..models.lora import LoraConfig, adapter_state, attach, base_state, copy_adapters, init_adapters
 from .metrics import layer_group, weight_delta_metrics
@@ -35,8 +44,10 @@ aligned as a tensor of its own for the kernels that accumulate into it (a TMA de
 
 class TrainWeights:
     def __init__(self, start: CausalLM, master_dtype: str, lr: float, device: str, weight_decay: float = 0.0,
-                 max_grad_norm: float = 0.0, lora: LoraConfig | None = None, seed: int = 0):
-        """`lora`: freeze `start` as the base and train adapters initialised from `seed`."""
+                 max_grad_norm: float = 0.0, lora: LoraConfig | None = None, seed: int = 0,
+                 shard_group: dist.ProcessGroup | None = None):
+        """`lora`: freeze `start` as the base and train adapters initialised from `seed`. `shard_group`: shard the
+        fp32 masters and AdamW's state over these ranks with FSDP2 (every rank passes the same fp32 `start`)."""
         self.max_grad_norm = max_grad_norm
         self.has_masters = master_dtype == "float32"
         self.lora = lora
@@ -44,7 +55,15 @@ class TrainWeights:
         self._base_checksum: str | None = None
         self.grad_buffer: torch.Tensor | None = None
         """During an update with masters: every master's fp32 gradient, one flat buffer (None otherwise)."""
-        if self.has_masters and lora is None:
+        self.sharded = None
+        """FSDP2: the sharded fp32 module, its DTensor parameters the masters (None: every tensor whole here)."""
+        if shard_group is not None:
+            if not self.has_masters or lora is not None:
+                raise ValueError("FSDP2 shards the fp32 masters of full fine-tuning: master_dtype='float32', no LoRA")
+            self.sharded = fsdp.shard(start, shard_group)
+            self.masters = dict(self.sharded.named_parameters())
+            self.model = build(start.config, device=device, dtype=torch.bfloat16, seed=None).requires_grad_(False)
+        elif self.has_masters and lora is None:
             # The starting model's own fp32 tensors become the masters: no second copy.
             self.masters = {k: v.detach().float() for k, v in start.state_dict().items()}
             self.model = build(start.config, device=device, dtype=torch.bfloat16, seed=None)
@@ -62,7 +81,7 @@ class TrainWeights:
                 init = {k: v.to(on) for k, v in init_adapters(self.model, lora, seed).items()}
                 copy_adapters(init, self.model)
                 self.masters = init if self.has_masters else adapter_state(self.model)
-        if self.has_masters:
+        if self.has_masters and self.sharded is None:
             named = dict(self.model.named_parameters())
             self._bf16 = [named[k] for k in self.masters]
             for k, m in self.masters.items():
@@ -75,6 +94,18 @@ class TrainWeights:
         for k in sorted(self.masters):
             groups[layer_group(k)].append(self.masters[k])
         self.groups = dict(groups)
+        if self.sharded is not None:
+            self.sync_model()
+
+    @property
+    def module(self):
+        """What the update's forward and backward run: the bf16 model, or the FSDP2 module (bf16 compute)."""
+        return self.model if self.sharded is None else self.sharded
+
+    def before_backward(self, last: bool) -> None:
+        """FSDP2: whether the coming backward is the mini-batch's last, which reduce-scatters the gradients."""
+        if self.sharded is not None:
+            fsdp.reduce_on_next_backward(self.sharded, last)
 
     def _into_master(self, master: torch.Tensor):
         def hook(p: torch.Tensor) -> None:
@@ -95,11 +126,19 @@ class TrainWeights:
         if missing:
             raise RuntimeError(f"no gradient reached {missing[:3]}: the update's backward did not run")
         self._release_main_grads()
-        total = torch.nn.utils.get_total_norm(list(grads.values()))
+        if self.sharded is None:
+            total = torch.nn.utils.get_total_norm(list(grads.values()))
+        else:   # the shards' sums of squares, summed over the ranks
+            total = self._sum_over_ranks(torch.nn.utils.get_total_norm([_local(g) for g in grads.values()])
+                                         .square()).sqrt()
         grad_norm = total.item()
-        if self.max_grad_norm:
+        if self.max_grad_norm and self.sharded is None:
             # torch's clip_grad_norm_ rule: scale by max_norm / (norm + 1e-6) when that is below 1.
             torch.nn.utils.clip_grads_with_norm_(self.params, self.max_grad_norm, total)
+        elif self.max_grad_norm:   # the same rule on each shard
+            scale = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+            for g in grads.values():
+                _local(g).mul_(scale)
         # The metrics' sums of squares stay on the device until one transfer at the end: a host sync per
         # tensor (hundreds per step) would stall the GPU between the groups' optimizer steps.
         sq_delta, sq_before = {}, {}
@@ -107,7 +146,7 @@ class TrainWeights:
             p.grad = None
         with torch.no_grad():
             for g, params in self.groups.items():
-                before = [p.detach().to(torch.float32, copy=True) for p in params]
+                before = [_local(p).detach().to(torch.float32, copy=True) for p in params]
                 for p in params:
                     p.grad = grads[p]
                 self.opt.step()
@@ -115,17 +154,21 @@ class TrainWeights:
                     p.grad = None
                 sq_before[g] = torch.nn.utils.get_total_norm(before, norm_type=2.0).double().square()
                 for b, p in zip(before, params):
-                    b.sub_(p)
+                    b.sub_(_local(p))
                 sq_delta[g] = torch.nn.utils.get_total_norm(before, norm_type=2.0).double().square()
                 del before
         names = list(sq_delta)
-        values = torch.stack([sq_delta[g] for g in names] + [sq_before[g] for g in names]).tolist()
+        values = self._sum_over_ranks(torch.stack([sq_delta[g] for g in names] + [sq_before[g] for g in names]))
+        values = values.tolist()
         sq_delta, sq_before = dict(zip(names, values[: len(names)])), dict(zip(names, values[len(names):]))
         self.sync_model()
         return {"grad_norm": grad_norm, **weight_delta_metrics(sq_delta, sq_before)}
 
     def zero_grad(self) -> None:
         """Before a mini-batch: with masters, their fp32 gradients as zeros, each bf16 parameter's `main_grad`."""
+        if self.sharded is not None:
+            fsdp.accumulate(self.sharded)
+            return
         for p in self.model.parameters():
             p.grad = None
         if not self.has_masters:
@@ -147,10 +190,21 @@ class TrainWeights:
         for p in self._bf16:
             p.main_grad = None
         self.grad_buffer = None
+        if self.sharded is not None:
+            fsdp.release(self.sharded)
+
+    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        """FSDP2: t (sums over this rank's shards) summed over the ranks; else t itself."""
+        if self.sharded is not None:
+            dist.all_reduce(t, group=fsdp.group(self.sharded))
+        return t
 
     def sync_model(self) -> None:
         """The bf16 model from the masters (after an optimizer step or a resume)."""
-        if self.has_masters:
+        if self.sharded is not None:   # the bf16 cast of the shards, gathered tensor by tensor, checked
+            fsdp.gather_bf16(self.sharded, self.model)
+            fsdp.check_gathered(self.sharded, self.model)
+        elif self.has_masters:
             (copy_weights if self.lora is None else copy_adapters)(
                 {k: v.detach() for k, v in self.masters.items()}, self.model)
 
@@ -159,3 +213,8 @@ class TrainWeights:
         if self._base_checksum is None:
             self._base_checksum = weights_checksum(base_state(self.model))
         return self._base_checksum
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2), the tensor itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
