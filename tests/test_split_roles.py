@@ -2,7 +2,9 @@
 processes on CPU started by `launch.spawn`, on the session's small arithmetic policy, 2 prompts x 2 completions a
 step. In invariant mode the run is the one-process run, bit for bit (synchronous, and with policy_lag=1, where the
 rollout rank really generates step s + 1 while rank 0 updates on step s); a resumed run is the uninterrupted one;
-a parity break, a corrupted weight sync and a bad config stop both ranks with the same error."""
+a parity break, a corrupted weight sync and a bad config stop both ranks with the same error. With 2 FSDP2 trainer
+ranks and a rollout rank (3 processes), the samples are one process's and the update its update up to summation
+order."""
 
 from __future__ import annotations
 
@@ -190,3 +192,37 @@ def test_bad_split_configs_say_what_to_set(policy, tmp_path, monkeypatch):
         TrainConfig(rollout_ranks=1, sync="copy", adapter="lora")
     with pytest.raises(ValueError, match="rollout_ranks must be an integer >= 0"):
         TrainConfig(rollout_ranks=-1)
+
+
+def _three_worker(policy: str, root: str) -> None:
+    from workbench.rl.trainer import train
+
+    launch.init("cpu")
+    train(_cfg(policy, Path(root) / "three", policy_lag=1, parallel="fsdp2"))
+
+
+def test_two_fsdp2_trainer_ranks_and_a_rollout_rank(policy, tmp_path):
+    """3 processes: ranks 0 and 1 train with FSDP2 over their own group of 2, rank 2 generates, at policy lag 1.
+    Every step samples with weights both runs hold bit for bit (step 2 with the start's, one update behind), so
+    what the samples decide is the one-process run's exactly; the update is its gradient up to summation order."""
+    from workbench.distributed.checkpoint import load
+    from workbench.models import build, load_pretrained
+    from workbench.rl.checkpoint import latest_checkpoint
+
+    single = _one_process(policy, tmp_path / "one", policy_lag=1)
+    launch.spawn(_three_worker, 3, policy, str(tmp_path))
+    assert single.wait(timeout=600) == 0, Path(f"{tmp_path / 'one'}.log").read_text()[-3000:]
+    three, one = _metrics(tmp_path / "three"), _metrics(tmp_path / "one")
+    sampled = ["reward_mean", "response_length", "parity_max_abs_diff", "parity_tokens_differing", "sampler_trainer_kl",
+               "policy_lag"]
+    pd.testing.assert_frame_equal(three[sampled], one[sampled], check_exact=True)
+    assert list(three["policy_lag"]) == [0, 1] and (three["parity_tokens_differing"] == 0).all()
+    for m in ("loss", "grad_norm", "weight_delta_l2"):
+        np.testing.assert_allclose(three[m], one[m], rtol=1e-5, atol=1e-7, err_msg=m)
+    a, b = np.load(tmp_path / "three" / "step1_logprobs.npz"), np.load(tmp_path / "one" / "step1_logprobs.npz")
+    for side in ("generator", "trainer"):
+        assert a[side].tobytes() == b[side].tobytes()
+    model = build(load_pretrained(policy).config, dtype=torch.float32, seed=None)
+    load(latest_checkpoint(tmp_path / "three"), model)   # the 2 ranks' DCP shards, whole in this process
+    ref = load_file(latest_checkpoint(tmp_path / "one") / "masters.safetensors")
+    assert max(float((ref[k] - v).abs().max()) for k, v in model.state_dict().items()) < 1e-6
