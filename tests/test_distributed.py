@@ -94,6 +94,15 @@ def _broadcast_worker() -> None:
     with pytest.raises(ValueError, match="source rank 0 passed no version"):
         broadcast.broadcast_weights(model, None)
 
+    # The source sends a kept version (a policy lag's older weights) by the model's names, not its model's own.
+    older = build("tiny", dtype=torch.bfloat16, seed=7)
+    kept = {k: v.detach().clone() for k, v in older.state_dict().items()}
+    res = broadcast.broadcast_weights(model, 6 if d.is_main else None, weights=kept if d.is_main else None)
+    assert res.version == 6 and weights_equal(dict(model.state_dict()), dict(older.state_dict())) == (d.rank == 1)
+    del kept["model.norm.weight"]   # named on every rank, not raised on the source alone (the others would wait)
+    with pytest.raises(ValueError, match=r"ranks \[1\] hold a model of another layout"):
+        broadcast.broadcast_weights(model, 7 if d.is_main else None, weights=kept if d.is_main else None)
+
 
 def test_broadcast_two_ranks():
     launch.spawn(_broadcast_worker, 2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -60,13 +61,25 @@ def test_one_step_lag_keeps_parity_against_the_weights_that_sampled(policy, tmp_
         TrainConfig(policy_lag=1)
 
 
-def test_lagged_resume_is_bitwise(policy, tmp_path):
-    kw = dict(policy_lag=1, sync="copy", lr=1e-2)
+@pytest.mark.parametrize("lag", [1, 2])
+def test_lagged_resume_is_bitwise(policy, tmp_path, lag):
+    """Stopped after step 1 + lag and resumed: at lag 2 the checkpoint after step 3 keeps versions 1 and 2 (the
+    trainer's own is 3), and the resumed step 5 samples with version 2, read back from generator-1.safetensors."""
+    kw = dict(policy_lag=lag, sync="copy", lr=1e-2, steps=1 + 2 * lag)
     full = train(_cfg(policy, tmp_path / "a", **kw))
-    train(_cfg(policy, tmp_path / "b", steps=2, **kw))
+    by = full.pivot(index="step", columns="metric", values="value")
+    assert list(by["policy_lag"]) == [min(s - 1, lag) for s in by.index]
+    train(_cfg(policy, tmp_path / "b", **{**kw, "steps": 1 + lag}))
+    if lag == 2:
+        ck = tmp_path / "b" / "checkpoints" / "step-000003"
+        assert json.loads((ck / "state.json").read_text())["generator_versions"] == [1, 2]
+        assert by["weight_delta_l2"][2] > 0, "versions 1 and 2 are the same bits: the resume would prove nothing"
     resumed = train(_cfg(policy, tmp_path / "b", resume=True, **kw))
     timing = full.metric.str.startswith("time_") | (full.metric == "tokens_per_s")
     pd.testing.assert_frame_equal(full[~timing].reset_index(drop=True), resumed[~timing].reset_index(drop=True))
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="policy_lag must be an integer >= 0"):
+            TrainConfig(policy_lag=bad, sync="copy")
 
 
 def test_tensorboard_gets_the_same_numbers(policy, tmp_path):

@@ -69,7 +69,9 @@ def _split_worker(policy: str, root: str) -> None:
         assert solo.world_size == 1 and solo.shard(3) == slice(0, 3) and solo.max([2.0]) == [2.0]
     # Invariant mode: synchronous (1 step), and policy_lag=1 (2 steps: step 2 samples with the weights before
     # step 1's update while the trainer updates on step 1).
-    tables = {"sync": train(_cfg(policy, out / "sync", steps=1)), "lag": train(_cfg(policy, out / "lag", policy_lag=1))}
+    # Policy lag 2, 4 steps: step 4 samples with version 1, which rank 0 sends from its kept copies.
+    tables = {"sync": train(_cfg(policy, out / "sync", steps=1)), "lag": train(_cfg(policy, out / "lag", policy_lag=1)),
+              "lag2": train(_cfg(policy, out / "lag2", policy_lag=2, steps=4))}
     if d.rank == 0:
         torch.save(tables, out / "tables.pt")
     else:
@@ -133,12 +135,13 @@ def _metrics(table: pd.DataFrame | Path) -> pd.DataFrame:
 
 def test_split_roles_match_one_process_bitwise_overlap_resume_and_stop_together(policy, tmp_path):
     one = {"sync": _one_process(policy, tmp_path / "one_sync", steps=1),
-           "lag": _one_process(policy, tmp_path / "one_lag", policy_lag=1)}
+           "lag": _one_process(policy, tmp_path / "one_lag", policy_lag=1),
+           "lag2": _one_process(policy, tmp_path / "one_lag2", policy_lag=2, steps=4)}
     launch.spawn(_split_worker, 2, policy, str(tmp_path))
     for name, p in one.items():
         assert p.wait(timeout=600) == 0, Path(f"{tmp_path / f'one_{name}'}.log").read_text()[-3000:]
 
-    for name in ("sync", "lag"):
+    for name in ("sync", "lag", "lag2"):
         split, single = tmp_path / name, tmp_path / f"one_{name}"
         # The rollout rank sampled the same tokens with the same log-probs, and the trainer computed the same bits.
         pd.testing.assert_frame_equal(_metrics(split), _metrics(single))
@@ -150,7 +153,9 @@ def test_split_roles_match_one_process_bitwise_overlap_resume_and_stop_together(
         steps = sorted(p.name for p in (single / "checkpoints").iterdir())
         assert steps == sorted(p.name for p in (split / "checkpoints").iterdir())
         for step in steps:
-            for f in ("masters.safetensors",) + (("generator.safetensors",) if name == "lag" else ()):
+            lagged = {"sync": (), "lag": ("generator.safetensors",),
+                      "lag2": ("generator.safetensors", "generator-1.safetensors")}[name]
+            for f in ("masters.safetensors", *lagged):
                 assert same_bits(load_file(split / "checkpoints" / step / f),
                                  load_file(single / "checkpoints" / step / f)), (name, step, f)
         # Rank 0 alone wrote the run's files, in the one-process layout.
@@ -160,6 +165,8 @@ def test_split_roles_match_one_process_bitwise_overlap_resume_and_stop_together(
     tables = torch.load(tmp_path / "tables.pt", weights_only=False)
     lag = tables["lag"].pivot(index="step", columns="metric", values="value")
     assert list(lag["policy_lag"]) == [0, 1] and lag["weight_delta_l2"][1] > 0, "step 2 sampled with moved weights"
+    lag2 = tables["lag2"].pivot(index="step", columns="metric", values="value")
+    assert list(lag2["policy_lag"]) == [0, 1, 2, 2] and lag2["weight_delta_l2"][1] > 0, "step 4: moved weights"
     # The overlap is real: the rollout rank generated step 2 while rank 0 trained on step 1 (wall-clock spans).
     assert lag["time_overlap"][2] > 0.5 * min(lag["time_generate"][2], lag["time_train"][1])
     synchronous = tables["sync"].set_index("metric")["value"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +72,14 @@ def named_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
             seen.add(key)
             out.append((name, t))
     return out
+
+
+def _matching(name: str, like: torch.Tensor, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """weights[name], to send in the place of the model's `like`. No error here, on the source alone, where the
+    receivers already wait in the header exchange: a missing tensor (empty in its place) or another shape or dtype
+    changes the source's layout hash, which every rank then reports alike."""
+    t = weights.get(name)
+    return torch.empty(0, dtype=like.dtype, device=like.device) if t is None else t.contiguous().to(like.device)
 
 
 def _layout_hash(named: list[tuple[str, torch.Tensor]]) -> int:
@@ -159,14 +167,18 @@ def _synchronize(device: torch.device) -> None:
 
 def broadcast_weights(model: nn.Module, version: int | None = None, *, src: int = 0,
                       group: dist.ProcessGroup | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                      check: bool = True) -> SyncResult:
+                      check: bool = True, weights: Mapping[str, torch.Tensor] | None = None) -> SyncResult:
     """Every rank of `group` (default: all) calls this with its own model of the same layout: rank `src` sends its
     weights and its `version` (the updates they hold), every other rank (version=None) receives them in place.
+    `weights` (the source only): send these tensors, by the model's names, instead of the model's own (a version the
+    source keeps beside its model: a policy lag's older weights).
     With `check`, the digests are compared afterwards (`verify_weights`). A layout mismatch is a ValueError, a
     digest mismatch a RuntimeError, raised on every rank alike."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     named = named_weights(model)
+    if weights is not None:
+        named = [(n, _matching(n, t, weights)) for n, t in named]
     device = _device(named)
     t0 = time.perf_counter()
     version = _exchange_header(named, version, src, group)

@@ -19,9 +19,11 @@ of step s, the order of step s + 1 with its weights, ...), which is why blocking
 deadlock. Trainer rank 0 orders step s + 1 (`advance`, called once step s's samples are in and again after its
 update) as soon as the weights that step samples with exist:
 - policy_lag 0: after the update of step s (its weights are the next step's);
-- policy_lag 1: right after step s's samples arrive, with the weights the trainer holds then (version s - 1, the
-  update of step s not yet made), so the rollout ranks generate step s + 1 while the trainer updates on step s:
-  the overlap is real, and the generator is exactly one update behind, as `policy_lag=1` means in one process.
+- policy_lag k >= 1: right after step s's samples arrive, with version s - k (the trainer holds s - 1 then, the
+  update of step s not yet made; older versions come from its kept copies), so the rollout ranks generate step
+  s + 1 while the trainer updates on step s: the overlap is real, and the generator is exactly k updates behind,
+  as `policy_lag=k` means in one process. The rollout ranks run at most one step ahead whatever k: a larger k
+  makes the samples older, not the overlap longer.
 The trainer computes with its own copy of the sampling weights (`workbench.rl.sync.WeightSync`), so the parity
 check compares the generator's log-probs with the trainer's kernels on the weights that sampled.
 
@@ -39,10 +41,11 @@ import contextlib
 import dataclasses
 import pickle
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -114,7 +117,7 @@ class Pipeline:
     """One rank's side of a run with split roles (every rank of the job builds one, in the same order)."""
 
     def __init__(self, dp: DataParallel, rollout_ranks: int, lag: int):
-        """`dp`: the whole job's (DataParallel.join); `lag`: the config's policy_lag (0 or 1)."""
+        """`dp`: the whole job's (DataParallel.join); `lag`: the config's policy_lag."""
         if not dp.process.distributed:
             raise ValueError(f"rollout_ranks={rollout_ranks} needs processes of their own for the rollouts: launch "
                              f"with torchrun --nproc-per-node N (N > {rollout_ranks}), or set rollout_ranks=0 to "
@@ -202,14 +205,16 @@ class Pipeline:
         return Received([x for s in shares for x in s.items], self.version, max(s.generate_s for s in shares),
                         max(s.wait_s for s in shares), wait, max(overlap, 0.0))
 
-    def advance(self, step: int, model: nn.Module, version: int) -> SyncResult | None:
-        """Called with the trainer's weights (`model`, of `version`) once step `step`'s samples are in, and again
-        after its update: orders step + 1 as soon as `version` is the one it samples with, max(step - lag, 0) (as
-        in one process: `workbench.rl.sync`). Returns the weight sync's result, None when none ran."""
+    def advance(self, step: int, model: nn.Module, version: int,
+                weights: Mapping[str, torch.Tensor] | None = None) -> SyncResult | None:
+        """Called with weights of `version` (`model`'s own, or `weights` by its names: a kept older version) once
+        step `step`'s samples are in, and again after its update: orders step + 1 as soon as `version` is the one
+        it samples with, max(step - lag, 0) (as in one process: `workbench.rl.sync`). Returns the weight sync's
+        result, None when none ran."""
         self._trained = (self._trained[0], time.time())
         if step >= self.last or self.ordered > step or version != max(step - self.lag, 0):
             return None
-        return self._release(step + 1, model, version)
+        return self._release(step + 1, model, version, weights)
 
     def end(self, error: BaseException | None = None) -> None:
         """Trainer ranks, at the run's end, at a time limit, or on an error every trainer rank raises: the rollout
@@ -232,7 +237,8 @@ class Pipeline:
             self.end(e)
             raise
 
-    def _release(self, step: int, model: nn.Module, version: int) -> SyncResult | None:
+    def _release(self, step: int, model: nn.Module, version: int,
+                 weights: Mapping[str, torch.Tensor] | None = None) -> SyncResult | None:
         """Orders `step` with the weights of `version`, broadcasting them first when the rollout ranks lack them.
         The sync's result on every trainer rank (the source's times; the other ranks' zero)."""
         self._order(Order(step, version))
@@ -241,7 +247,8 @@ class Pipeline:
             return None
         try:
             result = self.trainers.on_main(
-                lambda: broadcast_weights(model, version, src=self.roles.source, group=self.sync_group))
+                lambda: broadcast_weights(model, version, src=self.roles.source, group=self.sync_group,
+                                          weights=weights))
         except BaseException:
             self.closed = True
             raise

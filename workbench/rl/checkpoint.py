@@ -1,6 +1,10 @@
 """Resumable training checkpoints: the trained weights, AdamW's state, the lagged generator's weights,
 the config and the metrics so far.
 
+With a policy lag k the generator's weights (version s - k after step s) are `generator.safetensors`, and the
+versions the generator gets next, which the trainer no longer holds, `generator-1.safetensors` ... (k > 1); their
+versions are state.json's `generator_versions`.
+
 With LoRA the trained weights are the adapters alone (their fp32 masters and AdamW state); the frozen base is
 not copied: a resume rebuilds it from the run's starting policy and checks it by checksum. The folder is also a
 PEFT adapter folder (adapter_config.json + adapter_model.safetensors, the bf16 adapters the policy ran).
@@ -101,7 +105,7 @@ def last_good(out: Path) -> str:
 
 
 def save_checkpoint(out: Path, step: int, weights: TrainWeights, metrics: pd.DataFrame, cfg: TrainConfig,
-                    lagged: tuple[int, dict] | None) -> Path:
+                    lagged: list[tuple[int, dict]] | None) -> Path:
     root = out / "checkpoints"
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -112,20 +116,19 @@ def save_checkpoint(out: Path, step: int, weights: TrainWeights, metrics: pd.Dat
 
 
 def save_sharded_checkpoint(out: Path, step: int, weights: TrainWeights, metrics: pd.DataFrame, cfg: TrainConfig,
-                            lagged: tuple[int, dict] | None) -> Path:
+                            lagged: list[tuple[int, dict]] | None) -> Path:
     """FSDP2: every trainer rank calls it; each writes its shards (DCP), rank 0 the metrics and lagged weights."""
     def files(folder: Path) -> None:
         metrics.to_csv(folder / "metrics.csv", index=False)
-        if lagged is not None:
-            save_file({k: v.contiguous() for k, v in lagged[1].items()}, folder / "generator.safetensors")
+        _save_lagged(folder, lagged)
 
-    extra = {"config": asdict(cfg), "generator_version": None if lagged is None else lagged[0]}
+    extra = {"config": asdict(cfg), **_lagged_state(lagged)}
     return save_sharded(out / "checkpoints", step, weights.sharded, weights.opt, version=step, extra=extra, keep=KEEP,
                         group=fsdp.group(weights.sharded), files=files)
 
 
 def _save(root: Path, out: Path, step: int, weights: TrainWeights, metrics: pd.DataFrame, cfg: TrainConfig,
-          lagged: tuple[int, dict] | None) -> Path:
+          lagged: list[tuple[int, dict]] | None) -> Path:
     final = root / f"step-{step:06d}"
     tmp = root / f".step-{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -134,15 +137,13 @@ def _save(root: Path, out: Path, step: int, weights: TrainWeights, metrics: pd.D
     state = weights.opt.state_dict()
     tensors = {f"{i}.{k}": v for i, s in state["state"].items() for k, v in s.items() if torch.is_tensor(v)}
     save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "optimizer.safetensors")
-    if lagged is not None:
-        save_file({k: v.contiguous() for k, v in lagged[1].items()}, tmp / "generator.safetensors")
-    extra = {}
+    _save_lagged(tmp, lagged)
+    extra = _lagged_state(lagged)
     if weights.lora is not None:
         save_adapter(tmp, weights.lora, adapter_state(weights.model), base_model=cfg.policy)
         extra["base_checksum"] = weights.base_checksum()
     metrics.to_csv(tmp / "metrics.csv", index=False)
     (tmp / "state.json").write_text(json.dumps({"step": step, "config": asdict(cfg),
-                                                "generator_version": None if lagged is None else lagged[0],
                                                 "param_groups": state["param_groups"], **extra}, indent=1))
     for f in tmp.iterdir():
         fsync_path(f)
@@ -159,6 +160,22 @@ def _save(root: Path, out: Path, step: int, weights: TrainWeights, metrics: pd.D
     for legacy in (out / "checkpoint", out / ".checkpoint-old"):
         shutil.rmtree(legacy, ignore_errors=True)
     return final
+
+
+def _lagged_files(n: int) -> list[str]:
+    return ["generator.safetensors"] + [f"generator-{i}.safetensors" for i in range(1, n)]
+
+
+def _save_lagged(folder: Path, lagged: list[tuple[int, dict]] | None) -> None:
+    for name, (_, weights) in zip(_lagged_files(len(lagged or [])), lagged or []):
+        save_file({k: v.contiguous() for k, v in weights.items()}, folder / name)
+
+
+def _lagged_state(lagged: list[tuple[int, dict]] | None) -> dict:
+    """state.json's fields for the lagged versions (`generator_version`, the generator's own, as before k > 1)."""
+    if not lagged:
+        return {"generator_version": None}
+    return {"generator_version": lagged[0][0], "generator_versions": [v for v, _ in lagged]}
 
 
 def _read(path: Path, older: list[Path], **kw) -> dict:
@@ -192,8 +209,10 @@ def load_checkpoint(out: Path, weights: TrainWeights, cfg: TrainConfig, device: 
     else:
         _load_whole(ck, older, state, weights)
     lagged = None
-    if state.get("generator_version") is not None:
-        lagged = (state["generator_version"], _read(ck / "generator.safetensors", older, device=device))
+    if state.get("generator_version") is not None:   # a checkpoint of before k > 1 names one version
+        versions = state.get("generator_versions", [state["generator_version"]])
+        lagged = [(v, _read(ck / name, older, device=device))
+                  for v, name in zip(versions, _lagged_files(len(versions)))]
     metrics = pd.read_csv(ck / "metrics.csv")
     return state["step"], metrics, lagged
 

@@ -110,7 +110,8 @@ class TrainConfig:
     sync: str = "shared"
     """Weight sync into the generator: shared (same bf16 model), copy, or checkpoint (through disk)."""
     policy_lag: int = 0
-    """0: synchronous; 1: the generator samples with the weights one update behind (needs sync='copy')."""
+    """0: synchronous; k > 0: the generator samples with the weights k updates behind (needs sync='copy'; the trainer
+    keeps the last k + 1 versions in bf16)."""
     rollout_ranks: int = 0
     """Under torchrun: the last this-many ranks only generate, the others only train (0: every rank does both)."""
     parallel: str = "replicate"
@@ -185,10 +186,12 @@ class TrainConfig:
             raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; choose k1, k2 or k3")
         if self.sync not in ("shared", "copy", "checkpoint"):
             raise ValueError(f"sync must be 'shared', 'copy' or 'checkpoint', got {self.sync!r}")
-        if self.policy_lag not in (0, 1):
-            raise ValueError(f"policy_lag must be 0 (synchronous) or 1 (one step behind), got {self.policy_lag}")
+        if not isinstance(self.policy_lag, int) or isinstance(self.policy_lag, bool) or self.policy_lag < 0:
+            raise ValueError(f"policy_lag must be an integer >= 0 (0: synchronous; k: k updates behind), got "
+                             f"{self.policy_lag!r}")
         if self.policy_lag and self.sync != "copy":
-            raise ValueError("policy_lag=1 keeps the generator's weights apart from the trainer's: use sync='copy'")
+            raise ValueError(f"policy_lag={self.policy_lag} keeps the generator's weights apart from the trainer's: "
+                             "use sync='copy'")
         if self.rollout_ranks < 0:
             raise ValueError(f"rollout_ranks must be an integer >= 0 (0: every rank generates and trains), got "
                              f"{self.rollout_ranks!r}")

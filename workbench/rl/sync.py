@@ -2,8 +2,9 @@
 
 `shared`: the generator runs the trainer's bf16 model itself. `copy`: its own bf16 model, copied into in
 place (and into a running vLLM engine). `checkpoint`: through disk, as across processes. With
-`policy_lag=1` the generator keeps the weights of one update before the trainer's (an asynchronous
-pipeline's lag, reproduced exactly; the steps still run one after another).
+`policy_lag=k` the generator keeps the weights of k updates before the trainer's (an asynchronous
+pipeline's bounded policy age, reproduced exactly; the steps still run one after another): the trainer keeps the
+last k + 1 published versions, and a checkpoint the k it cannot rebuild.
 
 With LoRA (adapter='lora') only the adapters move: the generator gets the frozen base once, at the start
 (checked bitwise then), and each sync copies the adapters in place (`copy`) or through a PEFT folder
@@ -24,7 +25,7 @@ from .config import TrainConfig
 
 class WeightSync:
     def __init__(self, cfg: TrainConfig, model, out: Path, device: str, engine=None,
-                 lagged: tuple[int, dict] | None = None):
+                 lagged: list[tuple[int, dict]] | None = None):
         self.cfg, self.model, self.out, self.device, self.engine = cfg, model, out, device, engine
         self.lora = cfg.lora_config()
         self.generator = model if cfg.sync == "shared" else build(model.config, device=device,
@@ -37,13 +38,18 @@ class WeightSync:
                 raise RuntimeError("the generator's frozen base differs from the trainer's after its copy")
         self.version = 0
         self.moved_bytes = 0
-        self.history: list[tuple[int, dict]] = [lagged] if lagged is not None else []
+        self.history: list[tuple[int, dict]] = list(lagged or [])
         """(version, bf16 weights) the trainer published, oldest first (policy lag only)."""
 
     @property
-    def lagged(self) -> tuple[int, dict] | None:
-        """The generator's weights when they are not the trainer's (what a checkpoint must keep)."""
-        return self.history[0] if self.cfg.policy_lag and self.history else None
+    def lagged(self) -> list[tuple[int, dict]] | None:
+        """The published versions older than the trainer's own, oldest (the generator's) first: what a checkpoint
+        must keep (None without a policy lag)."""
+        return self.history[:-1] if self.cfg.policy_lag and self.history else None
+
+    def weights_of(self, version: int) -> dict | None:
+        """The published weights of `version` (policy lag: the last k + 1 are kept), or None."""
+        return next((w for v, w in self.history if v == version), None)
 
     def _trained(self, model) -> dict[str, torch.Tensor]:
         """The weights a sync moves: the whole model, or (LoRA) the adapters."""

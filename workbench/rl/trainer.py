@@ -5,8 +5,8 @@ reward -> the trainer's log-probs of the sampled tokens on the weights that samp
 against the generator's (the parity check) -> advantages -> update (epochs x mini-batches x
 micro-batches, `update.py`) -> sync (the generator gets the new weights, checked by checksum).
 
-Synchronous by default (policy lag 0). With `policy_lag=1` the generator samples with the weights of
-one update before the trainer's, as an asynchronous pipeline would (`sync.py`). The parity check always
+Synchronous by default (policy lag 0). With `policy_lag=k` the generator samples with the weights of
+k updates before the trainer's, as an asynchronous pipeline would (`sync.py`). The parity check always
 compares the generator with the trainer's kernels on the generator's weights, so it measures the kernel
 mismatch, never the lag. In `invariant` mode any difference stops the run (parity='error'), unless
 `sampler_noise` perturbs the sampler on purpose (a dose-response run: the mismatch is then its knob); in
@@ -30,9 +30,10 @@ update, and every trainer rank writes its shards of each checkpoint (DCP).
 
 With `rollout_ranks = r > 0` the last r ranks only generate (`_serve`: a bf16 generator, no masters, no optimizer)
 and the others only train (`workbench.distributed.pipeline`): the step's rollout is then the rollout ranks' samples
-arriving, each with the weight version that drew them, and its sync a broadcast to them. With `policy_lag=1` they
-generate the next step while this one trains; the trainer keeps the lagged weights (`WeightSync`) to check parity
-on the weights that sampled. In invariant mode the run is the one-process run, bit for bit.
+arriving, each with the weight version that drew them, and its sync a broadcast to them. With a policy lag k >= 1
+they generate the next step while this one trains; the trainer keeps the last k + 1 versions (`WeightSync`) to send
+the older ones and to check parity on the weights that sampled. In invariant mode the run is the one-process run,
+bit for bit.
 """
 
 from __future__ import annotations
@@ -277,8 +278,11 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
             raise RuntimeError(f"step {step}: the rollout ranks sampled with weights version {received.version} "
                                f"(this rank holds {gen_version} for the check), or other prompts than this rank's")
         t_received = time.perf_counter()
-        # Policy lag 1: the rollout ranks go on to the next step now, with these weights, while this one trains.
-        sent.append(run.pipeline.advance(step, model, version))
+        # Policy lag k >= 1: step s + 1 samples with version s - k, which exists already (a kept copy): the rollout
+        # ranks go on to the next step now, while this one trains. (At lag 0 it needs this step's update.)
+        need = max(step - cfg.policy_lag, 0)
+        if cfg.policy_lag:
+            sent.append(run.pipeline.advance(step, model, need, sync.weights_of(need)))
     elif sync.engine is not None:
         completions = sync.engine.generate(prompts, sampling, request_ids=ids).completions
     else:
