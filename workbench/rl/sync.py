@@ -47,9 +47,13 @@ class WeightSync:
         must keep (None without a policy lag)."""
         return self.history[:-1] if self.cfg.policy_lag and self.history else None
 
-    def weights_of(self, version: int) -> dict | None:
-        """The published weights of `version` (policy lag: the last k + 1 are kept), or None."""
-        return next((w for v, w in self.history if v == version), None)
+    def weights_of(self, version: int) -> dict:
+        """The published weights of `version` (policy lag: the last k + 1 are kept)."""
+        for v, w in self.history:
+            if v == version:
+                return w
+        raise RuntimeError(f"weights version {version} is not among the kept ones {[v for v, _ in self.history]}: "
+                           "the policy-lag bookkeeping is broken")
 
     def _trained(self, model) -> dict[str, torch.Tensor]:
         """The weights a sync moves: the whole model, or (LoRA) the adapters."""
