@@ -70,6 +70,10 @@ class RolloutBatch:
 
     def micro_batches(self, index: torch.Tensor | None, max_tokens: int) -> list[MicroBatch]:
         """The rows `index` (default all) cut into micro-batches of at most `max_tokens` padded tokens."""
+        return [self._micro_batch(g) for g in self.row_groups(index, max_tokens)]
+
+    def row_groups(self, index: torch.Tensor | None, max_tokens: int) -> list[list[int]]:
+        """The rows of each micro-batch `micro_batches` cuts (host only: how many there will be, cheaply)."""
         rows = list(range(len(self))) if index is None else [int(i) for i in index]
         length = {i: len(self.prompts[i]) + len(self.completions[i]) for i in rows}
         order = sorted(rows, key=lambda i: (-length[i], i))
@@ -82,7 +86,7 @@ class RolloutBatch:
             current.append(i)
         if current:
             groups.append(current)
-        return [self._micro_batch(g) for g in groups]
+        return groups
 
     @cached_property
     def _padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

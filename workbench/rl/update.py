@@ -83,7 +83,7 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
     budget = cfg.max_tokens_per_microbatch
     counts = None
     if weights.sharded is not None:   # FSDP2: the same number of forwards and backwards on every rank
-        counts = iter(dp.max([len(batch.micro_batches(rows, budget)) for parts in plan for _, rows in parts]))
+        counts = iter(dp.max([len(batch.row_groups(rows, budget)) for parts in plan for _, rows in parts]))
     for parts in plan:
         for size, rows in parts:
             totals = Totals(size, int(next(tokens)))
