@@ -179,7 +179,8 @@ def rl_table(names: list[str], args) -> list[str]:
         later = m[m.index > 1] if len(m) > 1 else m
         steady[name] = later
         step_s = later["time_step"].median()
-        tokens = (later["response_length"] * cfg.prompts_per_step * cfg.group_size / later["time_step"]).mean()
+        # Medians: a step that still compiles or autotunes (a shape the Triton cache has not seen) is an outlier.
+        tokens = (later["response_length"] * cfg.prompts_per_step * cfg.group_size / later["time_step"]).median()
         busy = ""
         if cfg.rollout_ranks:
             rollout = (later["time_generate"] / later["time_step"]).mean()

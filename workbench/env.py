@@ -23,6 +23,15 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def placed(device: str | torch.device) -> str:
+    """`device` with its GPU named: safetensors reads a bare 'cuda' as cuda:0, torch as the current GPU (under
+    torchrun each rank's own, set by `launch.init`), so a reader told 'cuda' would put every rank's tensors on GPU 0."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return str(d)
+
+
 def git_sha(cwd: str | Path | None = None) -> str:
     """The checkout's commit (with '-dirty' if it has uncommitted changes), or 'unknown'.
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .broadcast import digest, named_weights
-from .launch import Dist, init, shutdown
+from .launch import Dist, init
 
 GRAD_BUCKET_ELEMENTS = 64 * 2**20
 """Gradients without a flat buffer are summed in fp32 buckets of this many elements (256 MiB): one collective
@@ -50,23 +50,13 @@ class DataParallel:
 
     process: Dist
     """This process's rank, world size and device."""
-    owns_group: bool = False
-    """Whether `join` created the process group (then `close` destroys it)."""
     group: dist.ProcessGroup | None = None
     """The ranks that train together, their first member global rank 0 (None: every rank of the job)."""
 
     @classmethod
     def join(cls, device: str) -> DataParallel:
         """Joins the job torchrun started (`launch.init`), or one process without torchrun's variables."""
-        existed = dist.is_initialized()
-        d = init(device)
-        return cls(d, owns_group=d.distributed and not existed)
-
-    def close(self) -> None:
-        """Leaves the process group if `join` created it (the end of a run)."""
-        if self.owns_group:
-            shutdown()
-            self.owns_group = False
+        return cls(init(device))
 
     @property
     def rank(self) -> int:

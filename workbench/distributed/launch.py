@@ -10,6 +10,7 @@ torchrun's variables set, so a test or a CPU trial goes through the same `init` 
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from collections.abc import Callable
@@ -105,6 +106,9 @@ def from_env(device: str | torch.device = "cpu", env: dict[str, str] | None = No
 def init(device: str | torch.device = "cuda", timeout_s: float | None = None) -> Dist:
     """Joins the job torchrun started (NCCL for 'cuda', gloo for 'cpu') and returns this process's `Dist`; a
     single-process Dist, with no process group, outside torchrun. Calling it again returns the same Dist.
+    The group lasts until the process exits (or `shutdown`): a later run of the same job joins it again. Tearing
+    it down and building it anew on the same port is a race: a rank that finished first reached the old
+    rendezvous store before rank 0 closed it, and NCCL's set-up failed on the dropped connection.
 
     timeout_s: how long a collective may wait for the other ranks before failing (torch's default otherwise: a
     rank that died leaves the others blocked until then)."""
@@ -124,11 +128,12 @@ def init(device: str | torch.device = "cuda", timeout_s: float | None = None) ->
                             timeout=None if timeout_s is None else timedelta(seconds=timeout_s),
                             # NCCL: bind the communicator to this GPU now, not at the first collective.
                             device_id=d.device if d.device.type == "cuda" else None)
+    atexit.register(shutdown)
     return d
 
 
 def shutdown() -> None:
-    """Destroys the process group if one exists (the end of a run; a no-op for one process)."""
+    """Destroys the process group if one exists (at exit; a no-op for one process)."""
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -126,10 +126,10 @@ class Pipeline:
         self.rank = dp.rank
         self.lag = lag
         # new_group is a collective over the whole job, members or not: every rank creates both, in one order.
-        trainer_group = dist.new_group(list(self.roles.trainer))
+        self.trainer_group = trainer_group = dist.new_group(list(self.roles.trainer))
         self.sync_group = dist.new_group([self.roles.source, *self.roles.receivers])
         self.is_rollout = self.rank in self.roles.receivers
-        self.trainers = None if self.is_rollout else dataclasses.replace(dp, group=trainer_group, owns_group=False)
+        self.trainers = None if self.is_rollout else dataclasses.replace(dp, group=trainer_group)
         """The trainer ranks' DataParallel (None on a rollout rank)."""
         self.version: int | None = None
         """The weights version the rollout ranks hold (None: not sent yet)."""
@@ -227,6 +227,13 @@ class Pipeline:
             self.gathered = self.ordered
         self._order(Order(None, error=_portable(error)))
         self.closed = True
+
+    def leave(self) -> None:
+        """Every rank, after a run that ended without an error: the run's two groups destroyed once every rank is
+        done with them (the job's group stays for the next run of the same job)."""
+        dist.barrier()
+        for group in (self.trainer_group, self.sync_group):
+            dist.destroy_process_group(group)
 
     @contextlib.contextmanager
     def stop_on_error(self) -> Iterator[None]:

@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..env import placed
 from .config import FAMILIES, ModelConfig, RopeScaling
 from .transformer import CausalLM, build, check_weights
 
@@ -160,7 +161,7 @@ def _read_tensors(files: list[Path], dtype: torch.dtype, device) -> dict[str, to
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            with safe_open(f, framework="pt", device=str(device)) as fh:
+            with safe_open(f, framework="pt", device=placed(device)) as fh:
                 for name in fh.keys():
                     t = fh.get_tensor(name)
                     tensors[name.removeprefix("_orig_mod.")] = t.to(dtype) if t.is_floating_point() else t

@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..env import placed
 from .checkpoint import CheckpointError, checkpoint_dtype, load_pretrained, save_pretrained
 from .lora import PROJECTIONS, LoraConfig, attach, copy_adapters, merge
 
@@ -95,7 +96,7 @@ def read_adapter(path: str | os.PathLike, device: str | torch.device = "cpu"
     cfg = read_adapter_config(path)
     file = Path(path) / WEIGHTS
     try:
-        tensors = load_file(file, device=str(device))
+        tensors = load_file(file, device=placed(device))
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{file}: missing, corrupt or unreadable safetensors file ({e})") from None
     return cfg, {from_peft_name(k): v for k, v in tensors.items()}

@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file
 from ..distributed import fsdp
 from ..distributed.checkpoint import load as load_sharded
 from ..distributed.checkpoint import save as save_sharded
+from ..env import placed
 from ..files import fsync_path
 from ..models.lora import adapter_state
 from ..models.peft import save_adapter
@@ -211,7 +212,7 @@ def load_checkpoint(out: Path, weights: TrainWeights, cfg: TrainConfig, device: 
     lagged = None
     if state.get("generator_version") is not None:   # a checkpoint of before k > 1 names one version
         versions = state.get("generator_versions", [state["generator_version"]])
-        lagged = [(v, _read(ck / name, older, device=device))
+        lagged = [(v, _read(ck / name, older, device=placed(device)))
                   for v, name in zip(versions, _lagged_files(len(versions)))]
     metrics = pd.read_csv(ck / "metrics.csv")
     return state["step"], metrics, lagged

@@ -219,10 +219,10 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
                     break
             if run.pipeline:
                 run.pipeline.end()
+                run.pipeline.leave()
     finally:
         bar.close()
         table = run.log.close()
-        run.world.close()
     return table
 
 
@@ -233,11 +233,9 @@ def _serve(run: Run) -> pd.DataFrame:
         _, prompts, sampling, rows = _step_prompts(run, step)
         return generate(run.generator, prompts, sampling, request_ids=list(range(rows.start, rows.stop))).completions
 
-    try:
-        with mode(run.cfg.kernel_mode):
-            run.pipeline.serve(run.generator, sample)
-    finally:
-        run.world.close()
+    with mode(run.cfg.kernel_mode):
+        run.pipeline.serve(run.generator, sample)
+    run.pipeline.leave()
     return run.log.table()
 
 
