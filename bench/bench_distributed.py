@@ -14,11 +14,12 @@ split roles, synchronous and asynchronous, each figure beside its baseline measu
    - `split-sync` / `split-async`: 2 x --prompts on 2 GPUs with split roles (rank 1 generates, rank 0 trains), at
      policy lag 0 and 1 (rank 1 generates step s + 1 while rank 0 updates on step s);
    - `parity`: 1 GPU, 2 x --prompts, one step: the world-size-1 log-probs every 2-GPU run's step 1 must equal.
-   Steps after the first (compilation, autotuning) count: sampled tokens per second of step time, the step time,
-   and for split roles the share of each step each rank worked (rank 1: generating; rank 0: all but waiting for
-   samples) from the run's own metrics. Parity: tokens differing between generator and trainer over every rank's
-   rows of every step (0 in invariant mode, or the run stops), and step 1's log-probs of both sides against the
-   `parity` run, bitwise.
+   Steps after --warmup count (the first compiles; on a fresh machine the first run's second step still autotunes
+   the generator, and a 1-GPU run that goes first would be charged for it): the median sampled tokens per second of
+   step time, the median step time, and for split roles the share of each step each rank worked (rank 1:
+   generating; rank 0: all but waiting for samples) from the run's own metrics. Parity: tokens differing between
+   generator and trainer over every rank's rows of every step (0 in invariant mode, or the run stops), and step
+   1's log-probs of both sides against the `parity` run, bitwise.
 
 Each run writes its folder under --work and is skipped when its metrics are complete, so a command cut off by a
 time limit goes on where it stopped (the device allows 10 minutes a command).
@@ -26,7 +27,7 @@ time limit goes on where it stopped (the device allows 10 minutes a command).
     python bench/bench_distributed.py --out runs/bench_distributed.md                      # 2 GPUs, Qwen3-1.7B
     python bench/bench_distributed.py --parts broadcast                                     # the broadcast only
     TRITON_INTERPRET=1 python bench/bench_distributed.py --device cpu --shape tiny --prompts 1 --group 2 \\
-        --new-tokens 3 --steps 2 --work /tmp/bd                                             # a CPU trial (gloo)
+        --new-tokens 3 --steps 2 --warmup 1 --work /tmp/bd                                  # a CPU trial (gloo)
 """
 
 from __future__ import annotations
@@ -176,10 +177,9 @@ def rl_table(names: list[str], args) -> list[str]:
     for name in names:
         world, cfg = _run_config(name, args, policy)
         m = _metrics(cfg)
-        later = m[m.index > 1] if len(m) > 1 else m
+        later = m[m.index > args.warmup] if len(m) > args.warmup else m
         steady[name] = later
         step_s = later["time_step"].median()
-        # Medians: a step that still compiles or autotunes (a shape the Triton cache has not seen) is an outlier.
         tokens = (later["response_length"] * cfg.prompts_per_step * cfg.group_size / later["time_step"]).median()
         busy = ""
         if cfg.rollout_ranks:
@@ -193,7 +193,8 @@ def rl_table(names: list[str], args) -> list[str]:
                                 for a, k in zip(reference, ("generator", "trainer"))) else "**no**"
         rows[name] = (world, cfg, tokens, step_s, int(m["parity_tokens_differing"].sum()), busy, same)
     out = ["", f"### RL steps, {args.shape} (random weights), invariant, {args.group} completions x "
-           f"{args.new_tokens} new tokens, steps 2..{args.steps} (step 1: compilation)", "",
+           f"{args.new_tokens} new tokens, medians of steps {args.warmup + 1}..{args.steps} (before: compilation, "
+           "autotuning)", "",
            "| run | GPUs | prompts/step | sampled tokens/s | step s | x `one` tokens/s | tokens differing | "
            "busy (rollout / trainer) | step 1 log-probs = 1 GPU's |", "|---|---|---|---|---|---|---|---|---|"]
     base = rows.get("one")
@@ -229,7 +230,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32, help="prompts a step per GPU (the `one` run's)")
     ap.add_argument("--group", type=int, default=8, help="completions per prompt")
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures")
     ap.add_argument("--microbatch-tokens", type=int, default=16384)
     ap.add_argument("--reps", type=int, default=5, help="broadcasts timed")
     ap.add_argument("--link-gbs", type=float, default=450.0,

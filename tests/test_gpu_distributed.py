@@ -88,9 +88,9 @@ def test_gpu_world_size_two_is_one_process_bitwise(policy, tmp_path):
         differing = metrics[metrics.metric == "parity_tokens_differing"].value
         assert len(differing) == 2 and (differing == 0).all(), name
     # Split roles with one trainer rank: the one-process run with the same policy lag, metrics bit for bit.
-    # Both tables read back from their CSVs the same way: pandas' default float parser is not round-trip exact
-    # (0.10000000149011612 came back as 0.1000000014901161).
-    split, ref = (pd.read_csv(tmp_path / name / "metrics.csv", float_precision="round_trip")
+    # Both tables read back from their CSVs with Python's float(), which is exact: pandas' default parser may be off
+    # by an ulp (0.10000000149011612 came back as 0.1000000014901161), and its float_precision is deprecated.
+    split, ref = (pd.read_csv(tmp_path / name / "metrics.csv", converters={"value": float})
                   .pivot(index="step", columns="metric", values="value") for name in ("split", "one-lag"))
     kept = [c for c in ref.columns if not c.startswith(TIMES)]
     pd.testing.assert_frame_equal(split[kept], ref[kept], check_exact=True)

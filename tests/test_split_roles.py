@@ -128,7 +128,8 @@ def _metrics(table: pd.DataFrame | Path) -> pd.DataFrame:
     """The metrics that are the same bits in equal runs, by step: not the times, nor the bytes a sync moved (a split
     run broadcasts what one process copies, and a resumed one sends its lagged weights at its start)."""
     if isinstance(table, Path):
-        table = pd.read_csv(table / "metrics.csv", float_precision="round_trip")   # the default parser is not exact
+        # float() reads a value back exactly; pandas' default parser may be off by an ulp
+        table = pd.read_csv(table / "metrics.csv", converters={"value": float})
     by = table.pivot(index="step", columns="metric", values="value")
     return by.loc[:, ~(by.columns.str.startswith("time_") | by.columns.isin(["tokens_per_s", "sync_bytes"]))]
 

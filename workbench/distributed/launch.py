@@ -201,6 +201,9 @@ def free_port() -> int:
 def _spawned(local_rank: int, fn: Callable[..., None], world_size: int, port: int, args: tuple) -> None:
     os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # As torchrun: one CPU thread per process unless OMP_NUM_THREADS says otherwise (N processes each spinning up
+    # a thread per core oversubscribe the host; torch was imported before this line, so the count is set here).
+    torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
     try:
         fn(*args)
         # Every rank done before any tears its connections down: a gloo rank whose peer destroyed the group while
