@@ -44,7 +44,6 @@ def test_notebooks_are_thin_and_parameterised(path):
         assert not isinstance(node, (ast.FunctionDef, ast.ClassDef)), f"{path.name}: logic belongs in the package"
 
 
-@pytest.mark.slow
 def _this_commits_nightly() -> Path | None:
     """The finished CPU nightly that CI's set-up step ran from this very commit (a clean tree: `git_sha` has no
     '-dirty'), if there is one: checking its folder takes seconds, running it again 7 minutes on 2 cores."""
@@ -58,6 +57,7 @@ def _this_commits_nightly() -> Path | None:
     return None
 
 
+@pytest.mark.slow   # when no nightly of this commit is there to check
 def test_smoke_nightly_runs_every_notebook(tmp_path):
     folder = _this_commits_nightly()
     if folder is None:
