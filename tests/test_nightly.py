@@ -50,9 +50,15 @@ def _this_commits_nightly() -> Path | None:
     sha = git_sha(ROOT)
     if sha == "unknown" or sha.endswith("-dirty"):
         return None
-    for folder in sorted((ROOT / "runs" / "nightly").glob(f"*_{sha}*"), reverse=True):
-        env = folder / "env.json"
-        if (folder / "summary.md").exists() and env.exists() and json.loads(env.read_text())["git_sha"] == sha:
+    root = ROOT / "runs" / "nightly"   # <date>_<sha>, or <date>_<sha>_<time> when that folder existed
+    for folder in sorted([*root.glob(f"*_{sha}"), *root.glob(f"*_{sha}_*")], reverse=True):
+        if not all((folder / f).exists() for f in ("summary.md", "env.json", "config.yaml", "status.csv")):
+            continue   # a run still going, or one that was cut off
+        settings = yaml.safe_load((folder / "config.yaml").read_text())
+        # Only the set-up's own run on this CPU (smoke, every notebook, no named inputs): a `--only 01` or `--policy`
+        # run tells less.
+        cpu_smoke = settings["scale"] != "full" and resolve_device(settings["device"]) == "cpu"
+        if cpu_smoke and not any(settings[k] for k in ("only", "policy", "metrics", "grid")):
             return folder
     return None
 

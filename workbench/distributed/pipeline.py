@@ -126,10 +126,10 @@ class Pipeline:
         self.rank = dp.rank
         self.lag = lag
         # new_group is a collective over the whole job, members or not: every rank creates both, in one order.
-        self.trainer_group = trainer_group = dist.new_group(list(self.roles.trainer))
+        self.trainer_group = dist.new_group(list(self.roles.trainer))
         self.sync_group = dist.new_group([self.roles.source, *self.roles.receivers])
         self.is_rollout = self.rank in self.roles.receivers
-        self.trainers = None if self.is_rollout else dataclasses.replace(dp, group=trainer_group)
+        self.trainers = None if self.is_rollout else dataclasses.replace(dp, group=self.trainer_group)
         """The trainer ranks' DataParallel (None on a rollout rank)."""
         self.version: int | None = None
         """The weights version the rollout ranks hold (None: not sent yet)."""
