@@ -17,9 +17,9 @@ split roles, synchronous and asynchronous, each figure beside its baseline measu
    Steps after --warmup count (the first compiles; on a fresh machine the first run's second step still autotunes
    the generator, and a 1-GPU run that goes first would be charged for it): the median sampled tokens per second of
    step time, the median step time, and for split roles the share of each step each rank worked (rank 1:
-   generating; rank 0: all but waiting for samples) from the run's own metrics. Parity: tokens differing between
-   generator and trainer over every rank's rows of every step (0 in invariant mode, or the run stops), and step
-   1's log-probs of both sides against the `parity` run, bitwise.
+   generating and scoring its samples with the trainer's forward; rank 0: all but waiting for samples) from the
+   run's own metrics. Parity: tokens differing between generator and trainer over every rank's rows of every step
+   (0 in invariant mode, or the run stops), and step 1's log-probs of both sides against the `parity` run, bitwise.
 
 Each run writes its folder under --work and is skipped when its metrics are complete, so a command cut off by a
 time limit goes on where it stopped (the device allows 10 minutes a command).
@@ -183,7 +183,7 @@ def rl_table(names: list[str], args) -> list[str]:
         tokens = (later["response_length"] * cfg.prompts_per_step * cfg.group_size / later["time_step"]).median()
         busy = ""
         if cfg.rollout_ranks:
-            rollout = (later["time_generate"] / later["time_step"]).mean()
+            rollout = ((later["time_generate"] + later["time_score"]) / later["time_step"]).mean()
             trainer = (1 - later["time_trainer_wait"] / later["time_step"]).mean()
             busy = f"{rollout:.0%} / {trainer:.0%}"
         same = ""
@@ -212,8 +212,9 @@ def rl_table(names: list[str], args) -> list[str]:
                 out.append(f"- split-async step / {sync} step (same batch, same 2 GPUs): "
                            f"{rows['split-async'][3] / rows[sync][3]:.2f}{target}")
         over = steady["split-async"]
-        out.append(f"- split-async: generation overlapped with the previous update "
-                   f"{over['time_overlap'].sum() / over['time_generate'].sum():.0%} of its time; weights sent "
+        work = over["time_generate"].sum() + over["time_score"].sum()
+        out.append(f"- split-async: the rollout rank's generating and scoring overlapped with the previous update "
+                   f"{over['time_overlap'].sum() / work:.0%} of its time; weights sent "
                    f"{over['time_sync'].median():.3f} s a step (median)")
     if base and "two" in rows:
         out.append(f"- two / one sampled tokens/s (same config per GPU): {rows['two'][2] / base[2]:.2f} "

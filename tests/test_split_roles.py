@@ -26,8 +26,8 @@ from workbench.distributed import launch
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
 
-SPLIT_ONLY = ("time_rollout_wait", "time_trainer_wait", "time_overlap")
-"""Metrics a run with split roles adds (the rollout ranks' waits, the trainer's, the overlap)."""
+SPLIT_ONLY = ("time_score", "time_rollout_wait", "time_trainer_wait", "time_overlap")
+"""Metrics a run with split roles adds (the rollout ranks' scoring and waits, the trainer's wait, the overlap)."""
 
 
 def _cfg(policy: str, out, **kw):
@@ -234,3 +234,25 @@ def test_two_fsdp2_trainer_ranks_and_a_rollout_rank(policy, tmp_path):
     load(latest_checkpoint(tmp_path / "three"), model)   # the 2 ranks' DCP shards, whole in this process
     ref = load_file(latest_checkpoint(tmp_path / "one") / "masters.safetensors")
     assert max(float((ref[k] - v).abs().max()) for k, v in model.state_dict().items()) < 1e-6
+
+
+def test_samples_travel_packed_and_come_back_whole():
+    """A share's completions cross the wire with their tensor fields packed into one flat tensor a field; after a
+    pickle round trip each completion has its own values back, of random lengths (0 included)."""
+    import pickle
+
+    from workbench.distributed.pipeline import _pack, _unpack
+    from workbench.generation.generator import Completion
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    lengths = [int(n) for n in torch.randint(0, 9, (7,), generator=g)] + [0]
+    items = [Completion(i, [1, 2, i], list(range(n)), torch.randn(n, generator=g), torch.randn(n, generator=g),
+                        "stop" if n % 2 else "length") for i, n in enumerate(lengths)]
+    bare, columns = _pack(items)
+    assert sorted(columns) == ["logprobs", "sampled_logprobs"] and all(x.logprobs is None for x in bare)
+    back = _unpack(*pickle.loads(pickle.dumps((bare, columns))))
+    for a, b in zip(items, back, strict=True):
+        assert (a.request_id, a.prompt, a.tokens, a.finish_reason) == (b.request_id, b.prompt, b.tokens,
+                                                                       b.finish_reason)
+        assert same_bits({"l": a.logprobs, "s": a.sampled_logprobs}, {"l": b.logprobs, "s": b.sampled_logprobs})
+    assert _pack([]) == ([], {}) and _pack([3, 4]) == ([3, 4], {})

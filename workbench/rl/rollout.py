@@ -61,6 +61,13 @@ class RolloutBatch:
         return cls([list(p) for p in prompts], [list(c.tokens) for c in completions], behavior.to(device),
                    mask.to(device), pad_id)
 
+    def spread(self, flat: torch.Tensor) -> torch.Tensor:
+        """[B, T] fp32 on the batch's device from one value per real completion token, row after row (0 on
+        padding)."""
+        out = torch.zeros_like(self.mask)
+        out[self.mask.bool()] = flat.to(self.device)
+        return out
+
     def __len__(self) -> int:
         return len(self.prompts)
 

@@ -30,7 +30,9 @@ update, and every trainer rank writes its shards of each checkpoint (DCP).
 
 With `rollout_ranks = r > 0` the last r ranks only generate (`_serve`: a bf16 generator, no masters, no optimizer)
 and the others only train (`workbench.distributed.pipeline`): the step's rollout is then the rollout ranks' samples
-arriving, each with the weight version that drew them, and its sync a broadcast to them. With a policy lag k >= 1
+arriving, each with the weight version that drew them and the trainer's log-probs of its tokens (a rollout rank
+runs the trainer's forward on the weights it sampled with: `score`, the same bits anywhere), and its sync a
+broadcast to them. With a policy lag k >= 1
 they generate the next step while this one trains; the trainer keeps the last k + 1 versions (`WeightSync`) to send
 the older ones and to check parity on the weights that sampled. In invariant mode the run is the one-process run,
 bit for bit.
@@ -229,12 +231,21 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
 def _serve(run: Run) -> pd.DataFrame:
     """A rollout rank's run (split roles): it generates the steps trainer rank 0 orders, with the weights it sends.
     Returns an empty table: the metrics are the trainer ranks' (rank 0 writes them)."""
+    cfg = run.cfg
+
     def sample(step: int) -> list:   # the completions' log-probs are host tensors: they travel pickled
         _, prompts, sampling, rows = _step_prompts(run, step)
         return generate(run.generator, prompts, sampling, request_ids=list(range(rows.start, rows.stop))).completions
 
-    with mode(run.cfg.kernel_mode):
-        run.pipeline.serve(run.generator, sample)
+    def rescore(completions: list) -> tuple[torch.Tensor, torch.Tensor]:   # the parity check's other side
+        batch = RolloutBatch.from_generation([c.prompt for c in completions], completions, run.tok.pad_token_id or 0,
+                                             run.device)
+        real = batch.mask.bool()
+        return tuple(t[real].cpu() for t in score(run.generator, batch, cfg.max_tokens_per_microbatch,
+                                                  cfg.temperature, with_entropy=True))
+
+    with mode(cfg.kernel_mode):
+        run.pipeline.serve(run.generator, sample, rescore)
     run.pipeline.leave()
     return run.log.table()
 
@@ -296,10 +307,16 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
                            device=run.device)
     scores = [run.task.scores(t, p) for t, p in zip(texts, group)]
 
-    # The trainer's log-probs on the weights that sampled: the parity check, and the old policy.
+    # The trainer's log-probs on the weights that sampled: the parity check, and the old policy (split roles: the
+    # rollout ranks computed them, with the trainer's forward, on those weights).
     budget = cfg.max_tokens_per_microbatch
-    recomputed, entropy = score(sync.generator if gen_version != version else model, batch, budget,
-                                cfg.temperature, with_entropy=True)
+    if run.pipeline is not None:   # the whole step's tokens one after another: this rank's rows are one stretch
+        lengths = [len(c.tokens) for c in received.items]
+        first = sum(lengths[: rows.start])
+        recomputed, entropy = (batch.spread(t[first: first + sum(lengths[rows])]) for t in received.scored)
+    else:
+        recomputed, entropy = score(sync.generator if gen_version != version else model, batch, budget,
+                                    cfg.temperature, with_entropy=True)
     # Over the whole step: a break on any rank stops every rank, each raising the same error.
     behavior_all, recomputed_all, mask_all = dp.gather_rows(batch.behavior, recomputed, batch.mask)
     parity = parity_stats(behavior_all, recomputed_all, mask_all)
@@ -368,8 +385,9 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     scores, lengths, truncated = (list(column) for column in zip(*per_sequence))
     seconds = {"generate": t_gen - t0, "train": t_train - t_gen, "sync": t_sync - t_train, "step": t_sync - t0}
     if run.pipeline is not None:   # the rollout ranks' numbers came with the samples; this rank waited and synced
-        seconds.update(generate=received.generate_s, sync=t_sync - t_train + t_gen - t_received,
-                       rollout_wait=received.rollout_wait_s, trainer_wait=t_received - t0, overlap=received.overlap_s)
+        seconds.update(generate=received.generate_s, score=received.score_s, rollout_wait=received.rollout_wait_s,
+                       sync=t_sync - t_train + t_gen - t_received, trainer_wait=t_received - t0,
+                       overlap=received.overlap_s)
     seconds = dict(zip(seconds, dp.max(list(seconds.values()))))
     for name, value in {**later, **stats}.items():
         log(step, name, value)
@@ -386,7 +404,7 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     log(step, "time_train", seconds["train"])
     log(step, "time_sync", seconds["sync"])
     log(step, "sync_bytes", sync.moved_bytes if run.pipeline is None else sum(r.bytes for r in sent if r))
-    for name in ("rollout_wait", "trainer_wait", "overlap"):   # split roles only
+    for name in ("score", "rollout_wait", "trainer_wait", "overlap"):   # split roles only
         if name in seconds:
             log(step, f"time_{name}", seconds[name])
     log(step, "time_step", seconds["step"])
