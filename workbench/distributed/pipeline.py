@@ -32,8 +32,8 @@ update) as soon as the weights that step samples with exist:
   s + 1 while the trainer updates on step s: the overlap is real, and the generator is exactly k updates behind,
   as `policy_lag=k` means in one process. The rollout ranks run at most one step ahead whatever k: a larger k
   makes the samples older, not the overlap longer.
-The trainer computes with its own copy of the sampling weights (`workbench.rl.sync.WeightSync`), so the parity
-check compares the generator's log-probs with the trainer's kernels on the weights that sampled.
+The trainer keeps its own copies of the weights versions it may still send (`workbench.rl.sync.WeightSync`): the
+older ones at policy lag k >= 2, and the lagged ones its checkpoints hold.
 
 A stop reaches everyone. Every trainer rank raises the same errors (the data-parallel decisions), then `end`: if the
 rollout ranks were ordered a step the trainers have not taken yet, that step's samples are gathered and dropped, so
@@ -186,7 +186,7 @@ class Pipeline:
 
     # The rollout side.
 
-    def serve(self, generator: nn.Module, sample: Callable[[int], list], score: Callable[[list], list]) -> None:
+    def serve(self, generator: nn.Module, sample: Callable[[int], list], score: Callable[[list], tuple]) -> None:
         """A rollout rank's whole run: follow trainer rank 0's orders, `sample(step)` (the step's completions of
         this rank's share, on the host) with `generator`'s weights, `score(completions)` (`Share.scored`) on the
         same weights, and hand each share over, until a stop."""

@@ -32,9 +32,8 @@ With `rollout_ranks = r > 0` the last r ranks only generate (`_serve`: a bf16 ge
 and the others only train (`workbench.distributed.pipeline`): the step's rollout is then the rollout ranks' samples
 arriving, each with the weight version that drew them and the trainer's log-probs of its tokens (a rollout rank
 runs the trainer's forward on the weights it sampled with: `score`, the same bits anywhere), and its sync a
-broadcast to them. With a policy lag k >= 1
-they generate the next step while this one trains; the trainer keeps the last k + 1 versions (`WeightSync`) to send
-the older ones and to check parity on the weights that sampled. In invariant mode the run is the one-process run,
+broadcast to them. With a policy lag k >= 1 they generate the next step while this one trains; the trainer keeps
+the last k + 1 versions (`WeightSync`) to send the older ones. In invariant mode the run is the one-process run,
 bit for bit.
 """
 
