@@ -25,8 +25,13 @@ def _cfg(policy, out, **kw):
     return dataclasses.replace(base, **kw)
 
 
+SMALL = dict(prompts_per_step=2, group_size=2)
+"""4 sequences a step for the invariant runs: every interpreted kernel runs a program per row, and the parity and
+sync checks need no more rows."""
+
+
 def test_invariant_step_has_exact_parity(policy, tmp_path):
-    cfg = _cfg(policy, tmp_path, kernel_mode="invariant", steps=1)
+    cfg = _cfg(policy, tmp_path, kernel_mode="invariant", steps=1, **SMALL)
     table = train(cfg)
     assert TrainConfig(**read_config_file(tmp_path / "config.yaml", TrainConfig)) == cfg, "the resolved settings"
     value = table.set_index("metric")["value"]
@@ -43,7 +48,7 @@ def test_invariant_step_has_exact_parity(policy, tmp_path):
 @pytest.mark.slow
 def test_one_step_lag_keeps_parity_against_the_weights_that_sampled(policy, tmp_path):
     cfg = _cfg(policy, tmp_path / "inv", kernel_mode="invariant", steps=4, policy_lag=1, sync="copy", kl_coef=0.1,
-               kl_to="sampler")
+               kl_to="sampler", **SMALL)
     by = train(cfg).pivot(index="step", columns="metric", values="value")
     assert list(by["policy_lag"]) == [0, 1, 1, 1]
     assert (by["parity_tokens_differing"] == 0).all(), "the lagged generator still matches the trainer bitwise"
@@ -51,8 +56,8 @@ def test_one_step_lag_keeps_parity_against_the_weights_that_sampled(policy, tmp_
     moved = by["weight_delta_l2"].cumsum()
     assert any(moved[s - 2] > 0 for s in (3, 4)), "no step sampled with moved weights: the check proved nothing"
     assert by["kl"][1] == 0.0, "KL to the sampler is exactly 0 when generator = trainer"
-    # Standard mode, 4 steps: the first update lands at step 2 (step 1's groups have no reward
-    # variance), so step 3 samples with older weights than it trains.
+    # Standard mode, 4 steps: step 3 samples with the weights of step 1's update, older than those it trains (step
+    # 2's update moved them).
     cfg = dataclasses.replace(cfg, out_dir=str(tmp_path / "std"), kernel_mode="standard")
     by = train(cfg).pivot(index="step", columns="metric", values="value")
     assert list(by["policy_lag"]) == [0, 1, 1, 1]
@@ -171,11 +176,11 @@ def test_same_seed_same_metrics_and_resume_is_bitwise(policy, tmp_path):
 def test_sync_modes_deliver_the_weights_and_check_them(policy, tmp_path, monkeypatch):
     # The generator holds its own copy: had a sync not delivered an update, the next step's rollouts would come
     # from the old weights and the parity check (against the trainer's) would fail.
-    by = train(_cfg(policy, tmp_path / "copy", sync="copy", kernel_mode="invariant")).pivot(
+    by = train(_cfg(policy, tmp_path / "copy", sync="copy", kernel_mode="invariant", **SMALL)).pivot(
         index="step", columns="metric", values="value")
     assert (by["weight_delta_l2"][:2] > 0).any() and (by["parity_tokens_differing"] == 0).all()
     # Through disk: the starting weights' round trip (save_pretrained, load_pretrained) is checked by checksum.
-    by = train(_cfg(policy, tmp_path / "checkpoint", sync="checkpoint", kernel_mode="invariant", steps=1))
+    by = train(_cfg(policy, tmp_path / "checkpoint", sync="checkpoint", kernel_mode="invariant", steps=1, **SMALL))
     assert (by[by.metric == "parity_tokens_differing"].value == 0).all()
     from workbench.rl import sync as sync_module
 
