@@ -310,9 +310,9 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     # rollout ranks computed them, with the trainer's forward, on those weights).
     budget = cfg.max_tokens_per_microbatch
     if run.pipeline is not None:   # the whole step's tokens one after another: this rank's rows are one stretch
-        lengths = [len(c.tokens) for c in received.items]
-        first = sum(lengths[: rows.start])
-        recomputed, entropy = (batch.spread(t[first: first + sum(lengths[rows])]) for t in received.scored)
+        tokens = [len(c.tokens) for c in received.items]
+        first = sum(tokens[: rows.start])
+        recomputed, entropy = (batch.spread(t[first: first + sum(tokens[rows])]) for t in received.scored)
     else:
         recomputed, entropy = score(sync.generator if gen_version != version else model, batch, budget,
                                     cfg.temperature, with_entropy=True)
