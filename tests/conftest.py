@@ -1,5 +1,6 @@
 """Test set-up: the Triton interpreter on CPU-only machines, no hub access, `gpu` tests skipped without CUDA, one
-xdist worker's share of the cores for torch's threads, the longest tests first."""
+xdist worker's share of the cores for torch's threads, the longest tests first, the interpreter's nested-helper
+re-patch skipped (tests/interpreter_patch.py)."""
 
 import os
 
@@ -16,6 +17,13 @@ if _workers > 1:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The interpreter's nested-helper re-patch skipped (tests/interpreter_patch.py says why that changes no bits), here
+# (pytest_configure) and in the processes the tests start (tests/subprocess_site/sitecustomize.py, first on their path).
+SPEED_UP = os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("WORKBENCH_PLAIN_INTERPRETER") != "1"
+if SPEED_UP:
+    _site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "subprocess_site")
+    if _site not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_site, os.environ.get("PYTHONPATH")]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
@@ -23,21 +31,63 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 import pytest  # noqa: E402
 
 
-# Tests of minutes on 2 cores (the real model's forwards and trainer runs in the interpreter, gloo processes),
-# longest first: xdist then starts them first, on both workers, instead of one worker finishing one alone at the end.
+# The longest tests first (seconds of one test under `-n 2` on the 2-core AMD EPYC, 2026-11-26; the rest follow in
+# collection order), handed to xdist's workers one at a time (`maxschedchunk` 1, set below): a free worker takes the
+# next longest, so neither waits on a long test at the end. (xdist's default hands each worker a quarter of the
+# collection at once: both first quarters' long tests went to the same worker.)
 LONGEST_FIRST = (
-    "tests/test_real_model.py::test_real_model_triangle",
-    "tests/test_split_roles.py::test_split_roles_match",
-    "tests/test_checkpoint_crash.py::test_training_killed",
-    "tests/test_rl_trainer.py::test_one_step_lag",
-    "tests/test_rl_trainer.py::test_sync_modes",
-    "tests/test_fsdp.py::test_fsdp2_trainer",
-    "tests/test_real_model.py",
+    "tests/test_split_roles.py::test_split_roles_match",                       # 322 s (5 processes)
+    "tests/test_fsdp.py::test_fsdp2_trainer",                                   # 195 s
+    "tests/test_real_model.py::test_real_model_fp32",                           # 107 s
+    "tests/test_generation.py::test_gumbel_sampling_follows_the_softmax",       # 106 s
+    "tests/test_checkpoint_crash.py::test_training_killed",                     # 97 s
+    "tests/test_rl_trainer.py::test_sync_modes",                                # 85 s
+    "tests/test_rl_trainer.py::test_one_step_lag",                              # 80 s
+    "tests/test_lora.py::test_invariant_trainer_step",                          # 79 s
+    "tests/test_real_model.py::test_real_model_triangle",                       # 73 s alone (2 layers)
+    "tests/test_rl_update.py::test_activation_checkpointing_gives_the_same_gradient_bits[invariant-True]",  # 75 s
+    "tests/test_split_roles.py::test_two_fsdp2",                                # 71 s
+    "tests/test_rl_update.py::test_micro_batched",                              # 4 x 56-65 s
+    "tests/test_generation.py::test_same_seed",                                 # 65 s
+    "tests/test_data_parallel.py::test_world_size_two",                         # 57 s
+    "tests/test_real_model.py::test_real_model_trains",                         # 52 s
+    "tests/test_generation.py::test_trainer_",                                  # 2 x 46 s (+30 s module fixture)
+    "tests/test_distributed.py::test_fsdp2_forward",                            # 41 s
+    "tests/test_generation.py::test_a_request_alone",                           # 40 s
+    "tests/test_checkpoint_crash.py::test_a_save_killed",                       # 37 s
+    "tests/test_rl_update.py::test_activation_checkpointing",                   # 37 s, 30 s, ...
+    "tests/test_generation.py::test_fused_gumbel",                              # 36 s
+    "tests/test_generation.py::test_fast_standard",                             # 32 s
+    "tests/test_linear_logprobs.py::test_invariant_",                           # 17-31 s
+    "tests/test_distributed.py::test_broadcast_two_ranks",                      # 31 s
+    "tests/test_rl_update.py::test_weights_keep_one_copy",                      # 23-29 s
+    "tests/test_generation.py::test_stop_tokens",                               # 26 s
+    "tests/test_rl_update.py::test_logprobs_do_not_depend",                     # 26 s
+    "tests/test_distributed.py::test_checkpoint_resume",                        # 26 s
+    "tests/test_audit.py::test_parity_triangle",                                # 20 s
+    "tests/test_rl_trainer.py::test_invariant_step",                            # 19 s
+    "tests/test_model.py::test_training_prefill",                               # 18 s
+    "tests/test_model.py::test_paged_steps",                                    # 16 s
+    "tests/test_data_parallel.py",                                              # 15 s each
+    "tests/test_vllm_backend.py::test_workbench_model_in_a_fake_vllm",          # 16 s
+    "tests/test_onoff.py::test_a_cut_run",                                      # 16 s
     "tests/test_split_roles.py",
-    "tests/test_nightly.py::test_smoke",
-    "tests/test_rl_update.py::test_micro_batched",
-    "tests/test_data_parallel.py",
+    "tests/test_nightly.py::test_smoke",   # 8 s checking the set-up's nightly; 7 minutes where it must run one
 )
+
+
+def pytest_configure(config):
+    # A Triton whose interpreter differs from the one tests/interpreter_patch.py pins stops the session here, loudly.
+    if SPEED_UP:
+        from interpreter_patch import install
+
+        try:
+            install()
+        except RuntimeError as e:
+            raise pytest.UsageError(str(e)) from None
+    # xdist (-n): one test at a time to a free worker (LONGEST_FIRST above), unless the command line says otherwise.
+    if getattr(config.option, "maxschedchunk", 0) is None:
+        config.option.maxschedchunk = 1
 
 
 def _rank(item) -> int:

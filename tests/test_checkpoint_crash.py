@@ -58,7 +58,8 @@ SAVER = textwrap.dedent("""
 
 
 def _env():
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
+    # this checkout first; the rest of the path kept (conftest.py's tests/subprocess_site, for the interpreter)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 def test_a_save_killed_at_any_instant_leaves_a_whole_checkpoint(tmp_path):

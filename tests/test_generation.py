@@ -23,7 +23,9 @@ from workbench.models import build
 PARAMS = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, max_new_tokens=5, seed=3)
 
 
-@pytest.fixture(scope="module")
+# Session scope, not module: these tests run in the longest-first order of conftest.py, between other modules' tests,
+# and pytest tears a module's fixtures down whenever the next test is another module's (`run` took 10-14 s each time).
+@pytest.fixture(scope="session")
 def model():
     return build("tiny", dtype=torch.bfloat16, seed=1)
 
@@ -33,7 +35,7 @@ def _prompts(lengths, seed=0, vocab=512):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def run(model):
     prompts = _prompts([5, 9, 3, 7])
     return prompts, generate(model, prompts, PARAMS)

@@ -87,7 +87,8 @@ def test_smoke_nightly_runs_every_notebook(tmp_path):
     assert {"git_sha", "python", "torch", "triton", "cuda", "gpu", "kernel_configs"} <= set(env)
     for table in ("batch_variance", "kernel_audit", "divergence", "parity_triangle_pairs", "on_off"):
         assert (folder / "metrics" / f"{table}.csv").exists(), table
-    for figure in ("kernel_audit", "logprob_differences", "on_off_blog", "mismatch_realistic", "dose_response_blog-dose"):
+    for figure in ("kernel_audit", "logprob_differences", "on_off_blog", "mismatch_realistic",
+                   "dose_response_blog-dose"):
         assert (folder / "figures" / f"{figure}.svg").exists() and (folder / "figures" / f"{figure}.png").exists()
     summary = (folder / "summary.md").read_text()
     assert f"{len(NOTEBOOKS)} of {len(NOTEBOOKS)} ok" in summary and "parity: pass (4 of 4 checks ran)" in summary
@@ -148,7 +149,8 @@ def test_the_plots_notebook_redraws_any_run(tmp_path):
     folder, status, passed = run_nightly(NightlyConfig(scale="smoke", device="cpu", out_root=str(tmp_path / "r"),
                                                        only=("05",), metrics=str(tmp_path / "old.csv"),
                                                        progress=False))
-    assert passed and (folder / "figures" / "on_off.png").exists() and not (folder / "figures" / "mismatch.png").exists()
+    assert passed and (folder / "figures" / "on_off.png").exists()
+    assert not (folder / "figures" / "mismatch.png").exists()
     assert yaml.safe_load((folder / "params" / "05_on_off_plots.yaml").read_text())["metrics"].endswith("old.csv")
 
 

@@ -97,14 +97,21 @@ def _grads(cfg, batch, inputs, start_seed=0):
     return captured, stats
 
 
+@pytest.fixture(scope="session")
+def batch3_logprobs():
+    """The invariant log-probs of `_batch(3)` under `_model()`: the same bits for every loss below (the model and the
+    batch do not depend on the loss), scored once per worker (session scope: conftest.py's longest-first order puts
+    other modules' tests between these, and pytest drops a module's fixtures at each such switch)."""
+    return _score(TrainWeights(_model(), "float32", 1e-3, "cpu"), _batch(3), "invariant")
+
+
 @pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "gspo"])
-def test_micro_batched_gradient_is_the_whole_batch_gradient(loss):
+def test_micro_batched_gradient_is_the_whole_batch_gradient(loss, batch3_logprobs):
     # Invariant kernels: a token's log-prob is the same bits whatever the micro-batch, so the ratio is exactly 1 in
     # both updates. (Standard kernels may change with the micro-batch's rows: on an AMD EPYC, whose CPU BLAS
     # blocks by M differently from the Intel machines this test first ran on, the ratio left 1 by ~1e-3.)
     batch = _batch(3)
-    weights = TrainWeights(_model(), "float32", 1e-3, "cpu")
-    logp = _score(weights, batch, "invariant")
+    logp = batch3_logprobs.clone()
     batch.behavior = logp.clone()
     cfg = TrainConfig(loss=loss, temperature=TEMPERATURE, group_size=3, prompts_per_step=2, max_new_tokens=6,
                       kernel_mode="invariant")
@@ -229,8 +236,12 @@ def test_activation_checkpointing_keeps_less_for_the_backward():
         TrainConfig(activation_checkpointing=True)
 
 
-@pytest.mark.parametrize("master_dtype", ["float32", "bfloat16"])
-def test_weights_keep_one_copy_and_measure_the_exact_change(master_dtype):
+# float32 masters under the default (invariant) kernels: dW goes into `main_grad` inside the products, the other
+# gradients through the hook. bfloat16: AdamW on the bf16 weights themselves, no `main_grad` and no hook, so nothing
+# here depends on the kernels: the standard ones (the invariant kernels' bf16 dW is checked against fp64 in
+# test_kernels.py).
+@pytest.mark.parametrize("master_dtype, kernel_mode", [("float32", "invariant"), ("bfloat16", "standard")])
+def test_weights_keep_one_copy_and_measure_the_exact_change(master_dtype, kernel_mode):
     start = _model(7)
     weights = TrainWeights(start, master_dtype, 1e-2, "cpu")
     if master_dtype == "float32":
@@ -240,7 +251,8 @@ def test_weights_keep_one_copy_and_measure_the_exact_change(master_dtype):
     batch = _batch(8, n=3)
     mb = batch.micro_batches(None, 10_000)[0]
     for _ in range(2):  # two micro-batches' worth of gradient, accumulated
-        logp, _ = completion_logprobs(weights.model, mb, TEMPERATURE)
+        with mode(kernel_mode):
+            logp, _ = completion_logprobs(weights.model, mb, TEMPERATURE)
         logp.sum().backward()
     if master_dtype == "float32":
         assert all(p.grad is None for p in weights.model.parameters()), "no bf16 gradient stays resident"
