@@ -7,14 +7,17 @@ memory-bandwidth floor ((weights + KV cache bytes) / measured copy bandwidth); t
 cuBLAS + FlashAttention on the same shapes and the compute floor.
 --long: long rollouts instead, batch 64 with 1,024 and 4,096 new tokens (one timed run each), with
 the peak GPU memory and the static KV cache's size.
+--pdl-ab: the invariant decode step with programmatic dependent launch (`kernels.pdl`) and without
+(WORKBENCH_PDL=0), alternating in one process, six calls each per batch, bits compared.
 
-    python bench/bench_generate.py [--model FOLDER] [--out FILE.md] [--skip-hf] [--long | --prefill]
+    python bench/bench_generate.py [--model FOLDER] [--out FILE.md] [--skip-hf] [--long | --prefill | --pdl-ab]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -49,6 +52,36 @@ def ours(model, batch: int, mode_name: str, new: int = NEW, runs: int = 3) -> tu
         outs = sorted((generate(model, prompts, params) for _ in range(runs)), key=lambda o: o.tokens_per_s)
     out = outs[len(outs) // 2]
     return out.tokens_per_s, out.decode_s / max(out.steps - 1, 1) * 1e3, torch.cuda.max_memory_allocated() / 2**30
+
+
+def pdl_ab(model, weight_bytes: int, copy: float) -> list[str]:
+    """The invariant decode step with PDL on and off, alternating (two rounds of three calls each), one process."""
+    cfg = model.config
+    params = SamplingParams(temperature=1.0, max_new_tokens=NEW, seed=0)
+    lines = ["| batch | PDL | tok/s | decode step ms (median of 6) | each call's step ms | floor ms | step / floor | "
+             "same bits as PDL off |",
+             "|---|---|---|---|---|---|---|---|"]
+    for batch in (64, 256):
+        prompts = _prompts(batch, cfg.vocab_size)
+        floor_ms = (weight_bytes + kv_bytes(cfg, batch, PROMPT + NEW // 2)) / copy / 1e6
+        runs = {"on": [], "off": []}
+        with in_mode("invariant"):
+            for _ in range(2):
+                for pdl in ("on", "off"):
+                    os.environ["WORKBENCH_PDL"] = "1" if pdl == "on" else "0"
+                    generate(model, prompts, SamplingParams(max_new_tokens=4))
+                    runs[pdl] += [generate(model, prompts, params) for _ in range(3)]
+        os.environ.pop("WORKBENCH_PDL")
+        same = all(a.tokens == b.tokens and torch.equal(a.logprobs, b.logprobs)
+                   for a, b in zip(runs["on"][0].completions, runs["off"][0].completions))
+        for pdl, outs in runs.items():
+            steps = [o.decode_s / max(o.steps - 1, 1) * 1e3 for o in outs]
+            step = statistics.median(steps)
+            lines.append(f"| {batch} | {pdl} | {statistics.median(o.tokens_per_s for o in outs):,.0f} | {step:.3f} | "
+                         f"{', '.join(f'{x:.2f}' for x in steps)} | {floor_ms:.2f} | {step / floor_ms:.2f} | "
+                         f"{same if pdl == 'on' else '-'} |")
+            print(lines[-1], flush=True)
+    return lines
 
 
 def kv_bytes(cfg, batch: int, tokens: int) -> int:
@@ -141,6 +174,7 @@ def main() -> None:
     ap.add_argument("--model", help="a checkpoint folder (default: the Qwen3-1.7B shape, random weights)")
     ap.add_argument("--long", action="store_true", help="batch 64 at 1,024 and 4,096 new tokens instead")
     ap.add_argument("--prefill", action="store_true", help="the prefill table alone")
+    ap.add_argument("--pdl-ab", action="store_true", help="the invariant decode step with and without PDL instead")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_generate.py needs a CUDA GPU")
@@ -151,6 +185,9 @@ def main() -> None:
     cfg = model.config
     copy = max(copy_gbs())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if a.pdl_ab:
+        emit([header(), "", *pdl_ab(model, weight_bytes, copy), "", f"Copy bandwidth {copy:.0f} GB/s."], a.out)
+        return
     if a.long:
         emit([header(), "", *long_rollouts(model, weight_bytes, copy), "", f"Copy bandwidth {copy:.0f} GB/s; peak "
               "GiB: torch's peak allocation during the timed run, weights included."], a.out)

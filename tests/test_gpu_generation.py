@@ -40,6 +40,24 @@ def test_gpu_generator_trainer_parity_bitwise(size):
     assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(eager.completions, out.completions))
 
 
+def test_gpu_programmatic_dependent_launch_changes_no_bit(monkeypatch):
+    """The decode step's kernels launch with PDL on Hopper (`kernels.pdl`); with it off every token and log-prob
+    is the same."""
+    from workbench.kernels import pdl
+    from workbench.kernels._common import pdl_flags
+
+    model = build("qwen3-1.7B", device="cuda", seed=8)
+    with pdl():
+        assert pdl_flags(model.lm_head_weight)["launch_pdl"] == (torch.cuda.get_device_capability()[0] >= 9)
+    prompts = _prompts(64, model.config.vocab_size, seed=9)
+    on = generate(model, prompts, PARAMS)
+    monkeypatch.setenv("WORKBENCH_PDL", "0")
+    off = generate(model, prompts, PARAMS)
+    for a, b in zip(on.completions, off.completions):
+        assert a.tokens == b.tokens
+        assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.sampled_logprobs, b.sampled_logprobs)
+
+
 def test_gpu_needle_among_255_others():
     model = build("qwen3-1.7B", device="cuda", seed=3)
     params = dataclasses.replace(PARAMS, max_new_tokens=16)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import linear
+from ..kernels import get_mode, linear, pdl
 from ..models import KVCache, CausalLM
 from .sampling import SamplingParams, sample
 
@@ -119,10 +119,14 @@ class DecodeStep:
 
     def _body(self) -> None:
         self.record.add(self.rows, self.column, self.tok, self.lp, self.slp, self.stop)
-        hidden = self.model.hidden_states(self.tok[:, None], seq_lens=self.ones, cache=self.cache, start=self.pos)
-        # Randomness is keyed by (seed, request id, index of the new token): not by batch or prompt length.
-        tok, lp, slp = sample(_next_logits(self.model, hidden[:, 0]), self.params, self.req,
-                              (self.column + 1).expand_as(self.req).contiguous())
+        # Programmatic dependent launch where the step is a chain of our own small kernels (invariant `linear`);
+        # between cuBLAS launches it measured slower (`kernels.pdl`). The same bits either way.
+        with pdl(get_mode("linear") == "invariant"):
+            hidden = self.model.hidden_states(self.tok[:, None], seq_lens=self.ones, cache=self.cache,
+                                              start=self.pos)
+            # Randomness is keyed by (seed, request id, index of the new token): not by batch or prompt length.
+            tok, lp, slp = sample(_next_logits(self.model, hidden[:, 0]), self.params, self.req,
+                                  (self.column + 1).expand_as(self.req).contiguous())
         self.tok.copy_(tok)
         self.lp.copy_(lp)
         self.slp.copy_(slp)

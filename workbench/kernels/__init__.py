@@ -5,6 +5,7 @@ interpreter before any kernel is decorated.
 """
 
 from . import _common  # noqa: F401  (must come first)
+from ._common import pdl
 from .registry import REGISTRY, Op  # before the op functions below shadow their modules' names
 from .attention import attention, attention_with_cache
 from .attention_paged import attention_paged, paged_kv_write
@@ -41,6 +42,7 @@ __all__ = [
     "matmul_config",
     "mode",
     "paged_kv_write",
+    "pdl",
     "rms_norm",
     "rms_norm_add",
     "rope_cache_write",

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_float, check_same, interpreting
+from ._common import check_device, check_float, check_same, interpreting, pdl_enter, pdl_flags
 from .matmul import dot_step
 from .mode import get_mode
 
@@ -107,9 +107,11 @@ def _attn_fwd_kernel(
     n_q_heads, T_q, S_kv, group, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr, DOT_IN_FP32: tl.constexpr, STORE_LSE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program per (query block, sequence x head), numbered with the block fastest on grid axis 0
     # (axes 1 and 2 stop at 65,535 programs: 1,024 sequences of 64 heads would not launch there).
+    pdl_enter(PDL)
     n_m = tl.cdiv(T_q, BLOCK_M)
     pid_m = tl.program_id(0) % n_m
     bh = tl.program_id(0) // n_m
@@ -145,11 +147,13 @@ def _attn_decode_kernel(
     n_kv_heads, S_kv, group, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # A decode step (one query per sequence): one program per (sequence, KV head), the group's query heads as
     # the rows of one tile, so each K/V tile is read once for the group instead of once per query head. Each
     # row's arithmetic is `_attn_fwd_kernel`'s for that query (the same tiles, `_tile_step`, config): only the
     # rows' places in the tile differ, which no row's bits depend on.
+    pdl_enter(PDL)
     bh = tl.program_id(0)
     b = (bh // n_kv_heads).to(tl.int64)
     kvh = bh % n_kv_heads
@@ -170,9 +174,11 @@ def _attn_decode_kernel(
 
 
 @triton.jit
-def _attn_bwd_delta_kernel(O, DO, DELTA, sot, soh, n_q_heads, T, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _attn_bwd_delta_kernel(O, DO, DELTA, sot, soh, n_q_heads, T, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           PDL: tl.constexpr):
     # delta[(b, h), t] = sum_d dO * O, upcast to fp32 in registers: one read of each bf16 tensor (O and dO are
     # contiguous [B, T, Hq, D], so they share strides). One program per (query block, sequence x head).
+    pdl_enter(PDL)
     n_m = tl.cdiv(T, BLOCK_M)
     pid_m = tl.program_id(0) % n_m
     bh = tl.program_id(0) // n_m
@@ -193,9 +199,11 @@ def _attn_bwd_dkdv_kernel(
     sqb, sqt, sqh, skb, sks, skh, n_q_heads, n_kv_heads, T, group, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # q, dO share q's strides; k, v, dK, dV share k's (all made contiguous by the launcher).
     # One program per (key block, sequence x KV head), the block fastest, all on grid axis 0.
+    pdl_enter(PDL)
     n_n = tl.cdiv(T, BLOCK_N)
     pid_n = tl.program_id(0) % n_n
     bhk = tl.program_id(0) // n_n
@@ -240,8 +248,10 @@ def _attn_bwd_dq_kernel(
     sqb, sqt, sqh, skb, sks, skh, n_q_heads, T, group, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program per (query block, sequence x head), the block fastest, all on grid axis 0.
+    pdl_enter(PDL)
     n_m = tl.cdiv(T, BLOCK_M)
     pid_m = tl.program_id(0) % n_m
     bh = tl.program_id(0) // n_m
@@ -342,7 +352,7 @@ def _forward(q, k, v, q_start, kv_len, store_lse: bool):
             out.stride(0), out.stride(2), hkv, k.shape[1], hq // hkv, _LOG2E / math.sqrt(d),
             BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD_DIM=d,
             IEEE=q.dtype == torch.float32, DOT_IN_FP32=interpreting(),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_flags(q),
         )
     elif b and t:
         grid = (triton.cdiv(t, cfg["block_m"]) * b * hq,)
@@ -353,7 +363,7 @@ def _forward(q, k, v, q_start, kv_len, store_lse: bool):
             hq, t, k.shape[1], hq // k.shape[2], _LOG2E / math.sqrt(d),
             BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD_DIM=d,
             IEEE=q.dtype == torch.float32, DOT_IN_FP32=interpreting(), STORE_LSE=store_lse,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_flags(q),
         )
     return out, lse
 
@@ -381,11 +391,11 @@ def _backward(q, k, v, out, lse, seq_lens, dout):
     q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty((b * hq, t), device=q.device, dtype=torch.float32)
-    common = {"HEAD_DIM": d, "IEEE": q.dtype == torch.float32, "DOT_IN_FP32": interpreting()}
+    common = {"HEAD_DIM": d, "IEEE": q.dtype == torch.float32, "DOT_IN_FP32": interpreting(), **pdl_flags(q)}
     qk_scale, sm_scale = _LOG2E / math.sqrt(d), 1.0 / math.sqrt(d)
     if b and t:
         _attn_bwd_delta_kernel[(triton.cdiv(t, 64) * b * hq,)](
-            out, dout, delta, out.stride(1), out.stride(2), hq, t, BLOCK_M=64, HEAD_DIM=d)
+            out, dout, delta, out.stride(1), out.stride(2), hq, t, BLOCK_M=64, HEAD_DIM=d, **pdl_flags(q))
         c = cfg["dkdv"]
         _attn_bwd_dkdv_kernel[(triton.cdiv(t, c["block_n"]) * b * hkv,)](
             q, k, v, dout, lse, delta, dk, dv, seq_lens,

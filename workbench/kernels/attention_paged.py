@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_float, check_same, interpreting
+from ._common import check_device, check_float, check_same, interpreting, pdl_enter, pdl_flags
 from .attention import _LOG2E, _sdpa, _tile_step, attention_config
 from .mode import get_mode
 
@@ -56,11 +56,13 @@ def _paged_attn_fwd_kernel(
     n_q_heads, group, max_kv, qk_scale, n_m,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Sequence b's new tokens are rows cu_q[b]:cu_q[b+1] of Q, at the last positions of its kv_len keys.
     # Tiles, masks and `_tile_step` are the training kernel's, so a token gets its training-forward bits
     # whatever the paging. Programs as in the training kernel: n_m = cdiv(max_q, BLOCK_M) query blocks per
     # (sequence, head), the block fastest.
+    pdl_enter(PDL)
     pid_m = tl.program_id(0) % n_m
     bh = tl.program_id(0) // n_m
     b = (bh // n_q_heads).to(tl.int64)
@@ -91,11 +93,13 @@ def _paged_attn_decode_kernel(
     n_kv_heads, group, max_kv, qk_scale,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     IEEE: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # A step of at most one new token per sequence (vLLM's decode steps, padded requests with none): as
     # `_attn_decode_kernel`, one program per (sequence, KV head), the group's query heads as the rows of one
     # tile, each K/V tile gathered once for the group. Each row's arithmetic is `_paged_attn_fwd_kernel`'s for
     # that token (its bound hi = kv_len for a block holding the last position, the same tiles and config).
+    pdl_enter(PDL)
     bh = tl.program_id(0)
     b = (bh // n_kv_heads).to(tl.int64)
     kvh = bh % n_kv_heads
@@ -117,8 +121,9 @@ def _paged_attn_decode_kernel(
 
 @triton.jit
 def _paged_write_kernel(K, V, KP, VP, slots_ptr, skt, skh, svt, svh, skp, sks, skh2, svp, svs, svh2,
-                        PAGE: tl.constexpr, HEAD_DIM: tl.constexpr):
+                        PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
     # A copy, no arithmetic: token t's K/V (one head per program) into its slot; a negative slot is padding.
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + t).to(tl.int64)
@@ -189,7 +194,7 @@ def attention_paged(q, k_pages, v_pages, block_table, cu_q, kv_len, max_q: int):
             q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
             v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), out.stride(0), out.stride(1),
             block_table.stride(0))
-    consts = dict(PAGE=page, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD_DIM=d,
+    consts = dict(**pdl_flags(q), PAGE=page, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD_DIM=d,
                   IEEE=q.dtype == torch.float32, DOT_IN_FP32=interpreting(),
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if n_seq and max_q == 1 and 1 < hq // hkv <= cfg["block_m"]:
@@ -237,7 +242,7 @@ def paged_kv_write(k, v, k_pages, v_pages, slots) -> None:
     _paged_write_kernel[(slots.shape[0], k.shape[1])](
         k, v, k_pages, v_pages, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), v_pages.stride(0), v_pages.stride(1),
-        v_pages.stride(2), PAGE=k_pages.shape[1], HEAD_DIM=k.shape[2],
+        v_pages.stride(2), PAGE=k_pages.shape[1], HEAD_DIM=k.shape[2], **pdl_flags(k),
     )
 
 

@@ -14,11 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, rows_view, width_block
+from ._common import check_device, pdl_enter, pdl_flags, rows_view, width_block
 
 
 @triton.jit
-def _row_cumsum_kernel(x_ptr, y_ptr, stride_x, stride_y, N, BLOCK: tl.constexpr):
+def _row_cumsum_kernel(x_ptr, y_ptr, stride_x, stride_y, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     carry = tl.zeros((), tl.float32)
     for start in range(0, N, BLOCK):
@@ -36,5 +37,6 @@ def row_cumsum(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x2.shape, device=x.device, dtype=torch.float32)
     if x2.numel():
         _row_cumsum_kernel[(x2.shape[0],)](x2, y, x2.stride(0), y.stride(0), x2.shape[1],
-                                           BLOCK=width_block(x2.shape[1], 2048, 256), num_warps=4)
+                                           BLOCK=width_block(x2.shape[1], 2048, 256), num_warps=4,
+                                           **pdl_flags(x2))
     return y.view(x.shape)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import rows_view, width_block
+from ._common import pdl_enter, pdl_flags, rows_view, width_block
 
 _M32 = 0xFFFFFFFF
 
@@ -40,7 +40,8 @@ def _fmix32(x):
 
 @triton.jit(do_not_specialize=["seed_hash", "temperature"])
 def _gumbel_argmax_kernel(x_ptr, keep_ptr, req_ptr, pos_ptr, out_ptr, stride_x, stride_k, V, seed_hash, temperature,
-                          HAS_KEEP: tl.constexpr, BLOCK_V: tl.constexpr):
+                          HAS_KEEP: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     h = _fmix32(seed_hash.to(tl.uint32) ^ tl.load(req_ptr + row).to(tl.uint32))
     h = _fmix32(h ^ tl.load(pos_ptr + row).to(tl.uint32))
@@ -100,7 +101,7 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, seed: int, request_i
         _gumbel_argmax_kernel[(r,)](
             x, keep if keep is not None else x, request_ids, positions, out, x.stride(0),
             keep.stride(0) if keep is not None else 0, v, seed_hash(seed), float(temperature),
-            HAS_KEEP=keep is not None, BLOCK_V=width_block(v, 4096, 256), num_warps=8,
+            HAS_KEEP=keep is not None, BLOCK_V=width_block(v, 4096, 256), num_warps=8, **pdl_flags(x),
         )
     return out.view(logits.shape[:-1])
 

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import triton
 from torch.autograd.function import once_differentiable
 
-from ._common import check_device, check_float, check_same, interpreting
+from ._common import check_device, check_float, check_same, interpreting, pdl_flags
 from .logprobs import _LOG2E, _config, _logprobs_bwd_kernel, _stats
 from .matmul import matmul
 from .mode import get_mode
@@ -110,6 +110,7 @@ def _invariant_dlogits(logits, tok, stats, g_lp, g_ent, temperature) -> torch.Te
         logits, tok, stats, g_lp, g_lp if g_ent is None else g_ent, logits, logits.stride(0), logits.stride(0), v,
         _LOG2E / float(temperature), 1.0 / float(temperature), r,
         BLOCK_V=cfg["backward_block_v"], WITH_ENTROPY=g_ent is not None, num_warps=cfg["backward_num_warps"],
+        **pdl_flags(logits),
     )
     return logits
 

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_float, next_power_of_2, rows_view, width_block
+from ._common import check_device, check_float, next_power_of_2, pdl_enter, pdl_flags, rows_view, width_block
 from .mode import get_mode
 
 
@@ -42,8 +42,10 @@ from .mode import get_mode
 def _lse_partials_kernel(
     x_ptr, part_ptr, stride_x, V, scale, n_chunks,
     CHUNK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Base-2 units: x2 = logit * (log2(e) / T), so exp2 needs no extra multiply.
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK_V + tl.arange(0, CHUNK_V)
@@ -63,8 +65,10 @@ def _lse_partials_kernel(
 def _lse_combine_kernel(
     x_ptr, tok_ptr, part_ptr, out_ptr, stride_x, V, scale, n_rows, n_chunks,
     BLOCK_C: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # out rows: 0 log-prob, 1 entropy (NaN unless WITH_ENTROPY), 2 lse2, 3 E[x2], all per row.
+    pdl_enter(PDL)
     LN2: tl.constexpr = 0.6931471805599453
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
@@ -94,7 +98,9 @@ def _logprobs_bwd_kernel(
     x_ptr, tok_ptr, stats_ptr, g_lp_ptr, g_ent_ptr, dx_ptr,
     stride_x, stride_dx, V, scale, inv_t, n_rows,
     BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     LN2: tl.constexpr = 0.6931471805599453
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -113,8 +119,10 @@ def _logprobs_bwd_kernel(
 
 
 @triton.jit
-def _logprob_rows_kernel(x_ptr, stats_ptr, out_ptr, stride_x, stride_o, V, scale, n_rows, BLOCK_V: tl.constexpr):
+def _logprob_rows_kernel(x_ptr, stats_ptr, out_ptr, stride_x, stride_o, V, scale, n_rows, BLOCK_V: tl.constexpr,
+                         PDL: tl.constexpr):
     # The combine kernel's token expression, for every column: (x2 - lse2) * ln2 with the same lse2.
+    pdl_enter(PDL)
     LN2: tl.constexpr = 0.6931471805599453
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -176,11 +184,11 @@ def _stats(x2: torch.Tensor, tok: torch.Tensor, temperature: float, with_entropy
     if r > 0:
         _lse_partials_kernel[(r, n_chunks)](
             x2, part, x2.stride(0), v, scale, n_chunks, CHUNK_V=cfg["chunk_v"], WITH_ENTROPY=with_entropy,
-            num_warps=cfg["forward_num_warps"],
+            num_warps=cfg["forward_num_warps"], **pdl_flags(x2),
         )
         _lse_combine_kernel[(r,)](
             x2, tok, part, out, x2.stride(0), v, scale, r, n_chunks,
-            BLOCK_C=next_power_of_2(n_chunks), WITH_ENTROPY=with_entropy, num_warps=1,
+            BLOCK_C=next_power_of_2(n_chunks), WITH_ENTROPY=with_entropy, num_warps=1, **pdl_flags(x2),
         )
     return out
 
@@ -216,6 +224,7 @@ class LogProbsFn(torch.autograd.Function):
             _logprobs_bwd_kernel[(r, triton.cdiv(v, cfg["backward_block_v"]))](
                 x2, tok, stats, g_lp, g_ent, dx, x2.stride(0), dx.stride(0), v, ctx.scale, ctx.inv_t, r,
                 BLOCK_V=cfg["backward_block_v"], WITH_ENTROPY=with_entropy, num_warps=cfg["backward_num_warps"],
+                **pdl_flags(x2),
             )
         return dx.view(ctx.shape), None, None, None
 
@@ -273,7 +282,7 @@ def logprob_rows(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor
     if r > 0:
         _logprob_rows_kernel[(r, triton.cdiv(v, cfg["backward_block_v"]))](
             x2, stats, out, x2.stride(0), out.stride(0), v, _LOG2E / float(temperature), r,
-            BLOCK_V=cfg["backward_block_v"], num_warps=cfg["backward_num_warps"],
+            BLOCK_V=cfg["backward_block_v"], num_warps=cfg["backward_num_warps"], **pdl_flags(x2),
         )
     return out.view(logits.shape)
 

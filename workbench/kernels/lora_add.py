@@ -24,12 +24,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_float, check_same, interpreting, rows_view
+from ._common import check_device, check_float, check_same, interpreting, pdl_enter, pdl_flags, rows_view
 from .mode import get_mode
 
 
 @triton.jit
-def _lora_add_kernel(b_ptr, l_ptr, o_ptr, stride_b, stride_l, stride_o, N, scale, BLOCK: tl.constexpr):
+def _lora_add_kernel(b_ptr, l_ptr, o_ptr, stride_b, stride_l, stride_o, N, scale, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -68,7 +70,7 @@ def _launch(base: torch.Tensor, low: torch.Tensor, scale: float) -> torch.Tensor
     if m > 0 and n > 0:
         _lora_add_kernel[(m, triton.cdiv(n, block))](
             b2, l2, out, b2.stride(0), l2.stride(0), out.stride(0), n, float(scale),
-            BLOCK=block, num_warps=4, enable_fp_fusion=False,
+            BLOCK=block, num_warps=4, enable_fp_fusion=False, **pdl_flags(b2),
         )
     return out.view(base.shape)
 

@@ -70,7 +70,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import check_device, check_float, check_same, interpreting
+from ._common import check_device, check_float, check_same, interpreting, pdl_enter, pdl_flags
 from .mode import get_mode
 
 
@@ -109,10 +109,11 @@ def _matmul_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_cs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, IEEE: tl.constexpr, ACCUMULATE: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, IEEE: tl.constexpr, ACCUMULATE: tl.constexpr, PDL: tl.constexpr,
 ):
     # C[M, N] = A[M, K] @ B[K, N] (ACCUMULATE: C += A @ B, C fp32) for any strides. Split K (grid axis 1 > 1):
     # program s takes k in [s * K_SPLIT, (s + 1) * K_SPLIT) and writes its partial product to C + s * stride_cs.
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     k_start = tl.program_id(1) * K_SPLIT
     K = tl.minimum(K - k_start, K_SPLIT)
@@ -172,11 +173,13 @@ def _matmul_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, IEEE: tl.constexpr, ACCUMULATE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # The same product through the bulk tensor copy engine (TMA), for aligned
     # operands; optionally persistent (NUM_PROGRAMS < number of tiles). TMA
     # zero-fills outside the tensor, so tails need no masks, and stores are
     # clipped to the tensor. Same dot chain as `_matmul_kernel`: same bits.
+    pdl_enter(PDL)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     width = GROUP_M * num_pid_n
@@ -386,7 +389,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = Non
     interp = interpreting()
     # TMA (the bulk tensor copy engine) exists from sm90 on.
     tma_here = interp or _device_capability(a.device)[0] >= 9
-    flags = dict(DOT_IN_FP32=interp, IEEE=(a.dtype == torch.float32 or interp), ACCUMULATE=accumulate is not None)
+    flags = dict(DOT_IN_FP32=interp, IEEE=(a.dtype == torch.float32 or interp), ACCUMULATE=accumulate is not None,
+                 **pdl_flags(a))
     a_k_major = a.stride(1) == 1
     b_k_major = b.stride(0) == 1 and not b.stride(1) == 1
     a_desc = _descriptor(a, [bm, bk]) if a_k_major else _descriptor(a.t(), [bk, bm])
@@ -457,7 +461,7 @@ def matmul_split_k(a: torch.Tensor, b: torch.Tensor, accumulate: torch.Tensor) -
         a, b, parts, m, n, k, k_split,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), parts.stride(1), parts.stride(2), parts.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, EVEN_K=(k % bk == 0),
-        DOT_IN_FP32=interp, IEEE=(a.dtype == torch.float32 or interp), ACCUMULATE=False,
+        DOT_IN_FP32=interp, IEEE=(a.dtype == torch.float32 or interp), ACCUMULATE=False, **pdl_flags(a),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return accumulate.add_(parts.sum(0))

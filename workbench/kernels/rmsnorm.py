@@ -32,7 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_float, check_same, interpreting, next_power_of_2, rows_view
+from ._common import (
+    check_device, check_float, check_same, interpreting, next_power_of_2, pdl_enter, pdl_flags, rows_view,
+)
 from .mode import get_mode
 
 MAX_WIDTH = 65536
@@ -42,7 +44,9 @@ MAX_WIDTH = 65536
 def _rms_norm_fwd_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, N, eps, res_ptr, h_ptr, stride_res, stride_h,
     BLOCK_N: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -65,10 +69,12 @@ def _rms_norm_bwd_kernel(
     x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
     stride_x, stride_dy, stride_dx, M, N, dh_ptr, stride_dh,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, TILE_ROWS: tl.constexpr, ADD_DH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # A program owns ROWS consecutive rows, taken TILE_ROWS at a time (loads of
     # several rows in flight); dw is summed over each tile's rows by one tree,
     # then over the tiles in order.
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -137,7 +143,7 @@ def _forward(x, weight, eps, residual):
     if m > 0:
         _rms_norm_fwd_kernel[(m,)](
             x2, weight, y, rstd, x2.stride(0), y.stride(0), n, float(eps), r2, h, r2.stride(0), h.stride(0),
-            BLOCK_N=block_n, ADD_RESIDUAL=residual is not None, num_warps=_num_warps(block_n),
+            BLOCK_N=block_n, ADD_RESIDUAL=residual is not None, num_warps=_num_warps(block_n), **pdl_flags(x2),
         )
     return y, h, rstd
 
@@ -160,7 +166,7 @@ def _backward(h2, weight, rstd, dy, dh):
             h2, weight, dy2, rstd, dx, dw_part,
             h2.stride(0), dy2.stride(0), dx.stride(0), m, n, dh2, dh2.stride(0),
             BLOCK_N=block_n, ROWS=rows, TILE_ROWS=bwd["tile_rows"], ADD_DH=dh is not None,
-            num_warps=_num_warps(block_n * bwd["tile_rows"]),
+            num_warps=_num_warps(block_n * bwd["tile_rows"]), **pdl_flags(h2),
         )
     return dx, dw_part.sum(0).to(weight.dtype)
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_float, check_same, next_power_of_2
+from ._common import check_device, check_float, check_same, next_power_of_2, pdl_enter, pdl_flags
 from .mode import get_mode
 
 
@@ -35,7 +35,9 @@ def _rope_kernel(
     x_ptr, cos_ptr, sin_ptr, o_ptr,
     stride_xt, stride_xh, stride_ct, stride_st, H, HALF,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INVERSE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -91,7 +93,7 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
     if x3.shape[0] > 0:
         _rope_kernel[(x3.shape[0],)](
             x3, c2, s2, out, x3.stride(0), x3.stride(1), c2.stride(0), s2.stride(0), h, d // 2,
-            BLOCK_H=next_power_of_2(h), BLOCK_D=next_power_of_2(d // 2), INVERSE=inverse, num_warps=4,
+            BLOCK_H=next_power_of_2(h), BLOCK_D=next_power_of_2(d // 2), INVERSE=inverse, num_warps=4, **pdl_flags(x3),
         )
     return out.view(x.shape)
 

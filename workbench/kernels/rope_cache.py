@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, next_power_of_2
+from ._common import check_device, next_power_of_2, pdl_enter, pdl_flags
 from .rope import apply_rope_reference
 
 
@@ -40,7 +40,9 @@ def _rope_cache_kernel(
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sc_b, sc_t,
     so_b, so_t, so_h, scache_b, scache_s, scache_h,
     BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     m = tl.program_id(0).to(tl.int64)       # token: b * T + t
     h = tl.program_id(1)                    # q heads first, then kv heads
     b = m // T
@@ -130,7 +132,7 @@ def rope_cache_write(q, k, v, cos, sin, cache_k, cache_v, start, q_norm_weight=N
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), cos.stride(0), cos.stride(1),
             out.stride(0), out.stride(1), out.stride(2), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
-            BLOCK_D=next_power_of_2(d), BLOCK_HALF=next_power_of_2(d // 2), NORM=norm, num_warps=4,
+            BLOCK_D=next_power_of_2(d), BLOCK_HALF=next_power_of_2(d // 2), NORM=norm, num_warps=4, **pdl_flags(q),
         )
     return out
 

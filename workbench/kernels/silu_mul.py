@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_float, check_same, interpreting, rows_view
+from ._common import check_device, check_float, check_same, interpreting, pdl_enter, pdl_flags, rows_view
 from .mode import get_mode
 
 
@@ -28,7 +28,9 @@ from .mode import get_mode
 def _silu_mul_fwd_kernel(
     g_ptr, u_ptr, o_ptr, stride_g, stride_u, stride_o, N,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -43,7 +45,9 @@ def _silu_mul_bwd_kernel(
     g_ptr, u_ptr, do_ptr, dg_ptr, du_ptr,
     stride_g, stride_u, stride_do, stride_dg, stride_du, N,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -88,7 +92,7 @@ class SiluMulFn(torch.autograd.Function):
         block = _block()
         if m > 0 and n > 0:
             _silu_mul_fwd_kernel[(m, triton.cdiv(n, block))](
-                g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), n, BLOCK=block, num_warps=4,
+                g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), n, BLOCK=block, num_warps=4, **pdl_flags(g2),
             )
         ctx.save_for_backward(g2, u2)
         ctx.shape = gate.shape
@@ -106,7 +110,7 @@ class SiluMulFn(torch.autograd.Function):
             _silu_mul_bwd_kernel[(m, triton.cdiv(n, block))](
                 g2, u2, do2, dg, du,
                 g2.stride(0), u2.stride(0), do2.stride(0), dg.stride(0), du.stride(0), n,
-                BLOCK=block, num_warps=4,
+                BLOCK=block, num_warps=4, **pdl_flags(g2),
             )
         return dg.view(ctx.shape), du.view(ctx.shape)
 
