@@ -7,10 +7,14 @@ memory-bandwidth floor ((weights + KV cache bytes) / measured copy bandwidth); t
 cuBLAS + FlashAttention on the same shapes and the compute floor.
 --long: long rollouts instead, batch 64 with 1,024 and 4,096 new tokens (one timed run each), with
 the peak GPU memory and the static KV cache's size.
+--vllm: vLLM's engines too, in the same run (vLLM installed; each in a worker process of bench_vllm.py, which
+also checks its parity with the trainer): its default kernels, batch-invariant mode, and vLLM running the workbench
+model; then one table of every engine's tokens/s beside the rate of a decode step at the bandwidth floor.
 --pdl-ab: the invariant decode step with programmatic dependent launch (`kernels.pdl`) and without
 (WORKBENCH_PDL=0), alternating in one process, six calls each per batch, bits compared.
 
-    python bench/bench_generate.py [--model FOLDER] [--out FILE.md] [--skip-hf] [--long | --prefill | --pdl-ab]
+    python bench/bench_generate.py [--model FOLDER] [--out FILE.md] [--skip-hf] [--vllm]
+    python bench/bench_generate.py [--model FOLDER] [--out FILE.md] (--long | --prefill | --pdl-ab)
 """
 
 from __future__ import annotations
@@ -81,6 +85,45 @@ def pdl_ab(model, weight_bytes: int, copy: float) -> list[str]:
                          f"{', '.join(f'{x:.2f}' for x in steps)} | {floor_ms:.2f} | {step / floor_ms:.2f} | "
                          f"{same if pdl == 'on' else '-'} |")
             print(lines[-1], flush=True)
+    return lines
+
+
+def vllm_engines(shape: str) -> dict:
+    """New tokens/s of vLLM's engines (bench_vllm.py's workers: 128-token prompts, 256 new tokens, temperature 1,
+    the median of 3 calls, as `ours`) and the parity lines of each with the trainer."""
+    from bench_vllm import BACKENDS, _run_worker
+
+    tput, parity = {}, ["| engine | tokens | differing from the trainer | request alone = in batch |",
+                        "|---|---|---|---|"]
+    for backend in BACKENDS:
+        for r in _run_worker(backend, [shape], True, timeout=400):
+            if r["kind"] == "tput":
+                tput[(backend, r["batch"])] = r["tok_s"]
+            elif r["kind"] == "parity":
+                parity.append(f"| {backend} | {r['tokens']:.0f} | {r['tokens_differing']:.0f} | "
+                              f"{bool(r['alone_equals_batch'])} |")
+            elif r["kind"] == "error":
+                parity.append(f"| {backend} | FAILED: {r['error']!r} | | |")
+    return {"tput": tput, "parity": parity}
+
+
+def engines_table(rates: dict, floors: dict) -> list[str]:
+    """Every engine's new tokens/s, and as a share of a decode step's rate at the bandwidth floor (prefill not
+    counted in the floor, so 1.0 cannot be reached)."""
+    lines = ["All engines in this run, new tokens/s (share of the floor's rate); the floor's rate: "
+             + ", ".join(f"batch {b}: {f:,.0f}" for b, f in floors.items()), "",
+             "| engine | " + " | ".join(f"batch {b}" for b in floors) + " |", "|---|" + "---|" * len(floors)]
+    for engine in dict.fromkeys(e for e, _ in rates):
+        lines.append(f"| {engine} | " + " | ".join(
+            f"{rates[(engine, b)]:,.0f} ({rates[(engine, b)] / f:.2f})" if (engine, b) in rates else "-"
+            for b, f in floors.items()) + " |")
+    lines.append("")
+    for b in floors:
+        if ("vllm-default", b) in rates:
+            inv_default = rates[("embedded invariant", b)] / rates[("vllm-default", b)]
+            wb_bi = rates.get(("vllm-workbench", b), float("nan")) / rates.get(("vllm-bi", b), float("nan"))
+            lines.append(f"Batch {b}: embedded invariant / vLLM default {inv_default:.2f}x; vLLM running the "
+                         f"workbench model / vLLM batch-invariant {wb_bi:.2f}x.")
     return lines
 
 
@@ -175,9 +218,12 @@ def main() -> None:
     ap.add_argument("--long", action="store_true", help="batch 64 at 1,024 and 4,096 new tokens instead")
     ap.add_argument("--prefill", action="store_true", help="the prefill table alone")
     ap.add_argument("--pdl-ab", action="store_true", help="the invariant decode step with and without PDL instead")
+    ap.add_argument("--vllm", action="store_true", help="vLLM's engines too, and the table of every engine")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_generate.py needs a CUDA GPU")
+    # vLLM first, each engine in its own process, while this one holds no cache.
+    vllm = vllm_engines(a.model or "qwen3-1.7B") if a.vllm else {}
     model = load_pretrained(a.model, device="cuda") if a.model else build("qwen3-1.7B", device="cuda", seed=0)
     if a.prefill:
         emit([header(), "", *prefill(model)], a.out)
@@ -196,6 +242,7 @@ def main() -> None:
              "| batch | invariant tok/s | standard-fused tok/s | standard tok/s | HF generate tok/s | "
              "inv / std-fused | inv / HF | decode step ms (inv) | (std-fused) | bandwidth floor ms | step / floor |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rates, floors = dict(vllm.get("tput", {})), {}
     for batch in (64, 256):
         inv_tps, inv_ms, _ = ours(model, batch, "invariant")
         fused_tps, fused_ms, _ = ours(model, batch, "standard-fused")
@@ -206,6 +253,13 @@ def main() -> None:
         lines.append(f"| {batch} | {inv_tps:,.0f} | {fused_tps:,.0f} | {std_tps:,.0f} | {hf_tps:,.0f} | "
                      f"{inv_tps / fused_tps:.2f} | {inv_tps / hf_tps:.1f} | {inv_ms:.2f} | {fused_ms:.2f} | "
                      f"{floor_ms:.2f} | {inv_ms / floor_ms:.2f} |")
+        rates.update({("embedded invariant", batch): inv_tps, ("embedded standard-fused", batch): fused_tps,
+                      ("embedded standard", batch): std_tps})
+        if hf_tps == hf_tps:
+            rates[("transformers generate", batch)] = hf_tps
+        floors[batch] = batch / floor_ms * 1e3
+    if vllm:
+        lines += ["", *engines_table(rates, floors), "", *vllm["parity"]]
     lines += ["", f"Model: {a.model or 'Qwen3-1.7B shape, random weights'}. Copy bandwidth {copy:.0f} GB/s; weights "
               f"{weight_bytes / 1e9:.2f} GB (bf16). HF generate is run at batch 64 only.", "",
               "Prefill (wall ms, median of 5, launches included):", "", *prefill(model)]
