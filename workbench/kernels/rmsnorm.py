@@ -9,8 +9,9 @@ Numerics contract (mode `invariant`), with Hugging Face's rounding points:
   `hidden_states.to(input_dtype)`).
 - Rounding point 2: y = weight * n, multiplied in fp32 and cast once (as
   PyTorch's bf16 * bf16).
-- One row per program: a row's output never depends on other rows, M, or
-  padding.
+- Each row's arithmetic is its own (one row per program on a GPU, a fixed 32
+  as the rows of one block in the interpreter): a row's output never depends on
+  other rows, M, or padding.
 - Backward, in fp32 with the cast treated as the identity: g = dy * w,
   dx = rstd * (g - n * mean(g * n)) (bit-identical per row, whatever the batch);
   dw = sum over rows of dy * round(n), each program summing a fixed block of
@@ -42,26 +43,28 @@ MAX_WIDTH = 65536
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, N, eps, res_ptr, h_ptr, stride_res, stride_h,
-    BLOCK_N: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, M, N, eps, res_ptr, h_ptr, stride_res, stride_h,
+    BLOCK_N: tl.constexpr, ADD_RESIDUAL: tl.constexpr, ROWS: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    # ROWS rows per program as the rows of one [ROWS, BLOCK_N] block: each row's arithmetic is its own, its sum
+    # one `tl.sum` over its own row (1 on a GPU; more in the interpreter, whose cost is per program step).
     pdl_enter(PDL)
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if ADD_RESIDUAL:
-        h = (x + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32))
+        h = (x + tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32))
         h = h.to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
+        tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], h, mask=mask)
         x = h.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-    n = (x * rstd).to(y_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = n.to(tl.float32) * w
-    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + row, rstd)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+    n = (x * rstd[:, None]).to(y_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    y = n.to(tl.float32) * w[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=rows < M)
 
 
 @triton.jit
@@ -100,6 +103,9 @@ def _rms_norm_bwd_kernel(
 # Backward: rows per program and rows per tile (chosen by bench/tune_rowwise.py).
 _GPU_BACKWARD = {"rows": 8, "tile_rows": 2}
 _INTERPRETER_BACKWARD = {"rows": 64, "tile_rows": 16}
+# Forward: rows per program. One on a GPU; in the interpreter a program costs per step, not per element, so
+# 32 rows share one (a fixed number, never a function of M: a row's bits are its own either way).
+_GPU_FORWARD_ROWS, _INTERPRETER_FORWARD_ROWS = 1, 32
 
 
 def _num_warps(block_n: int) -> int:
@@ -109,6 +115,7 @@ def _num_warps(block_n: int) -> int:
 def tile_config() -> dict:
     """The launch config in force here (for the environment record)."""
     return {"block_n": "next power of 2 of the row width", "num_warps": "4 up to 2048, 8 up to 8192, else 16",
+            "forward_rows": _INTERPRETER_FORWARD_ROWS if interpreting() else _GPU_FORWARD_ROWS,
             "backward": _INTERPRETER_BACKWARD if interpreting() else _GPU_BACKWARD}
 
 
@@ -140,10 +147,12 @@ def _forward(x, weight, eps, residual):
         r2 = rows_view("rms_norm", "residual", residual)
         h = torch.empty((m, n), device=x.device, dtype=x.dtype)
     block_n = next_power_of_2(n)
+    rows = _INTERPRETER_FORWARD_ROWS if interpreting() else _GPU_FORWARD_ROWS
     if m > 0:
-        _rms_norm_fwd_kernel[(m,)](
-            x2, weight, y, rstd, x2.stride(0), y.stride(0), n, float(eps), r2, h, r2.stride(0), h.stride(0),
-            BLOCK_N=block_n, ADD_RESIDUAL=residual is not None, num_warps=_num_warps(block_n), **pdl_flags(x2),
+        _rms_norm_fwd_kernel[(triton.cdiv(m, rows),)](
+            x2, weight, y, rstd, x2.stride(0), y.stride(0), m, n, float(eps), r2, h, r2.stride(0), h.stride(0),
+            BLOCK_N=block_n, ADD_RESIDUAL=residual is not None, ROWS=rows, num_warps=_num_warps(block_n),
+            **pdl_flags(x2),
         )
     return y, h, rstd
 

@@ -10,7 +10,8 @@ Numerics contract (mode `invariant`):
   first; we do not: fp32 tables, one rounding), each output is computed in
   fp32 (the compiler may fuse a product and a sum into one FMA, always the
   same way) and cast once.
-- Elementwise per token and head: no dependence on other tokens or the batch.
+- Elementwise per token and head: no dependence on other tokens or the batch
+  (one token per program on a GPU, a fixed 32 in the interpreter).
 - Backward is the inverse rotation, the same kernel with sin negated (exact).
 - `rope_cos_sin` builds the tables from integer positions and `rope_inv_freq`'s
   frequencies (Hugging Face's formulas, RoPE scaling included) with fp32 math; the
@@ -26,38 +27,44 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_float, check_same, next_power_of_2, pdl_enter, pdl_flags
+from ._common import check_device, check_float, check_same, interpreting, next_power_of_2, pdl_enter, pdl_flags
 from .mode import get_mode
 
 
 @triton.jit
 def _rope_kernel(
     x_ptr, cos_ptr, sin_ptr, o_ptr,
-    stride_xt, stride_xh, stride_ct, stride_st, H, HALF,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INVERSE: tl.constexpr,
+    stride_xt, stride_xh, stride_ct, stride_st, T, H, HALF,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INVERSE: tl.constexpr, ROWS: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    # ROWS tokens per program, all heads, as one [ROWS, BLOCK_H, BLOCK_D] block of elementwise ops (1 token on a
+    # GPU; more in the interpreter, whose cost is per program step).
     pdl_enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < HALF
-    mask = (h[:, None] < H) & dmask[None, :]
-    c = tl.load(cos_ptr + t * stride_ct + d, mask=dmask, other=0.0)[None, :]
-    s = tl.load(sin_ptr + t * stride_st + d, mask=dmask, other=0.0)[None, :]
+    t = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None, None]
+    h = tl.arange(0, BLOCK_H)[None, :, None]
+    d = tl.arange(0, BLOCK_D)[None, None, :]
+    tdmask = (t < T) & (d < HALF)
+    mask = tdmask & (h < H)
+    c = tl.load(cos_ptr + t * stride_ct + d, mask=tdmask, other=0.0)
+    s = tl.load(sin_ptr + t * stride_st + d, mask=tdmask, other=0.0)
     if INVERSE:
         s = -s
-    x_base = x_ptr + t * stride_xt + h[:, None] * stride_xh + d[None, :]
+    x_base = x_ptr + t * stride_xt + h * stride_xh + d
     x1 = tl.load(x_base, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_base + HALF, mask=mask, other=0.0).to(tl.float32)
-    o_base = o_ptr + t * H * 2 * HALF + h[:, None] * 2 * HALF + d[None, :]
+    o_base = o_ptr + t * H * 2 * HALF + h * 2 * HALF + d
     tl.store(o_base, (x1 * c - x2 * s).to(o_ptr.dtype.element_ty), mask=mask)
     tl.store(o_base + HALF, (x2 * c + x1 * s).to(o_ptr.dtype.element_ty), mask=mask)
 
 
+# Tokens per program: one on a GPU; 32 in the interpreter (a fixed number: each element's arithmetic is its own).
+_GPU_ROWS, _INTERPRETER_ROWS = 1, 32
+
+
 def tile_config() -> dict:
     """The launch config in force here (for the environment record)."""
-    return {"program": "one token, all heads", "num_warps": 4}
+    return {"program": f"{_INTERPRETER_ROWS if interpreting() else _GPU_ROWS} token(s), all heads", "num_warps": 4}
 
 
 def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -90,10 +97,12 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
     if c2.stride(-1) != 1 or s2.stride(-1) != 1:
         c2, s2 = c2.contiguous(), s2.contiguous()
     out = torch.empty(x3.shape, device=x.device, dtype=x.dtype)
+    rows = _INTERPRETER_ROWS if interpreting() else _GPU_ROWS
     if x3.shape[0] > 0:
-        _rope_kernel[(x3.shape[0],)](
-            x3, c2, s2, out, x3.stride(0), x3.stride(1), c2.stride(0), s2.stride(0), h, d // 2,
-            BLOCK_H=next_power_of_2(h), BLOCK_D=next_power_of_2(d // 2), INVERSE=inverse, num_warps=4, **pdl_flags(x3),
+        _rope_kernel[(triton.cdiv(x3.shape[0], rows),)](
+            x3, c2, s2, out, x3.stride(0), x3.stride(1), c2.stride(0), s2.stride(0), x3.shape[0], h, d // 2,
+            BLOCK_H=next_power_of_2(h), BLOCK_D=next_power_of_2(d // 2), INVERSE=inverse, ROWS=rows, num_warps=4,
+            **pdl_flags(x3),
         )
     return out.view(x.shape)
 
