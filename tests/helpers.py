@@ -126,3 +126,10 @@ def same_bits(a, b) -> bool:
         return torch.is_tensor(b) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(
             a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
     return a == b
+
+
+def same_completions(a, b) -> bool:
+    """Two lists of `Completion`s: the same tokens, finish reasons and log-probs, bit for bit."""
+    def fields(cs):
+        return [(c.tokens, c.finish_reason, c.logprobs, c.sampled_logprobs) for c in cs]
+    return same_bits(fields(a), fields(b))

@@ -6,8 +6,10 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import same_completions
 
 from workbench.generation import (
+    DecodeGraphs,
     SamplingParams,
     format_report,
     generate,
@@ -17,6 +19,8 @@ from workbench.generation import (
     trainer_logprobs,
     uniforms,
 )
+from workbench.generation.generator import CACHE_ROUND, compacted_size
+from workbench.generation.sampling import KEYED_SEED, request_keys, sample
 from workbench.kernels import FUSED_ROWWISE, mode
 from workbench.models import build
 
@@ -83,19 +87,50 @@ def test_same_seed_same_output_other_seed_other_output(model, run):
     assert [c.tokens for c in other.completions] != [c.tokens for c in out.completions]
 
 
-def test_stop_tokens_and_compaction_change_no_bits(model):
+def test_stop_tokens_compaction_and_kept_graphs_change_no_bits(model):
     prompts = _prompts([6, 4], seed=2)
     params = SamplingParams(temperature=0.8, max_new_tokens=4, seed=1)
     free = generate(model, prompts, params).completions
     stop_at = free[0].tokens[0]
     assert stop_at not in free[1].tokens[:1], "pick a seed whose second request does not stop at once"
-    stopped = generate(model, prompts, dataclasses.replace(params, stop_token_ids=(stop_at,))).completions
+    stops = dataclasses.replace(params, stop_token_ids=(stop_at,))
+    stopped = generate(model, prompts, stops).completions
     assert stopped[0].tokens == [stop_at] and stopped[0].finish_reason == "stop"
     assert free[0].finish_reason == "length" and len(free[0].tokens) == 4
     # Request 0 left the batch after one token (the cache was compacted to request 1 alone).
     n = len(stopped[1].tokens)
     assert stopped[1].tokens == free[1].tokens[:n]
     assert torch.equal(stopped[1].logprobs, free[1].logprobs[:n])
+    # Kept between calls: the first call fills `keep` (a cache rounded up in length, a step per compaction size),
+    # the second reuses all of it, the third (other parameters) replaces it; each has a fresh call's bits.
+    keep = DecodeGraphs()
+    assert same_completions(generate(model, prompts, stops, keep=keep).completions, stopped)
+    kept = keep.step(2), keep.step(1)
+    assert kept[0].cache.max_len == CACHE_ROUND
+    assert same_completions(generate(model, prompts, stops, keep=keep).completions, stopped)
+    assert (keep.step(2), keep.step(1)) == kept
+    assert same_completions(generate(model, prompts, params, keep=keep).completions, free)
+    assert keep.step(2) is not kept[0]
+
+
+def test_request_keys_carry_the_seed_bit_for_bit():
+    """The decode step samples with each row's key (`request_keys`: the seed folded into the request id) and
+    KEYED_SEED, so one captured step serves every seed: the same draws and log-probs as the seed itself."""
+    g = torch.Generator().manual_seed(13)
+    logits = (torch.randn(6, 700, generator=g) * 3).bfloat16()
+    ids, pos = torch.randint(0, 2**40, (6,), generator=g), torch.randint(0, 4096, (6,), generator=g)
+    for params in (SamplingParams(seed=123456789, top_p=0.9), SamplingParams(seed=7, temperature=0.7, logit_noise=0.5)):
+        want = sample(logits, params, ids, pos)
+        got = sample(logits, dataclasses.replace(params, seed=KEYED_SEED), request_keys(params.seed, ids), pos)
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+        other = sample(logits, dataclasses.replace(params, seed=KEYED_SEED), request_keys(params.seed + 1, ids), pos)
+        assert not torch.equal(other[0], want[0])
+
+
+def test_compaction_halves_the_batch_while_the_live_rows_fit_in_half():
+    sizes = {n: compacted_size(n, 64) for n in (1, 2, 3, 5, 17, 32, 33)}
+    assert sizes == {1: 1, 2: 2, 3: 4, 5: 8, 17: 32, 32: 32, 33: 64}
+    assert compacted_size(13, 48) == 24 and compacted_size(12, 48) == 12
 
 
 def test_greedy_takes_the_argmax(model):

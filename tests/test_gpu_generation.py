@@ -6,8 +6,16 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import same_completions
 
-from workbench.generation import SamplingParams, generate, parity_summary, parity_table, trainer_logprobs
+from workbench.generation import (
+    DecodeGraphs,
+    SamplingParams,
+    generate,
+    parity_summary,
+    parity_table,
+    trainer_logprobs,
+)
 from workbench.kernels import FUSED_ROWWISE, mode
 from workbench.models import build
 
@@ -38,6 +46,34 @@ def test_gpu_generator_trainer_parity_bitwise(size):
     eager = generate(model, prompts, PARAMS, cuda_graphs=False)
     assert [c.tokens for c in eager.completions] == [c.tokens for c in out.completions]
     assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(eager.completions, out.completions))
+
+
+def test_gpu_kept_graphs_replay_with_a_fresh_calls_bits():
+    """`DecodeGraphs` keeps a call's caches and captured steps: calls that replay them (the same prompts, other
+    prompts of the same shape, rows compacted into kept smaller steps) get a fresh call's bits, and a weight
+    updated in place between calls (an RL loop's weight sync) is what the replay reads."""
+    model = build("qwen3-1.7B", device="cuda", seed=10)
+    vocab = model.config.vocab_size
+    prompts, other = _prompts(64, vocab, seed=11), _prompts(64, vocab, seed=12)
+    keep = DecodeGraphs()
+    assert same_completions(generate(model, prompts, PARAMS, keep=keep).completions,
+                 fresh := generate(model, prompts, PARAMS).completions)
+    step = keep.step(64)
+    assert same_completions(generate(model, prompts, PARAMS, keep=keep).completions, fresh)
+    assert same_completions(generate(model, other, PARAMS, keep=keep).completions,
+                            generate(model, other, PARAMS).completions)
+    assert keep.step(64) is step, "prompts of the same rounded length reuse the kept graph"
+    with torch.no_grad():
+        model.model.layers[3].mlp.down_proj.weight.mul_(-1)
+    moved = generate(model, prompts, PARAMS).completions
+    assert not same_completions(moved, fresh)
+    assert same_completions(generate(model, prompts, PARAMS, keep=keep).completions, moved) and keep.step(64) is step
+    # 40 of 64 requests stop at their first token: the batch is compacted into a kept step of 32 rows.
+    stops = dataclasses.replace(PARAMS, stop_token_ids=tuple({c.tokens[0] for c in moved[:40]}))
+    stopped = generate(model, prompts, stops).completions
+    assert sum(c.finish_reason == "stop" and len(c.tokens) == 1 for c in stopped) >= 40
+    for _ in range(2):
+        assert same_completions(generate(model, prompts, stops, keep=keep).completions, stopped)
 
 
 def test_gpu_programmatic_dependent_launch_changes_no_bit(monkeypatch):
@@ -80,7 +116,7 @@ def test_gpu_negative_control_standard_mode_mismatches():
 
 
 def test_gpu_fused_gumbel_draw_agrees_with_the_pytorch_formula_and_is_row_invariant():
-    from workbench.generation.sampling import uniforms
+    from workbench.generation.sampling import KEYED_SEED, request_keys, uniforms
     from workbench.kernels import gumbel_argmax
     from workbench.kernels.gumbel import gumbel_argmax_reference
 
@@ -89,6 +125,7 @@ def test_gpu_fused_gumbel_draw_agrees_with_the_pytorch_formula_and_is_row_invari
     req = torch.arange(256, device="cuda") * 7919
     pos = torch.arange(256, device="cuda") % 300
     got = gumbel_argmax(logits, 0.8, 9, req, pos)
+    assert torch.equal(gumbel_argmax(logits, 0.8, KEYED_SEED, request_keys(9, req), pos), got), "the seed in the keys"
     want = gumbel_argmax_reference(logits, 0.8, uniforms(9, req, pos, 151936))
     # The GPU's log and PyTorch's may round apart in a near-tie: a draw is rarely allowed to differ.
     assert (got == want).float().mean() >= 0.99

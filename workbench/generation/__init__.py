@@ -1,6 +1,6 @@
 """The embedded generator: batched KV-cache sampling with per-token log-probs, and its parity with the trainer."""
 
-from .generator import Completion, GenerationOutput, generate
+from .generator import Completion, DecodeGraphs, GenerationOutput, generate
 from .parity import (
     as_parity_table,
     format_report,
@@ -14,6 +14,7 @@ from .sampling import SamplingParams, keep_mask, sample, sampled_logprobs, unifo
 
 __all__ = [
     "Completion",
+    "DecodeGraphs",
     "GenerationOutput",
     "SamplingParams",
     "as_parity_table",

@@ -10,14 +10,15 @@ bits do not depend on the batch, so this changes no result).
 
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..kernels import get_mode, linear, pdl
+from ..kernels import current_state, get_mode, linear, pdl
 from ..models import KVCache, CausalLM
-from .sampling import SamplingParams, sample
+from .sampling import KEYED_SEED, SamplingParams, request_keys, sample
 
 
 @dataclass
@@ -88,6 +89,10 @@ class Record:
         return cls(torch.zeros((b, n), device=device, dtype=torch.long), raw, torch.zeros_like(raw),
                    torch.zeros(b, device=device, dtype=torch.long), torch.zeros(b, device=device, dtype=torch.bool))
 
+    def zero_(self) -> None:
+        for t in (self.tokens, self.raw, self.sampled, self.n_out, self.done):
+            t.zero_()
+
     def add(self, rows, column, tok, lp, slp, stop) -> None:
         """Record each live row's token at `column` (a device scalar); rows already done ride along unrecorded.
         Tensor ops only, no host read: it runs inside the decode step's graph."""
@@ -101,21 +106,31 @@ class Record:
 
 
 class DecodeStep:
-    """The decode loop's body for a fixed set of rows: record each row's pending token, then run the model on it
-    and sample the next, which becomes pending. Its state (rows, pending token, positions, the step's column)
+    """The decode loop's body for a fixed number of rows: record each row's pending token, then run the model on
+    it and sample the next, which becomes pending. Its state (rows, pending token, positions, the step's column)
     lives in static buffers it advances itself, so on a GPU the whole body is one CUDA graph replayed with no
-    host work in between.
+    host work in between; `load` refills those buffers, so a later call of the same shape replays the same graph.
     """
 
-    def __init__(self, model: CausalLM, cache: KVCache, params: SamplingParams, record: Record, stop, rows, req,
-                 pending: tuple, pos, step: int, graph: bool):
+    def __init__(self, model: CausalLM, cache: KVCache, params: SamplingParams, record: Record, stop, graph: bool):
+        """params: with seed KEYED_SEED; each row's seed is in its key (`request_keys`), loaded as its request id."""
         self.model, self.cache, self.params, self.record, self.stop = model, cache, params, record, stop
-        self.rows, self.req, self.pos = rows.clone(), req.clone(), pos.clone()   # req: each row's request id
-        self.tok, self.lp, self.slp = (t.clone() for t in pending)
-        self.column = torch.tensor(step, device=rows.device)            # the pending token's index
+        b, dev = cache.k.shape[1], stop.device
+        self.rows, self.req, self.tok = (torch.zeros(b, device=dev, dtype=torch.long) for _ in range(3))
+        self.pos = torch.zeros(b, device=dev, dtype=torch.int32)
+        self.lp, self.slp = torch.zeros(b, device=dev), torch.zeros(b, device=dev)
+        self.column = torch.zeros((), device=dev, dtype=torch.long)     # the pending token's index
         self.ones = torch.ones_like(self.pos)
         self.use_graph = graph
         self.graph = None
+
+    def load(self, rows, req, pending: tuple, pos, column) -> DecodeStep:
+        """Start from these rows (indices into the record), their keys (`request_keys`), pending (token, log-prob,
+        sampled log-prob), positions and the pending token's index."""
+        for buf, value in zip((self.rows, self.req, self.tok, self.lp, self.slp, self.pos, self.column),
+                              (rows, req, *pending, pos, column)):
+            buf.copy_(value)
+        return self
 
     def _body(self) -> None:
         self.record.add(self.rows, self.column, self.tok, self.lp, self.slp, self.stop)
@@ -124,7 +139,8 @@ class DecodeStep:
         with pdl(get_mode("linear") == "invariant"):
             hidden = self.model.hidden_states(self.tok[:, None], seq_lens=self.ones, cache=self.cache,
                                               start=self.pos)
-            # Randomness is keyed by (seed, request id, index of the new token): not by batch or prompt length.
+            # Randomness is keyed by (seed and request id: the row's key, index of the new token): not by batch or
+            # prompt length.
             tok, lp, slp = sample(_next_logits(self.model, hidden[:, 0]), self.params, self.req,
                                   (self.column + 1).expand_as(self.req).contiguous())
         self.tok.copy_(tok)
@@ -141,9 +157,10 @@ class DecodeStep:
             # so it must run exactly once per call. No eager warm-up run: Triton compiles and cuBLAS/FlashAttention
             # set up inside the capture (nothing in the body syncs with the host), which saves a whole step's
             # ~140 us of Python per launch at every generate call's first step.
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 self._body()
+            self.graph = graph                  # only once whole: a failed capture is not replayed by a later call
         self.graph.replay()
         return None
 
@@ -151,19 +168,91 @@ class DecodeStep:
         """Record the pending tokens (the last step's, or those of rows the loop stopped)."""
         self.record.add(self.rows, self.column, self.tok, self.lp, self.slp, self.stop)
 
-    def compacted(self, keep: torch.Tensor, cache: KVCache) -> DecodeStep:
-        """A step over the rows `keep` (indices into this step's rows) and the cache holding only them."""
-        return DecodeStep(self.model, cache, self.params, self.record, self.stop, self.rows[keep],
-                          self.req[keep], (self.tok[keep], self.lp[keep], self.slp[keep]), self.pos[keep],
-                          int(self.column), self.use_graph)
+    def compact_into(self, keep: torch.Tensor, step: DecodeStep) -> DecodeStep:
+        """Load `step` (whose cache has len(keep) rows) with the rows `keep` (indices into this step's rows)."""
+        torch.index_select(self.cache.k, 1, keep, out=step.cache.k)
+        torch.index_select(self.cache.v, 1, keep, out=step.cache.v)
+        return step.load(self.rows[keep], self.req[keep], (self.tok[keep], self.lp[keep], self.slp[keep]),
+                         self.pos[keep], self.column)
+
+
+def compacted_size(n_live: int, size: int) -> int:
+    """The rows a batch of `size` rows with `n_live` running keeps: halved (rounded up) while the live rows fit
+    in half, so a batch of b rows only ever takes the sizes b, ceil(b/2), ... (a bounded set of cache shapes and
+    graphs to keep) and is never more than twice its live rows after a compaction."""
+    while n_live * 2 <= size and size > 1:
+        size = (size + 1) // 2
+    return size
+
+
+# A kept cache's length is rounded up to this many positions, so calls whose longest prompt differs a little (an RL
+# loop's batches) share one shape. Keys past a row's length are never read, so in invariant mode no bit depends on it.
+CACHE_ROUND = 64
+
+
+class DecodeGraphs:
+    """One `generate` call's KV caches, record and captured decode steps, kept for the next call of the same shape.
+
+    Without it every call allocates its cache and captures its decode step (one per compaction size) anew; the
+    capture walks every launch of the step on the host, ~125 us a launch, ~50 ms a graph at the 1.7B shape. vLLM
+    captures once, at start-up; passed to `generate`, this does the same for the embedded generator. A call whose
+    batch size, cache length (rounded up to CACHE_ROUND), sampling parameters, model tensors and kernel modes are
+    the previous call's replays that call's graphs; any other call replaces them. The memory (the caches of every
+    compaction size, the graphs' pools) stays held between calls: `clear()` returns it, e.g. before an update.
+    """
+
+    def __init__(self):
+        self._key = None
+        self._steps: dict[int, DecodeStep] = {}
+
+    def clear(self) -> None:
+        self._key, self._steps = None, {}
+
+    def begin(self, key, model: CausalLM, params: SamplingParams, b: int, max_len: int, dev, dtype,
+              graph: bool) -> None:
+        """Start a call: keep everything if `key` is the last call's, else start empty."""
+        if key == self._key:
+            # As a fresh call finds them: the prefill's tiles then read zeros past each prompt, not old keys.
+            self.record.zero_()
+            if b in self._steps:
+                self._steps[b].cache.k.zero_()
+                self._steps[b].cache.v.zero_()
+            return
+        self.clear()
+        self._key = key
+        self.model, self.max_len, self.dtype, self.graph = model, max_len, dtype, graph
+        self.params = replace(params, seed=KEYED_SEED)
+        self.record = Record.allocate(b, params.max_new_tokens, dev)
+        self.stop = torch.tensor(params.stop_token_ids or [-1], device=dev)
+
+    def step(self, rows: int) -> DecodeStep:
+        """The decode step over `rows` rows and its cache; a kept one's graph replays as captured."""
+        if rows not in self._steps:
+            cache = KVCache.allocate(self.model.config, rows, self.max_len, self.stop.device, self.dtype)
+            self._steps[rows] = DecodeStep(self.model, cache, self.params, self.record, self.stop, self.graph)
+        return self._steps[rows]
+
+
+def _graph_key(model: CausalLM, params: SamplingParams, b: int, max_len: int, graph: bool) -> tuple:
+    """What a captured step bakes in: the model's tensors (by address: an in-place weight update is read by the
+    replay, a replaced tensor is not), its LoRA scales, the sampling parameters but the seed (Python constants of
+    the sampler; the seed is in the rows' keys), the kernel modes and PDL switch (which kernels were launched),
+    and the shapes."""
+    state = current_state()
+    return (id(model), tuple((t.data_ptr(), t.shape, t.dtype) for t in (*model.parameters(), *model.buffers())),
+            tuple(getattr(m, "lora_scale", None) for m in model.modules()), replace(params, seed=0), b,
+            max_len, graph,
+            state.default, tuple(sorted(state.overrides.items())), os.environ.get("WORKBENCH_PDL", "1"))
 
 
 @torch.no_grad()
 def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams,
-             request_ids: list[int] | None = None, cuda_graphs: bool = True) -> GenerationOutput:
+             request_ids: list[int] | None = None, cuda_graphs: bool = True,
+             keep: DecodeGraphs | None = None) -> GenerationOutput:
     """Sample a completion for each prompt; request_ids (default 0..B-1) key each request's randomness.
 
-    On a GPU the decode step runs as a CUDA graph unless cuda_graphs=False (same bits either way).
+    On a GPU the decode step runs as a CUDA graph unless cuda_graphs=False (same bits either way). `keep` holds
+    the caches and graphs between calls (`DecodeGraphs`); in invariant mode the bits are those of a call without.
     """
     cfg = model.config
     _check_prompts(prompts, cfg.vocab_size)
@@ -181,9 +270,16 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams,
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p, device=dev)
     req = torch.tensor(ids_list, device=dev, dtype=torch.long)
-    stop = torch.tensor(params.stop_token_ids or [-1], device=dev)
-    dtype = model.lm_head_weight.dtype
-    cache = KVCache.allocate(cfg, b, p_max + params.max_new_tokens, dev, dtype)
+    graphs = cuda_graphs and dev.type == "cuda"
+    max_len = p_max + params.max_new_tokens
+    if keep is None:
+        keep = DecodeGraphs()
+    else:
+        max_len = -(-max_len // CACHE_ROUND) * CACHE_ROUND
+    keep.begin(_graph_key(model, params, b, max_len, graphs), model, params, b, max_len, dev,
+               model.lm_head_weight.dtype, graphs)
+    step_fn = keep.step(b)
+    cache = step_fn.cache
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
@@ -194,10 +290,8 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams,
     sync()
     t1 = time.perf_counter()
 
-    record = Record.allocate(b, params.max_new_tokens, dev)
-    graphs = cuda_graphs and dev.type == "cuda"
-    step_fn = DecodeStep(model, cache, params, record, stop, torch.arange(b, device=dev), req, (tok, lp, slp),
-                         lens, 0, graphs)
+    record = keep.record
+    step_fn.load(torch.arange(b, device=dev), request_keys(params.seed, req), (tok, lp, slp), lens, 0)
     step = 0                                                    # index of the pending token
     while step + 1 < params.max_new_tokens:
         if step % CHECK_EVERY == 0:
@@ -206,9 +300,10 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams,
             if n_live == 0:
                 break
             if n_live * 2 <= live.numel():
-                keep = live.nonzero().squeeze(1)
-                cache = KVCache(cache.k[:, keep].contiguous(), cache.v[:, keep].contiguous())
-                step_fn = step_fn.compacted(keep, cache)
+                # The live rows, then finished ones (which ride along unrecorded) up to the compacted size.
+                size = compacted_size(n_live, live.numel())
+                rows = torch.argsort((~live).to(torch.int8), stable=True)[:size].sort().values
+                step_fn = step_fn.compact_into(rows, keep.step(size))
         step_fn()
         step += 1
     step_fn.finish()

@@ -77,6 +77,18 @@ _SAMPLING_SALT = 0x632BE5AB
 _NOISE_SALT = 0x1B873593
 
 
+# seed_hash(KEYED_SEED) == 0 (fmix32 is a bijection that fixes 0), so with it the request ids alone key the draws.
+KEYED_SEED = 0x9E3779B9
+
+
+def request_keys(seed: int, request_ids: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: seed_hash(seed) ^ id, each request's part of every draw's hash. The hash sees the seed and the id
+    only through this xor, so sampling with these keys as the request ids and KEYED_SEED as the seed draws exactly
+    what `seed` and the ids draw, bit for bit: the seed can then live in a device tensor, and one captured decode
+    step serves every seed (an RL loop's per-step seeds)."""
+    return (request_ids.long() & _M32) ^ seed_hash(seed)
+
+
 def uniforms(seed: int, request_ids: torch.Tensor, positions: torch.Tensor, vocab: int,
              salt: int = _SAMPLING_SALT) -> torch.Tensor:
     """[B, V] fp32 in (0, 1): u[b, v] = hash(seed, request_ids[b], positions[b], v); `salt` keys another stream."""

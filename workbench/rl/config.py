@@ -107,6 +107,9 @@ class TrainConfig:
     implementation and kernels: default kernels in standard mode, its batch-invariant ones in invariant mode)."""
     vllm_memory: float = 0.3
     """generator='vllm': the share of the GPU's memory vLLM may take."""
+    keep_graphs: bool = True
+    """generator='embedded': keep its KV caches and CUDA graphs from one step's rollouts to the next (captured once,
+    not every step; the same bits); that memory stays held through the update: False where memory is short."""
     sync: str = "shared"
     """Weight sync into the generator: shared (same bf16 model), copy, or checkpoint (through disk)."""
     policy_lag: int = 0

@@ -52,7 +52,7 @@ from ..config import write_config
 from ..distributed.data_parallel import DataParallel
 from ..distributed.pipeline import Pipeline
 from ..env import resolve_device
-from ..generation import SamplingParams, generate
+from ..generation import DecodeGraphs, SamplingParams, generate
 from ..kernels import mode
 from ..models import build, copy_weights, encode_prompt, load_pretrained, load_tokenizer, resolve_model, save_pretrained
 from ..models.lora import base_state
@@ -142,6 +142,7 @@ class Run:
         self.task = make_task(cfg.task, seed=cfg.seed, difficulty=cfg.difficulty, source=cfg.task_source,
                               question_field=cfg.question_field, answer_field=cfg.answer_field)
         rollout_only = self.dp is None
+        self.graphs = DecodeGraphs() if cfg.keep_graphs else None   # the embedded generator's, across steps
         start, self.tok = _starting_policy(cfg, self.out, self.device, self.world, rollout_only)
         if rollout_only:   # a generator, no masters, no optimizer
             self.generator = start
@@ -234,7 +235,8 @@ def _serve(run: Run) -> pd.DataFrame:
 
     def sample(step: int) -> list:   # the completions' log-probs are host tensors: they travel pickled
         _, prompts, sampling, rows = _step_prompts(run, step)
-        return generate(run.generator, prompts, sampling, request_ids=list(range(rows.start, rows.stop))).completions
+        return generate(run.generator, prompts, sampling, request_ids=list(range(rows.start, rows.stop)),
+                        keep=run.graphs).completions
 
     def rescore(completions: list) -> tuple[torch.Tensor, torch.Tensor]:   # the parity check's other side
         batch = RolloutBatch.from_generation([c.prompt for c in completions], completions, run.tok.pad_token_id or 0,
@@ -294,7 +296,7 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     elif sync.engine is not None:
         completions = sync.engine.generate(prompts, sampling, request_ids=ids).completions
     else:
-        completions = generate(sync.generator, prompts, sampling, request_ids=ids).completions
+        completions = generate(sync.generator, prompts, sampling, request_ids=ids, keep=run.graphs).completions
     batch = RolloutBatch.from_generation(prompts, completions, run.tok.pad_token_id or 0, run.device)
     t_gen = time.perf_counter()
 
