@@ -17,6 +17,11 @@ Also `_get_np_dtype` (a Triton dtype's numpy storage dtype: a pure function of t
 interpreted op) builds its 18-entry table on each call; its answers are kept per scalar dtype (a block's answer is
 its element dtype's, as in Triton's body).
 
+And the interpreter's integer overflow check is off (`InterpreterOptions.sanitize_overflow`: every int32 add, sub
+and mul of a kernel redone in int64 and asserted in range, ~16% of an interpreted run), as it is on a GPU, where
+Triton checks only with debug=True. It only asserts, so no value changes; the tests' tensors are far below 2^31
+elements, where an int32 offset could overflow.
+
 Guarded: the functions this reasoning reads are pinned by the SHA-256 of their source (triton 3.7.1). Another Triton
 fails the session at start-up with a message (`pytest.UsageError`), never silently: re-check the reasoning above
 against the new source, then update `PINNED`. WORKBENCH_PLAIN_INTERPRETER=1 turns the speed-up off.
@@ -24,6 +29,7 @@ against the new source, then update `PINNED`. WORKBENCH_PLAIN_INTERPRETER=1 turn
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import threading
@@ -39,6 +45,7 @@ PINNED = {
     "GridExecutor.__call__": "a8a9450a0a0406a3",
     "_LangPatchScope": "1b26f629cd7367a8",
     "_get_np_dtype": "8f20d41e3207891a",
+    "InterpreterOptions": "942c1a93071739ca",
 }
 
 
@@ -113,6 +120,8 @@ def install() -> None:
         return known[scalar]
 
     interp._get_np_dtype = get_np_dtype
+    interp.interpreter_builder.options = dataclasses.replace(interp.interpreter_builder.options,
+                                                             sanitize_overflow=False)
     interp.GridExecutor.__call__ = launch
     interp.InterpretedFunction.__call__ = helper_call
     interp.InterpretedFunction._workbench_memo = True
