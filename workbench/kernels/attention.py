@@ -286,12 +286,15 @@ def _attn_bwd_dq_kernel(
 
 
 def attention_config(head_dim: int) -> dict:
-    """One config for training, prefill and decode (a function of the head dim only)."""
+    """One config for training, prefill and decode (a function of the head dim only). The decode kernels take
+    their own pipeline depth (`decode_stages`): stages only decide how many K/V tiles are loaded ahead, never the
+    arithmetic (the 1.7B shape's decode attention, 28 layers: 0.900 -> 0.845 ms at batch 64, 2.747 -> 2.583 at
+    256 on an H100, same bits; 4 and 5 stages were slower, `docs/results/2026-11-26_kept-graphs-h100_c158f04`)."""
     if interpreting():
         # BLOCK_N 16 keeps the tests' short sequences crossing KV tiles; BLOCK_M 64 makes fewer programs (the
         # interpreter's cost is per program step) and moves no bit: a row's arithmetic does not see its tile.
-        return {"block_m": 64, "block_n": 16, "num_warps": 4, "num_stages": 1}
-    return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2 if head_dim > 64 else 3}
+        return {"block_m": 64, "block_n": 16, "num_warps": 4, "num_stages": 1, "decode_stages": 1}
+    return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2 if head_dim > 64 else 3, "decode_stages": 3}
 
 
 def attention_bwd_config(head_dim: int) -> dict:
@@ -356,7 +359,7 @@ def _forward(q, k, v, q_start, kv_len, store_lse: bool):
             out.stride(0), out.stride(2), hkv, k.shape[1], hq // hkv, _LOG2E / math.sqrt(d),
             BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD_DIM=d,
             IEEE=q.dtype == torch.float32, DOT_IN_FP32=interpreting(),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_flags(q),
+            num_warps=cfg["num_warps"], num_stages=cfg["decode_stages"], **pdl_flags(q),
         )
     elif b and t:
         grid = (triton.cdiv(t, cfg["block_m"]) * b * hq,)

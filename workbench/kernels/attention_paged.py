@@ -195,15 +195,15 @@ def attention_paged(q, k_pages, v_pages, block_table, cu_q, kv_len, max_q: int):
             v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), out.stride(0), out.stride(1),
             block_table.stride(0))
     consts = dict(**pdl_flags(q), PAGE=page, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD_DIM=d,
-                  IEEE=q.dtype == torch.float32, DOT_IN_FP32=interpreting(),
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  IEEE=q.dtype == torch.float32, DOT_IN_FP32=interpreting(), num_warps=cfg["num_warps"])
     if n_seq and max_q == 1 and 1 < hq // hkv <= cfg["block_m"]:
         _paged_attn_decode_kernel[(n_seq * hkv,)](*args, hkv, hq // hkv, block_table.shape[1] * page,
-                                                 _LOG2E / math.sqrt(d), **consts)
+                                                 _LOG2E / math.sqrt(d), num_stages=cfg["decode_stages"], **consts)
     elif n_seq and max_q > 0:
         n_m = triton.cdiv(max_q, cfg["block_m"])
         _paged_attn_fwd_kernel[(n_m * n_seq * hq,)](*args, hq, hq // hkv, block_table.shape[1] * page,
-                                                   _LOG2E / math.sqrt(d), n_m, **consts)
+                                                   _LOG2E / math.sqrt(d), n_m, num_stages=cfg["num_stages"],
+                                                   **consts)
     return out
 
 
