@@ -13,7 +13,7 @@ model; then one table of every engine's tokens/s beside the rate of a decode ste
 --pdl-ab: the invariant decode step with programmatic dependent launch (`kernels.pdl`) and without
 (WORKBENCH_PDL=0), alternating in one process, six calls each per batch, bits compared.
 
-    python bench/bench_generate.py [--model FOLDER] [--out FILE.md] [--skip-hf] [--vllm]
+    python bench/bench_generate.py [--model FOLDER] [--out FILE.md] [--skip-hf] [--skip-prefill] [--vllm]
     python bench/bench_generate.py [--model FOLDER] [--out FILE.md] (--long | --prefill | --pdl-ab)
 """
 
@@ -224,6 +224,7 @@ def main() -> None:
     ap.add_argument("--model", help="a checkpoint folder (default: the Qwen3-1.7B shape, random weights)")
     ap.add_argument("--long", action="store_true", help="batch 64 at 1,024 and 4,096 new tokens instead")
     ap.add_argument("--prefill", action="store_true", help="the prefill table alone")
+    ap.add_argument("--skip-prefill", action="store_true", help="leave out the prefill table")
     ap.add_argument("--pdl-ab", action="store_true", help="the invariant decode step with and without PDL instead")
     ap.add_argument("--vllm", action="store_true", help="vLLM's engines too, and the table of every engine")
     a = ap.parse_args()
@@ -273,8 +274,9 @@ def main() -> None:
     if vllm:
         lines += ["", *engines_table(rates, floors), "", *vllm["parity"]]
     lines += ["", f"Model: {a.model or 'Qwen3-1.7B shape, random weights'}. Copy bandwidth {copy:.0f} GB/s; weights "
-              f"{weight_bytes / 1e9:.2f} GB (bf16). HF generate is run at batch 64 only.", "",
-              "Prefill (wall ms, median of 5, launches included):", "", *prefill(model)]
+              f"{weight_bytes / 1e9:.2f} GB (bf16). HF generate is run at batch 64 only."]
+    if not a.skip_prefill:
+        lines += ["", "Prefill (wall ms, median of 5, launches included):", "", *prefill(model)]
     emit(lines, a.out)
 
 
