@@ -109,7 +109,8 @@ class TrainConfig:
     """generator='vllm': the share of the GPU's memory vLLM may take."""
     keep_graphs: bool = True
     """generator='embedded': keep its KV caches and CUDA graphs from one step's rollouts to the next (captured once,
-    not every step; the same bits); that memory stays held through the update: False where memory is short."""
+    not every step; the same bits in invariant mode); that memory stays held through the update: False where memory
+    is short. No effect with sync='checkpoint' (a new generator model every step)."""
     sync: str = "shared"
     """Weight sync into the generator: shared (same bf16 model), copy, or checkpoint (through disk)."""
     policy_lag: int = 0

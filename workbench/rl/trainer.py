@@ -142,7 +142,9 @@ class Run:
         self.task = make_task(cfg.task, seed=cfg.seed, difficulty=cfg.difficulty, source=cfg.task_source,
                               question_field=cfg.question_field, answer_field=cfg.answer_field)
         rollout_only = self.dp is None
-        self.graphs = DecodeGraphs() if cfg.keep_graphs else None   # the embedded generator's, across steps
+        # The embedded generator's caches and graphs, across steps. Not with sync='checkpoint': it loads a new
+        # generator model every step, so nothing would replay and the kept step would hold the old model.
+        self.graphs = DecodeGraphs() if cfg.keep_graphs and cfg.sync != "checkpoint" else None
         start, self.tok = _starting_policy(cfg, self.out, self.device, self.world, rollout_only)
         if rollout_only:   # a generator, no masters, no optimizer
             self.generator = start
