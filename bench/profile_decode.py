@@ -11,7 +11,8 @@ Hugging Face's eager formulas (`standard`). Per decode step:
   attention: each sequence's K/V read once) at the measured copy bandwidth;
 - what is left: the step's time not covered by kernels, split into the graph replayed back to back alone
   (its kernels plus the gaps between its nodes) and the rest (the loop's host work and eager bookkeeping);
-- the step's first call (captured, then replayed), which each `generate` call pays once;
+- the step's first call (captured, then replayed), which each `generate` call without kept graphs
+  (`DecodeGraphs`) pays once;
 - kernel launches per step (graph nodes plus the loop's eager ops).
 
     python bench/profile_decode.py [--out FILE.md] [--batches 64 256] [--modes invariant standard-fused standard]
@@ -32,8 +33,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_generate import PROMPT, _prompts  # noqa: E402
 from timing import MODES, copy_gbs, emit, header, in_mode  # noqa: E402
 
-from workbench.generation import SamplingParams, generate  # noqa: E402
+from workbench.generation import DecodeGraphs, SamplingParams, generate  # noqa: E402
 from workbench.generation.generator import DecodeStep, Record  # noqa: E402
+from workbench.generation.sampling import KEYED_SEED, request_keys  # noqa: E402
 from workbench.models import KVCache, build  # noqa: E402
 
 STEPS = 255  # 256 new tokens (bench_generate's): the first comes from the prefill
@@ -78,7 +80,7 @@ def kernel_ms(model, prompts, mode_name: str, new_tokens: int) -> dict[str, floa
 def replay_ms(model, prompts, mode_name: str) -> tuple[float, float]:
     """One decode step's CUDA graph (its bookkeeping included) replayed back to back, nothing between replays: ms
     per replay (median of 5 runs of 50, each replay a step further along the cache); and the ms of the step's
-    first call, which every `generate` call pays once (the step captured, then replayed)."""
+    first call, which every `generate` call without kept graphs pays once (the step captured, then replayed)."""
     cfg = model.config
     dev = model.lm_head_weight.device
     b = len(prompts)
@@ -92,8 +94,8 @@ def replay_ms(model, prompts, mode_name: str) -> tuple[float, float]:
         record = Record.allocate(b, STEPS + 1, dev)
         pending = (ids[:, 0], torch.zeros(b, device=dev), torch.zeros(b, device=dev))
         never = torch.tensor([-1], device=dev)                      # no stop token: every row stays live
-        step = DecodeStep(model, cache, SamplingParams(temperature=1.0, seed=0), record, never, rows, rows, pending,
-                          lens, 0, graph=True)
+        step = DecodeStep(model, cache, SamplingParams(temperature=1.0, seed=KEYED_SEED), record, never,
+                          graph=True).load(rows, request_keys(0, rows), pending, lens, 0)
         torch.cuda.synchronize()
         t = time.perf_counter()
         step()                                                       # captures, then replays
@@ -111,13 +113,14 @@ def replay_ms(model, prompts, mode_name: str) -> tuple[float, float]:
 
 
 def step_ms(model, prompts, mode_name: str) -> float:
-    """The decode step as `generate` runs it (CUDA graphs), over the same steps as the profile: median of 5. Each
-    `generate` call captures its graph once, so this includes 1/255 of a capture."""
+    """The decode step as `generate` runs it (CUDA graphs), over the same steps as the profile: median of 5, the
+    caches and graph kept from a first call (`DecodeGraphs`, as bench_generate.py), so no capture is in it."""
     times = []
+    params, keep = SamplingParams(temperature=1.0, max_new_tokens=STEPS + 1, seed=0), DecodeGraphs()
     with in_mode(mode_name):
-        generate(model, prompts, SamplingParams(max_new_tokens=4))  # compile and capture
+        generate(model, prompts, params, keep=keep)  # compile and capture
         for _ in range(5):
-            out = generate(model, prompts, SamplingParams(temperature=1.0, max_new_tokens=STEPS + 1, seed=0))
+            out = generate(model, prompts, params, keep=keep)
             times.append(out.decode_s / (out.steps - 1) * 1e3)
     return sorted(times)[2]
 
