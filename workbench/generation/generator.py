@@ -208,9 +208,9 @@ class DecodeGraphs:
     def clear(self) -> None:
         self._key, self._steps = None, {}
 
-    def begin(self, key, model: CausalLM, params: SamplingParams, b: int, max_len: int, dev, dtype,
-              graph: bool) -> None:
-        """Start a call: keep everything if `key` is the last call's, else start empty."""
+    def begin(self, model: CausalLM, params: SamplingParams, b: int, max_len: int, graph: bool) -> None:
+        """Start a call: keep everything if it has the last call's shape (`_graph_key`), else start empty."""
+        key = _graph_key(model, params, b, max_len, graph)
         if key == self._key:
             # As a fresh call finds them: the prefill's tiles then read zeros past each prompt, not old keys.
             self.record.zero_()
@@ -220,7 +220,8 @@ class DecodeGraphs:
             return
         self.clear()
         self._key = key
-        self.model, self.max_len, self.dtype, self.graph = model, max_len, dtype, graph
+        dev = model.lm_head_weight.device
+        self.model, self.max_len, self.dtype, self.graph = model, max_len, model.lm_head_weight.dtype, graph
         self.params = replace(params, seed=KEYED_SEED)
         self.record = Record.allocate(b, params.max_new_tokens, dev)
         self.stop = torch.tensor(params.stop_token_ids or [-1], device=dev)
@@ -276,8 +277,7 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams,
         keep = DecodeGraphs()
     else:
         max_len = -(-max_len // CACHE_ROUND) * CACHE_ROUND
-    keep.begin(_graph_key(model, params, b, max_len, graphs), model, params, b, max_len, dev,
-               model.lm_head_weight.dtype, graphs)
+    keep.begin(model, params, b, max_len, graphs)
     step_fn = keep.step(b)
     cache = step_fn.cache
 
