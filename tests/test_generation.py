@@ -219,6 +219,8 @@ def test_bad_requests_are_refused(model):
         generate(model, [[1] * 10], dataclasses.replace(PARAMS, max_new_tokens=600))
     with pytest.raises(ValueError, match="no prompts"):
         generate(model, [], PARAMS)
+    with pytest.raises(TypeError, match="keep must be a DecodeGraphs"):
+        generate(model, [[1, 2]], PARAMS, keep={})
     for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(max_new_tokens=0)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)

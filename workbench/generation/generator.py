@@ -275,6 +275,8 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams,
     max_len = p_max + params.max_new_tokens
     if keep is None:
         keep = DecodeGraphs()
+    elif not isinstance(keep, DecodeGraphs):
+        raise TypeError(f"generate: keep must be a DecodeGraphs (or None), got {type(keep).__name__}")
     else:
         max_len = -(-max_len // CACHE_ROUND) * CACHE_ROUND
     keep.begin(model, params, b, max_len, graphs)
