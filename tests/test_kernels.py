@@ -377,6 +377,24 @@ def test_matmul_tiles_follow_m_on_hopper_only(monkeypatch):
     assert cfg["capability"] == "sm90" and cfg["bf16_buckets"] and cfg["tma"] and "buckets" in cfg["bf16_rule"]
 
 
+def test_decode_weight_prefetch_is_chosen_by_shape_and_pdl_alone(monkeypatch):
+    """How much of K a TMA program prefetches before its PDL wait: only under PDL, for a decode product (at most
+    512 rows) of a bf16 weight read k-contiguous, a power of two up to the table's amount and within K; 0 when
+    the amount is 0 (the A/B switch of the probe) or K is shorter than one 128-byte line."""
+    from workbench.kernels import matmul as mm
+
+    w = torch.zeros(8, 4096, dtype=torch.bfloat16).t()     # [K, N] read k-contiguous, as linear's weight.t()
+    assert mm._prefetch_k(64, 4096, w, True, True) == mm._PREFETCH_K == 256
+    assert mm._prefetch_k(512, 576, w, True, True) == 256 and mm._prefetch_k(64, 200, w, True, True) == 128
+    assert mm._prefetch_k(64, 4096, w, True, False) == 0          # no PDL: nothing to overlap
+    assert mm._prefetch_k(513, 4096, w, True, True) == 0          # a training product
+    assert mm._prefetch_k(64, 4096, w.float(), True, True) == 0   # fp32: 64 elements are not one line
+    assert mm._prefetch_k(64, 4096, w, False, True) == 0          # n-contiguous B
+    assert mm._prefetch_k(64, 32, w, True, True) == 0
+    monkeypatch.setattr(mm, "_PREFETCH_K", 0)
+    assert mm._prefetch_k(64, 4096, w, True, True) == 0
+
+
 def _rms_add_case(device):
     g = torch.Generator().manual_seed(random.randrange(1 << 30))
     x, r = (torch.randn(37, 96, generator=g).bfloat16().to(device) for _ in range(2))

@@ -209,4 +209,5 @@ def test_workbench_model_runs_decode_steps_in_full_cuda_graphs_unless_eager_or_s
     graphs, *eager = built
     assert graphs["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     assert graphs["enforce_eager"] is False and graphs["attention_config"] == {"backend": "FLASH_ATTN"}
+    assert all(kw["block_size"] == 64 for kw in built)  # a page per decode attention K/V tile
     assert all(kw["enforce_eager"] and "compilation_config" not in kw for kw in eager)

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from ..kernels import mode
+from ..kernels.attention import KV_TILE
 from ..models import weights_checksum
 from .generator import Completion, GenerationOutput
 from .sampling import SamplingParams
@@ -190,8 +191,11 @@ class VLLMGenerator:
             # by a host-side length (`_paged_sdpa`), which a graph cannot hold: it stays eager.
             # FlashAttention's metadata and cache layout are the ones `vllm_model` reads.
             eager = enforce_eager or kernel_mode == "standard"
+            # Pages of one K/V tile (vLLM's default is 16 keys): each tile of the decode attention then reads one
+            # block-table entry and contiguous keys, as the static cache's does (1.7B shape, 28 layers, 256
+            # sequences on an H100: 3.39 -> 3.05 ms a step, the same bits; the paging never moves a bit).
             options.update(hf_overrides={"architectures": [vllm_model.ARCHITECTURE]}, logprobs_mode="raw_logits",
-                           enforce_eager=eager, attention_config={"backend": "FLASH_ATTN"})
+                           enforce_eager=eager, attention_config={"backend": "FLASH_ATTN"}, block_size=KV_TILE)
             if not eager:
                 options["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
         with mode(kernel_mode), one_start_at_a_time():  # the workbench model keeps the mode it is built in

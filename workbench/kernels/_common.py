@@ -87,6 +87,15 @@ def pdl_enter(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def l2_prefetch(ptrs):
+    """Ask the L2 cache to fetch the 128-byte lines that hold `ptrs` (a block of global addresses). Nothing is
+    read into registers or written: a hint that moves bytes from DRAM into the L2, which is where every SM's
+    loads and stores meet, so it can never make a load see an old value. GPU only (inline PTX)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 # Widths above this take the GPU's block along a vocabulary-sized dimension in the interpreter too.
 _INTERPRETER_SMALL_WIDTH = 8192
 

@@ -285,6 +285,11 @@ def _attn_bwd_dq_kernel(
     tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=offs_m[:, None] < T)
 
 
+KV_TILE = 64
+"""Keys per K/V tile of every forward kernel on the GPU, whatever the head dim: a paged cache with pages of a
+multiple of it reads each tile from one page (`attention_paged`)."""
+
+
 def attention_config(head_dim: int) -> dict:
     """One config for training, prefill and decode (a function of the head dim only). The decode kernels take
     their own pipeline depth (`decode_stages`): stages only decide how many K/V tiles are loaded ahead, never the
@@ -294,7 +299,8 @@ def attention_config(head_dim: int) -> dict:
         # BLOCK_N 16 keeps the tests' short sequences crossing KV tiles; BLOCK_M 64 makes fewer programs (the
         # interpreter's cost is per program step) and moves no bit: a row's arithmetic does not see its tile.
         return {"block_m": 64, "block_n": 16, "num_warps": 4, "num_stages": 1, "decode_stages": 1}
-    return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2 if head_dim > 64 else 3, "decode_stages": 3}
+    return {"block_m": 64, "block_n": KV_TILE, "num_warps": 4, "num_stages": 2 if head_dim > 64 else 3,
+            "decode_stages": 3}
 
 
 def attention_bwd_config(head_dim: int) -> dict:

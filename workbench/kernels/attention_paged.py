@@ -4,7 +4,8 @@ the write of a step's K/V into those pages. Forward only (generation).
 Numerics contract (mode `invariant`): `attention.py`'s. A token's row is computed over the same tiles of absolute
 key positions, in the same order, by the same `_tile_step` and the same (BLOCK_M, BLOCK_N, num_warps), each key
 gathered from its page (any page size), so it gets the bits of the training forward and of
-`attention_with_cache`, whatever the paging, the batch or the chunking. A step of at most one token per sequence
+`attention_with_cache`, whatever the paging, the batch or the chunking. Pages of a multiple of the K/V tile
+(`attention.KV_TILE`, what the vLLM backend asks for) let a tile read one block-table entry and contiguous keys. A step of at most one token per sequence
 (`_paged_attn_decode_kernel`) puts a KV head's query heads in the rows of one tile, as `_attn_decode_kernel`
 does; a row's bits do not depend on its place in the tile. Nothing reads a tensor on the host on the GPU (lengths
 are clamped there, checked with an error for CPU tensors), so a step can be captured in a CUDA graph: a padded
@@ -38,7 +39,13 @@ def _paged_kv_loop(q, KP, VP, BT, b, kvh, sbt, skp, sks, skh, svp, svs, svh, q_p
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kmask = offs_n < kv_len
-        page = tl.load(BT + b * sbt + offs_n // PAGE, mask=kmask, other=0).to(tl.int64)
+        if PAGE % BLOCK_N == 0:
+            # The tile lies in one page (start_n < kv_len, so its entry is the sequence's): one entry of the block
+            # table, and the keys' addresses run on contiguously as the static cache's do, which the compiler can
+            # pipeline and vectorize as it does there. The same keys are loaded either way.
+            page = tl.load(BT + b * sbt + start_n // PAGE).to(tl.int64)
+        else:
+            page = tl.load(BT + b * sbt + offs_n // PAGE, mask=kmask, other=0).to(tl.int64)
         slot = offs_n % PAGE
         k = tl.load(KP + (page * skp + slot * sks)[None, :] + kvh * skh + offs_d[:, None],
                     mask=kmask[None, :], other=0.0)
