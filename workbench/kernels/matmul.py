@@ -279,9 +279,10 @@ _WARP_SPECIALIZE_MAX_K = 4096
 _NARROW_N = MatmulConfig(128, 32, 64, group_m=8, num_warps=4, num_stages=4)
 # A decode product's programs prefetch this much of K of their weight rows before the PDL wait
 # (`_matmul_tma_kernel`). Measured in the generator's decode step on an H100 (kept graphs, 3 rounds alternating,
-# the same bits at every amount): 256 gave 3.070 -> 3.048 ms (Qwen3-1.7B shape, batch 64), 5.961 -> 5.924 (256),
-# 1.222 -> 1.183 (SmolLM2-135M shape, 64), 1.952 -> 1.927 (256); 1,024 and more were slower at the 1.7B shape
-# (up to 8% at all of K): the bytes then arrive long before their turn and crowd the L2.
+# the same bits at every amount): at the SmolLM2-135M shape, whose products are short, 256 gave 1.222 -> 1.183 ms
+# (batch 64) and 1.952 -> 1.927 (256); at the Qwen3-1.7B shape it is within +-1% (two runs: 3.070 -> 3.048 and
+# 3.008 -> 3.035 ms at 64, 5.961 -> 5.924 and 5.951 -> 5.904 at 256). 1,024 and more were slower there (up to
+# 8% at all of K): the bytes then arrive long before their turn and crowd the L2.
 _PREFETCH_K = 256
 _PREFETCH_MAX_M = 512
 # GPU, bf16, any architecture but Hopper: one config for every M, so a row's chain of k-steps cannot
