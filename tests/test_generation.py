@@ -16,6 +16,7 @@ from workbench.generation import (
     keep_mask,
     parity_summary,
     parity_table,
+    sampled_logprobs,
     trainer_logprobs,
     uniforms,
 )
@@ -180,6 +181,20 @@ def test_gumbel_sampling_follows_the_softmax():
     freq = torch.bincount(tokens, minlength=8).double() / n
     want = torch.softmax(logits[0].double() / 0.8, -1)
     assert (freq - want).abs().max() < 0.045, "about 3.6 standard errors"
+
+
+@pytest.mark.parametrize("kernels", ["invariant", "standard"])
+def test_sampled_logprobs_are_the_samplers_distributions_at_every_temperature(kernels):
+    """`sample`'s third output is `sampled_logprobs` of its tokens, bit for bit: at temperature 1 without
+    truncation it reuses the raw log-probs (the same distribution), elsewhere it computes them; fresh logits."""
+    logits = (torch.randn(6, 300) * 3).bfloat16()
+    req, pos = torch.arange(6), torch.full((6,), 3)
+    with mode(kernels):
+        for params in (SamplingParams(temperature=1.0, seed=4), SamplingParams(temperature=0.7, seed=4),
+                       SamplingParams(temperature=1.0, top_k=20, seed=4)):
+            tokens, raw, sampled = sample(logits, params, req, pos)
+            assert torch.equal(sampled, sampled_logprobs(logits, tokens, params)), params
+            assert torch.equal(raw, sampled) == (params.temperature == 1.0 and not params.top_k), params
 
 
 def test_standard_mode_report_measures_the_mismatch(model):

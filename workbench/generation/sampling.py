@@ -150,6 +150,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, request_ids: torch.Tens
         u = uniforms(params.seed, request_ids, positions, logits.shape[-1])
         tokens = gumbel_argmax_reference(logits, params.temperature, u, keep)
     raw = token_logprobs(logits, tokens)
+    if keep is None and params.temperature == 1.0:
+        # The sampled distribution is the raw one: the same call again would give these bits (x / 1 is x), and
+        # skipping it saves a pass over [B, V] logits a decode step (one of three, at the common RL setting).
+        return tokens, raw, raw
     return tokens, raw, sampled_logprobs(logits, tokens, params, keep)
 
 
