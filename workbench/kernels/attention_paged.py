@@ -5,12 +5,13 @@ Numerics contract (mode `invariant`): `attention.py`'s. A token's row is compute
 key positions, in the same order, by the same `_tile_step` and the same (BLOCK_M, BLOCK_N, num_warps), each key
 gathered from its page (any page size), so it gets the bits of the training forward and of
 `attention_with_cache`, whatever the paging, the batch or the chunking. Pages of a multiple of the K/V tile
-(`attention.KV_TILE`, what the vLLM backend asks for) let a tile read one block-table entry and contiguous keys. A step of at most one token per sequence
-(`_paged_attn_decode_kernel`) puts a KV head's query heads in the rows of one tile, as `_attn_decode_kernel`
-does; a row's bits do not depend on its place in the tile. Nothing reads a tensor on the host on the GPU (lengths
-are clamped there, checked with an error for CPU tensors), so a step can be captured in a CUDA graph: a padded
-request (no query row, kv_len 0, slot -1) reads and writes nothing. `standard` mode gathers each sequence's keys
-and runs PyTorch SDPA (`_paged_sdpa`), which reads the longest length on the host.
+(`attention.KV_TILE`, what the vLLM backend asks for) let a tile read one block-table entry and contiguous keys.
+A step of at most one token per sequence (`_paged_attn_decode_kernel`) puts a KV head's query heads in the rows
+of one tile, as `_attn_decode_kernel` does; a row's bits do not depend on its place in the tile. Nothing reads a
+tensor on the host on the GPU (lengths are clamped there, checked with an error for CPU tensors), so a step can be
+captured in a CUDA graph: a padded request (no query row, kv_len 0, slot -1) reads and writes nothing. `standard`
+mode gathers each sequence's keys and runs PyTorch SDPA (`_paged_sdpa`), which reads the longest length on the
+host.
 """
 
 from __future__ import annotations
