@@ -106,6 +106,8 @@ def vllm_engines(shape: str) -> dict:
         for r in _run_worker(backend, [shape], True, timeout=400):
             if r["kind"] == "tput":
                 tput[(backend, r["batch"])] = r["tok_s"]
+                # As it comes: a run cut short by a time limit still shows what it measured.
+                print(f"{backend}, batch {r['batch']}: {r['tok_s']:,.0f} tok/s", flush=True)
             elif r["kind"] == "parity":
                 parity.append(f"| {backend} | {r['tokens']:.0f} | {r['tokens_differing']:.0f} | "
                               f"{bool(r['alone_equals_batch'])} |")
@@ -264,6 +266,7 @@ def main() -> None:
         lines.append(f"| {batch} | {inv_tps:,.0f} | {call_tps:,.0f} | {fused_tps:,.0f} | {std_tps:,.0f} | "
                      f"{hf_tps:,.0f} | {inv_tps / fused_tps:.2f} | {inv_tps / hf_tps:.1f} | {inv_ms:.2f} | "
                      f"{call_ms:.2f} | {fused_ms:.2f} | {floor_ms:.2f} | {inv_ms / floor_ms:.2f} |")
+        print(lines[-1], flush=True)
         rates.update({("embedded invariant", batch): inv_tps,
                       ("embedded invariant, captured per call", batch): call_tps,
                       ("embedded standard-fused", batch): fused_tps,
