@@ -56,8 +56,9 @@ def test_gpu_kept_graphs_replay_with_a_fresh_calls_bits():
     vocab = model.config.vocab_size
     prompts, other = _prompts(64, vocab, seed=11), _prompts(64, vocab, seed=12)
     keep = DecodeGraphs()
-    assert same_completions(generate(model, prompts, PARAMS, keep=keep).completions,
-                 fresh := generate(model, prompts, PARAMS).completions)
+    captured = generate(model, prompts, PARAMS, keep=keep).completions
+    fresh = generate(model, prompts, PARAMS).completions
+    assert same_completions(captured, fresh)
     step = keep.step(64)
     assert same_completions(generate(model, prompts, PARAMS, keep=keep).completions, fresh)
     assert same_completions(generate(model, other, PARAMS, keep=keep).completions,
