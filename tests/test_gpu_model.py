@@ -183,10 +183,12 @@ def test_gpu_paged_steps_equal_the_training_forward_bitwise(page_size):
             assert torch.equal(lp[:, j], torch.stack([want[k] for k in keys])), f"vocabulary entry {j}"
 
 
-@pytest.mark.parametrize("shape", ["smollm2-135M", "qwen2-0.5B"])
+@pytest.mark.parametrize("shape", ["qwen3-1.7B", "smollm2-135M", "qwen2-0.5B"])
 def test_gpu_model_backward_at_the_real_shapes(shape):
     """Forward and backward through 4 layers of each shape: gradients the same bits run to run, a
-    sequence's log-probs the same alone and in the batch, gradients close to the standard path's."""
+    sequence's log-probs the same alone and in the batch (a forward without autograd, which runs the unfused
+    q/k norm and rotation where the training forward runs `norm_rope`), gradients close to the standard
+    path's."""
     import dataclasses
 
     from workbench.kernels import token_logprobs
@@ -226,3 +228,17 @@ def test_gpu_fused_rope_cache_write_is_the_unfused_ops(shape, t):
     cfg = config(shape)
     check_fused_step("cuda", b=64, t=t, hq=cfg.num_attention_heads, hkv=cfg.num_key_value_heads, d=cfg.head_dim,
                      norm=cfg.qk_norm, cache_len=400, eps=cfg.rms_norm_eps)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-1.7B", "qwen3-8B"])
+def test_gpu_norm_rope_is_the_unfused_ops(shape):
+    """The training forward's q/k norm + RoPE in one kernel: the bits of rms_norm then apply_rope at Qwen3's head
+    shapes (q and k, contiguous and as packed columns), its gradients close to fp64's, deterministic and per
+    sequence."""
+    from test_norm_rope import check_backward, check_forward
+
+    cfg = config(shape)
+    for heads in (cfg.num_attention_heads, cfg.num_key_value_heads):
+        check_forward("cuda", 4, 1024, heads, cfg.head_dim, torch.bfloat16)
+        check_forward("cuda", 3, 300, heads, cfg.head_dim, torch.bfloat16, packed=True)
+        check_backward("cuda", 4, 1024, heads, cfg.head_dim, torch.bfloat16)

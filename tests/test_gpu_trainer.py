@@ -30,15 +30,18 @@ def test_gpu_ppo_mini_batches_and_the_old_logprobs_source(tmp_path):
     assert (by["parity_tokens_differing"] == 0).all() and (by["optimizer_steps"] == 4).all()
     assert (by["ratio_mean"] != 1.0).any(), "from the second mini-batch on the ratio leaves 1"
     policy = str(tmp_path / "inv" / "policy")
+    # The standard runs' sampler carries a mismatch of known size (`sampler_noise`): on this tiny model the kernels'
+    # own is an fp32 ulp or two of the log-probs (parity_max_abs_diff 2.4e-7 on the H100, 2026-11-26), which
+    # exp() and the ratio's fp32 mean round away (the gradient came out the same bits from either source).
     std = {src: train(TrainConfig(out_dir=str(tmp_path / src), kernel_mode="standard", old_logprobs=src,
-                                  policy=policy, **{**base, "mini_batches": 1, "epochs": 1}))
+                                  policy=policy, sampler_noise=0.1, **{**base, "mini_batches": 1, "epochs": 1}))
            for src in ("recompute", "sampler")}
     ratio = {src: t[t.metric == "ratio_mean"].value for src, t in std.items()}
     # recompute: the ratio compares the standard trainer with itself (its no-grad pass and its training forward,
     # which need not give the same bits: only invariant mode promises that), so it stays near 1; sampler: the
-    # decode-vs-training kernel mismatch enters the ratio.
+    # sampler's log-probs are the ratio's denominator, so its mismatch enters the ratio.
     assert ((ratio["recompute"] - 1).abs() < 1e-3).all(), list(ratio["recompute"])
-    assert (ratio["sampler"] != 1.0).any(), "sampler: the kernel mismatch enters the ratio"
+    assert ((ratio["sampler"] - 1).abs() > 1e-3).any(), list(ratio["sampler"])
 
 
 def test_gpu_blog_recipe_is_exactly_on_policy_only_when_on(tmp_path):

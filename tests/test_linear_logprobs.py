@@ -1,10 +1,14 @@
 """`linear_logprobs` (LM head fused with log-probs / entropy, in row chunks), on CPU through the Triton interpreter:
 the unfused invariant path's bits, independence of the chunking and of the batch, fp64 accuracy of the forward
-and the gradients in both modes and mixed overrides, the mode captured at forward time, and the input checks."""
+and the gradients in both modes and mixed overrides, d(weight) into an fp32 `main_grad`, the last chunk's logits
+kept from the forward (and only when a gradient will be needed), the mode captured at forward time, and the input
+checks."""
 
 from __future__ import annotations
 
+import gc
 import importlib
+import weakref
 
 import pytest
 import torch
@@ -116,6 +120,8 @@ def test_invariant_gradients(dtype, monkeypatch):
         _, _, ref_dh, ref_dw = _grads(unfused, hidden, weight, g_lp, g_ent)
         _, _, dh10, dw10 = _grads(fused(10), hidden, weight, g_lp, g_ent)
         _, _, dh_all, dw_all = _grads(fused(n), hidden, weight, g_lp, g_ent)
+        for chunk in (7, n + 5):  # a short last chunk; one chunk bigger than the batch
+            assert torch.equal(_grads(fused(chunk), hidden, weight, g_lp, g_ent)[2], ref_dh), chunk
         monkeypatch.setattr(fused_module, "_DW_SLICE", 128)
         _, _, dh10b, dw10b = _grads(fused(10), hidden, weight, g_lp, g_ent)
     assert torch.equal(dh10, ref_dh) and torch.equal(dh_all, ref_dh) and torch.equal(dh10b, ref_dh)
@@ -123,6 +129,79 @@ def test_invariant_gradients(dtype, monkeypatch):
     assert rel_err(dw10, dw_all) < (1e-6 if dtype == torch.float32 else 1e-2)
     if dtype == torch.float32:  # bf16: the kernel's cast truncates in the interpreter, torch's .to rounds
         assert torch.equal(dw_all, ref_dw)
+
+
+def _main_grad_run(hidden, weight, tokens, g_lp, g_ent, chunk, start=None):
+    """(d hidden, weight.grad, weight.main_grad) of one backward, weight a Parameter carrying `start` as its
+    fp32 main_grad (None: none)."""
+    h, w = hidden.clone().requires_grad_(True), torch.nn.Parameter(weight.clone())
+    if start is not None:
+        w.main_grad = start.clone()
+    lp, ent = linear_logprobs(h, w, tokens, 0.7, with_entropy=True, chunk_rows=chunk)
+    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    return h.grad, w.grad, getattr(w, "main_grad", None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["invariant", "standard"])
+def test_dweight_into_main_grad(name, dtype):
+    """With an fp32 main_grad on the weight, d(weight) is added into it (no gradient returned), d(hidden) keeps
+    its bits, and from zero main_grad holds the fp32 sum whose cast is the returned gradient without one."""
+    n = 37
+    hidden, weight, tokens = _inputs(n, 64, dtype, seed=13)
+    g_lp, g_ent = _upstream(n, seed=14)
+    start = torch.randn(weight.shape, generator=torch.Generator().manual_seed(15))
+    _, _, _, ref_dw = _grads(lambda h, w: linear_logprobs_reference(h, w, tokens, 0.7),
+                             hidden.double(), weight.double(), g_lp, g_ent)
+    with mode(name):
+        for chunk in (16, n):
+            dh, dw, _ = _main_grad_run(hidden, weight, tokens, g_lp, g_ent, chunk)
+            dh_mg, grad, main_grad = _main_grad_run(hidden, weight, tokens, g_lp, g_ent, chunk, start)
+            assert grad is None and torch.equal(dh_mg, dh), chunk
+            assert rel_err(main_grad - start, ref_dw) < tolerance(dtype, on_gpu=False), chunk
+            zero_start = _main_grad_run(hidden, weight, tokens, g_lp, g_ent, chunk, torch.zeros_like(start))[2]
+            assert torch.equal(zero_start.to(dtype), dw), chunk
+
+
+@pytest.mark.parametrize("name", ["invariant", "standard"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_last_chunk_is_kept_for_the_backward(dtype, name, monkeypatch):
+    """With a gradient to come, the last chunk's logits outlive the forward and the backward recomputes the other
+    chunks only, dropping the kept one; the gradients are the bits a backward that recomputes every chunk gives
+    (a second backward through the retained graph). Under no_grad no chunk outlives the forward."""
+    n, chunk = 29, 8  # 4 chunks, the last short
+    hidden, weight, tokens = _inputs(n, 64, dtype, seed=16)
+    g_lp, g_ent = _upstream(n, seed=17)
+    made = []
+
+    def spy(h, w, inv_linear):
+        out = real(h, w, inv_linear)
+        made.append(weakref.ref(out))
+        return out
+
+    def alive():
+        gc.collect()
+        return [r() is not None for r in made]
+
+    real = fused_module._logits
+    monkeypatch.setattr(fused_module, "_logits", spy)
+    with mode(name):
+        with torch.no_grad():
+            lp0, ent0 = linear_logprobs(hidden, weight.requires_grad_(True), tokens, 0.7, with_entropy=True,
+                                        chunk_rows=chunk)
+        weight.requires_grad_(False)
+        assert len(made) == 4 and not any(alive())
+        made.clear()
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        lp, ent = linear_logprobs(h, w, tokens, 0.7, with_entropy=True, chunk_rows=chunk)
+        assert torch.equal(lp, lp0) and torch.equal(ent, ent0)
+        assert alive() == [False, False, False, True]
+        loss = (lp * g_lp).sum() + (ent * g_ent).sum()
+        first = torch.autograd.grad(loss, (h, w), retain_graph=True)
+        assert len(made) == 4 + 3 and not any(alive())  # chunks 3, 2, 1 recomputed
+        second = torch.autograd.grad(loss, (h, w))
+        assert len(made) == 4 + 3 + 4
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
 
 
 @pytest.mark.parametrize("overrides", [{"linear": "standard"}, {"token_logprobs": "standard"}],

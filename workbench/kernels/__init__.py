@@ -10,11 +10,13 @@ from .registry import REGISTRY, Op  # before the op functions below shadow their
 from .attention import attention, attention_with_cache
 from .attention_paged import attention_paged, paged_kv_write
 from .cumsum import row_cumsum
+from .embedding import embedding
 from .gumbel import gumbel_argmax
 from .linear_logprobs import linear_logprobs
 from .logprobs import entropy, logprob_rows, logsumexp, token_logprobs, token_logprobs_and_entropy
 from .lora_add import lora_add
 from .matmul import linear, matmul_config
+from .norm_rope import norm_rope
 from .mode import FUSED_ROWWISE, MODES, current_state, get_mode, mode, set_mode
 from .rmsnorm import rms_norm, rms_norm_add
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -31,6 +33,7 @@ __all__ = [
     "attention_paged",
     "attention_with_cache",
     "current_state",
+    "embedding",
     "entropy",
     "get_mode",
     "gumbel_argmax",
@@ -41,6 +44,7 @@ __all__ = [
     "lora_add",
     "matmul_config",
     "mode",
+    "norm_rope",
     "paged_kv_write",
     "pdl",
     "rms_norm",

@@ -96,6 +96,40 @@ def l2_prefetch(ptrs):
                               is_pure=False, pack=1)
 
 
+# Rows up to this wide (attention heads, whose q/k norms several kernels compute) are reduced by the pairwise tree
+# (a constexpr: the kernels read it; launchers read `.value`).
+PAIRWISE_MAX_WIDTH = tl.constexpr(256)
+
+
+@triton.jit
+def _halve(x, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    a, b = tl.split(tl.reshape(x, (ROWS, WIDTH // 2, 2)))
+    return a + b
+
+
+@triton.jit
+def sum_of_squares(x, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    """x [ROWS, WIDTH] fp32 (WIDTH a power of 2, padding zeros) -> [ROWS]: each row's sum of squares.
+
+    Rows up to PAIRWISE_MAX_WIDTH: neighbours added pairwise, level by level ((x0^2 + x1^2) + (x2^2 + x3^2)
+    ...), each add one fp32 add of two named operands, so the bits are the same in every kernel and under any
+    register layout. `tl.sum`'s tree follows the layout the compiler picks for the block, which differs
+    between a [16, 128] block of a token's heads and a [128] row: the q/k norm of a training forward, of a
+    decode step and of a vLLM step must agree bit for bit. The squares of upcast bf16 values are exact in fp32,
+    so a multiply-add the compiler may contract gives the plain add's bits. Wider rows: one `tl.sum`.
+    """
+    # No early return: Triton compiles the statements after a constexpr branch's `return` too.
+    sq = x * x
+    if WIDTH > PAIRWISE_MAX_WIDTH:
+        out = tl.sum(sq, axis=1)
+    else:
+        for level in tl.static_range(8):  # the widths 256, 128, ..., 2 that WIDTH reaches, halved in turn
+            if WIDTH >= (PAIRWISE_MAX_WIDTH >> level):
+                sq = _halve(sq, ROWS, PAIRWISE_MAX_WIDTH >> level)
+        out = tl.reshape(sq, (ROWS,))
+    return out
+
+
 # Widths above this take the GPU's block along a vocabulary-sized dimension in the interpreter too.
 _INTERPRETER_SMALL_WIDTH = 8192
 

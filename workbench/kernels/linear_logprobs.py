@@ -3,10 +3,14 @@
 For hidden [N, H], weight [V, H], logits l = hidden @ weight.T and a temperature T:
     logp[i] = log softmax(l[i] / T)[tokens[i]],  entropy[i] = H(softmax(l[i] / T)),
 forward and backward, without ever holding [N, V] logits: the rows go through in chunks of `chunk_rows` (a
-constant of the machine, never a function of N: only the last chunk is short), and the backward recomputes each
-chunk's logits (the idea of Liger's fused linear cross-entropy). Memory: one chunk of logits (plus, on the
-standard path, its fp32 working copy, and one more fp32 chunk for the entropy's gradient), the fp32 [V, H]
-d(weight) accumulator, and [4, N] fp32 per-row stats kept from the forward.
+constant of the machine, never a function of N: only the last chunk is short), and the
+backward recomputes each chunk's logits (the idea of Liger's fused linear cross-entropy) but the last: the
+forward has just computed those, so when a gradient will be needed it keeps them, and the backward visits the
+chunks last to first, starting with the kept one. Memory: one chunk of logits (plus, on the standard path, its
+fp32 working copy, and one more fp32 chunk for the entropy's gradient); the last chunk's logits, from the
+forward until the backward has used them (at 4096 x 152k bf16, 1.2 GB more between the two; nothing under
+no_grad); [4, N] fp32 per-row stats kept from the forward; and an fp32 [V, H] d(weight)
+accumulator, unless the weight carries a `main_grad`.
 
 The op composes two ops of the mode switch, `linear` (the logits) and `token_logprobs` (log-probs, entropy and
 d(logits)). Both are read once, when the forward runs, and kept for the backward: autograd may run the backward
@@ -17,15 +21,21 @@ Numerics contract (both `invariant`):
   its log-probs / entropy the row kernels of `logprobs` (`_stats`) on them. Both are row-wise batch invariant,
   so logp and entropy are the same bits as token_logprobs_and_entropy(linear(hidden, weight), tokens, T),
   whatever chunk_rows, N or the other rows: the trainer's log-probs are the generator's.
-- Backward, per chunk: the logits recomputed (same bits), d(logits) by `logprobs`' backward kernel from the
-  saved lse2 / E[x2] (fp32, cast once to the inputs' dtype, as LogProbsFn), then d(hidden) = matmul(dlogits, W):
-  row-wise, so the same bits as the unfused backward whatever chunk_rows. d(weight) = the chunks' fp32 products
-  matmul(dlogits.T, h_c) (each a fixed-order reduction over the chunk's rows) summed in chunk order in fp32,
-  cast once: deterministic run to run, but its rounding depends on chunk_rows (the sum over tokens is grouped
-  by chunks; the unfused dW reduces over all N rows in one chain; with one chunk it is the unfused bits).
-- Standard path (both `standard`): cuBLAS logits (F.linear), one fp32 copy, in-place log-sum-exp arithmetic;
-  torch.mm for the gradients, d(weight) accumulated in fp32 by cuBLAS (bf16 operands, fp32 C; where torch lacks
-  that, as on the CPU, each chunk's product is rounded to bf16 before the fp32 sum).
+- Backward, per chunk, last chunk first: the logits (the last chunk's kept from the forward, the others
+  recomputed: one deterministic product, the same bits either way), d(logits) by `logprobs`' backward kernel
+  from the saved lse2 / E[x2] (fp32, cast once to the inputs' dtype, as LogProbsFn), then d(hidden) =
+  matmul(dlogits, W): row-wise, so the same bits as the unfused backward whatever chunk_rows.
+- d(weight): the chunks' fp32 products matmul(dlogits.T, h_c) (each a fixed-order reduction over the chunk's
+  rows), each added in fp32 in the matmul's epilogue, from the last chunk to the first, onto the weight's fp32
+  `main_grad` when the parameter carries one (Megatron-LM's convention, as `linear`: dW is never rounded to
+  bf16, no [V, H] buffer, no gradient returned), else onto fp32 zeros cast once to the weight's dtype.
+  Deterministic run to run, but its rounding depends on chunk_rows (the sum over tokens is grouped by chunks;
+  the unfused dW reduces over all N rows in one chain). With one chunk it is the unfused bits: `linear`'s dW,
+  or main_grad + the same fp32 product, `linear`'s main_grad path.
+- Standard path (both `standard`): cuBLAS logits (F.linear), one fp32 copy, in-place log-sum-exp arithmetic
+  (the kept chunk is the dtype's logits; the backward makes its fp32 copy, as for a recomputed chunk);
+  torch.mm for the gradients, d(weight) accumulated in fp32 by cuBLAS (bf16 operands, fp32 C: main_grad or the
+  zeros; where torch lacks that, as on the CPU, each chunk's product is rounded to bf16 before the fp32 sum).
   Mixed overrides compose per chunk: logits and d(hidden), d(weight) products by the `linear` mode, log-probs,
   entropy and d(logits) by the `token_logprobs` mode.
 """
@@ -46,7 +56,10 @@ from .matmul import matmul
 from .mode import get_mode
 
 # Rows per chunk. GPU: enough rows that d(weight) takes few fp32 accumulations, while one chunk of logits stays
-# modest (4096 x 152k bf16 = 1.2 GB). Interpreter: two of its matmul's 32-row tiles.
+# modest (4096 x 152k bf16 = 1.2 GB). A whole 16k micro-batch's completions in one chunk (12,288 rows, kept from
+# the forward: no recomputed logits) measured no faster on an H100 (48.8k against 48.6k tokens/s at 512 x 1,024,
+# 16k-token micro-batches; 8k ones 36.8k against 44.2k) for 2.4 GiB more. Interpreter: two of its matmul's
+# 32-row tiles.
 _CHUNK_ROWS_GPU = 4096
 _CHUNK_ROWS_INTERPRETER = 64
 # d(weight) is accumulated in slices of this many vocabulary rows, so no second fp32 [V, H] product is held; each
@@ -136,21 +149,33 @@ def _mm_accumulates_in_fp32(device_type: str) -> bool:
 
 
 class LinearLogProbsFn(torch.autograd.Function):
-    """(hidden, weight, tokens, T, with_entropy, chunk_rows, inv_linear, inv_lp) -> (log-probs, entropy or NaN)."""
+    """(hidden, weight, tokens, T, with_entropy, chunk_rows, inv_linear, inv_lp, grad) -> (log-probs, entropy or
+    NaN). `grad`: whether autograd records this call (grad mode was on): inside `forward` grad mode is off, and
+    `ctx.needs_input_grad` reports requires_grad alone, so it cannot tell a no_grad scoring forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, temperature, with_entropy, chunk_rows, inv_linear, inv_lp):
+    def forward(ctx, hidden, weight, tokens, temperature, with_entropy, chunk_rows, inv_linear, inv_lp, grad):
         n = hidden.shape[0]
         stats = torch.empty((4, n), device=hidden.device, dtype=torch.float32)
+        last = (n - 1) // chunk_rows * chunk_rows
+        keep = grad and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        ctx.kept = None
         for s in range(0, n, chunk_rows):
             h, tok = hidden[s : s + chunk_rows], tokens[s : s + chunk_rows]
+            logits = _logits(h, weight, inv_linear)
+            if keep and s == last:
+                ctx.kept = logits
             if inv_lp:
-                stats[:, s : s + chunk_rows] = _stats(_logits(h, weight, inv_linear), tok, temperature, with_entropy)
-            else:  # the bf16 logits die as their fp32 copy is made
-                x = _logits(h, weight, inv_linear).float()
-                stats[:, s : s + chunk_rows] = _standard_stats(x, tok, temperature, with_entropy)
-                del x
+                stats[:, s : s + chunk_rows] = _stats(logits, tok, temperature, with_entropy)
+            else:  # unless kept, the bf16 logits die as their fp32 copy is made (kept fp32 ones are copied too:
+                # `_standard_stats` overwrites its input)
+                logits = logits.to(torch.float32, copy=ctx.kept is logits)
+                stats[:, s : s + chunk_rows] = _standard_stats(logits, tok, temperature, with_entropy)
+            del logits
         ctx.save_for_backward(hidden, weight, tokens, stats)
+        # The parameter object itself, for its `main_grad` (as LinearFn: under activation checkpointing the saved
+        # weight comes back as another tensor object, without the attribute).
+        ctx.param = weight
         ctx.config = (temperature, with_entropy, chunk_rows, inv_linear, inv_lp)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: its work is skipped
         # Copies: callers may modify the outputs in place; `stats` is saved for the backward.
@@ -165,23 +190,30 @@ class LinearLogProbsFn(torch.autograd.Function):
         g_lp = torch.zeros(n, device=hidden.device, dtype=torch.float32) if g_lp is None else g_lp.float().contiguous()
         g_ent = g_ent.float().contiguous() if with_entropy and g_ent is not None else None
         dh = torch.empty(hidden.shape, device=hidden.device, dtype=hidden.dtype) if want_dh else None
-        dw32 = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if want_dw else None
-        for s in range(0, n, chunk_rows):
+        main_grad = getattr(ctx.param, "main_grad", None) if want_dw else None
+        dw32 = main_grad
+        if want_dw and main_grad is None:
+            dw32 = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
+        # Taken off ctx, so the kept chunk dies as soon as it is used; a second backward (retain_graph) recomputes.
+        kept, ctx.kept = ctx.kept, None
+        for s in reversed(range(0, n, chunk_rows)):
             e = min(s + chunk_rows, n)
             h, tok, st = hidden[s:e], tokens[s:e], stats[:, s:e].contiguous()
             ge = None if g_ent is None else g_ent[s:e]
+            x, kept = (_logits(h, weight, inv_linear) if kept is None else kept), None
             if inv_lp:
-                dl = _invariant_dlogits(_logits(h, weight, inv_linear), tok, st, g_lp[s:e], ge, temperature)
-            else:
-                x = _logits(h, weight, inv_linear).float()
+                dl = _invariant_dlogits(x, tok, st, g_lp[s:e], ge, temperature)
+            else:  # the bf16 logits die as their fp32 copy is made
+                x = x.float()
                 dl = _standard_dlogits(x, tok, st, g_lp[s:e], ge, temperature, hidden.dtype)
-                del x
+            del x
             if want_dh:
                 dh[s:e] = matmul(dl, weight) if inv_linear else torch.mm(dl, weight)
             if want_dw:
                 _add_dw(dw32, dl, h, inv_linear)
             del dl
-        return dh, (dw32.to(weight.dtype) if want_dw else None), None, None, None, None, None, None
+        dw = dw32.to(weight.dtype) if want_dw and main_grad is None else None
+        return dh, dw, None, None, None, None, None, None, None
 
 
 def _check(hidden, weight, tokens, temperature, chunk_rows) -> None:
@@ -225,9 +257,8 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Te
     inv_lp = get_mode("token_logprobs") == "invariant"
     if inv_linear or inv_lp:
         check_device("linear_logprobs", hidden)
-    logp, ent = LinearLogProbsFn.apply(
-        hidden, weight, tokens.contiguous(), float(temperature), bool(with_entropy), chunk_rows, inv_linear, inv_lp
-    )
+    logp, ent = LinearLogProbsFn.apply(hidden, weight, tokens.contiguous(), float(temperature), bool(with_entropy),
+                                       chunk_rows, inv_linear, inv_lp, torch.is_grad_enabled())
     return logp, (ent if with_entropy else None)
 
 

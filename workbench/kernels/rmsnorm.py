@@ -1,17 +1,20 @@
 """`rms_norm(x, weight, eps)`: the RMSNorm of Llama, Qwen2 and Qwen3, forward and backward.
 
 Numerics contract (mode `invariant`), with Hugging Face's rounding points:
-- x is read and upcast to fp32; the sum of squares of a row is one `tl.sum`
-  over the whole row in fp32 (tree order fixed by BLOCK_N and num_warps, which
-  depend only on the row width N).
+- x is read and upcast to fp32; the sum of squares of a row is `sum_of_squares`
+  in fp32: for rows up to 256 wide (attention heads: Qwen3's q/k norms) a fixed
+  pairwise tree whose bits no layout changes, the same as `rope_cache_write`'s
+  and `norm_rope`'s; for wider rows one `tl.sum` over the whole row (tree order
+  fixed by BLOCK_N and num_warps, which depend only on the row width N).
 - rstd = 1 / sqrt(sum / N + eps) in fp32.
 - Rounding point 1: n = x * rstd is cast to the input dtype (as HF's
   `hidden_states.to(input_dtype)`).
 - Rounding point 2: y = weight * n, multiplied in fp32 and cast once (as
   PyTorch's bf16 * bf16).
-- Each row's arithmetic is its own (one row per program on a GPU, a fixed 32
-  as the rows of one block in the interpreter): a row's output never depends on
-  other rows, M, or padding.
+- Each row's arithmetic is its own (on a GPU one row per program, or for
+  head-wide rows a fixed number by the width, as the rows of one block; a fixed
+  32 in the interpreter): a row's output never depends on other rows, M, or
+  padding.
 - Backward, in fp32 with the cast treated as the identity: g = dy * w,
   dx = rstd * (g - n * mean(g * n)) (bit-identical per row, whatever the batch);
   dw = sum over rows of dy * round(n), each program summing a fixed block of
@@ -34,7 +37,8 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    check_device, check_float, check_same, interpreting, next_power_of_2, pdl_enter, pdl_flags, rows_view,
+    PAIRWISE_MAX_WIDTH, check_device, check_float, check_same, interpreting, next_power_of_2, pdl_enter, pdl_flags,
+    rows_view, sum_of_squares,
 )
 from .mode import get_mode
 
@@ -48,7 +52,7 @@ def _rms_norm_fwd_kernel(
     PDL: tl.constexpr,
 ):
     # ROWS rows per program as the rows of one [ROWS, BLOCK_N] block: each row's arithmetic is its own, its sum
-    # one `tl.sum` over its own row (1 on a GPU; more in the interpreter, whose cost is per program step).
+    # of squares over its own row (`_forward_rows`).
     pdl_enter(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -59,7 +63,7 @@ def _rms_norm_fwd_kernel(
         h = h.to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], h, mask=mask)
         x = h.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+    rstd = 1.0 / tl.sqrt(sum_of_squares(x, ROWS, BLOCK_N) / N + eps)
     n = (x * rstd[:, None]).to(y_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     y = n.to(tl.float32) * w[None, :]
@@ -100,12 +104,28 @@ def _rms_norm_bwd_kernel(
     tl.store(dw_part_ptr + pid * N + cols, dw, mask=cmask)
 
 
-# Backward: rows per program and rows per tile (chosen by bench/tune_rowwise.py).
+# Backward: rows per program and rows per tile (chosen by bench/tune_rowwise.py); head-wide rows (a q/k norm's
+# 262k rows of 128 per 16k tokens) take 2,048 elements a tile, so a program is not mostly fixed cost.
 _GPU_BACKWARD = {"rows": 8, "tile_rows": 2}
+_GPU_BACKWARD_HEADS = {"rows": 64, "tile_rows": 16}
 _INTERPRETER_BACKWARD = {"rows": 64, "tile_rows": 16}
-# Forward: rows per program. One on a GPU; in the interpreter a program costs per step, not per element, so
-# 32 rows share one (a fixed number, never a function of M: a row's bits are its own either way).
-_GPU_FORWARD_ROWS, _INTERPRETER_FORWARD_ROWS = 1, 32
+# Forward: rows per program. On a GPU one, or 2,048 elements' worth of head-wide rows (one row of 128 per
+# program left the q norm's forward at a quarter of the copy speed); in the interpreter, whose cost is per
+# program step, 32. A function of the width only, never of M: a row's bits are its own either way.
+_INTERPRETER_FORWARD_ROWS = 32
+_HEAD_TILE = 2048
+
+
+def _forward_rows(block_n: int) -> int:
+    if interpreting():
+        return _INTERPRETER_FORWARD_ROWS
+    return _HEAD_TILE // block_n if block_n <= PAIRWISE_MAX_WIDTH.value else 1
+
+
+def _backward_config(block_n: int) -> dict:
+    if interpreting():
+        return _INTERPRETER_BACKWARD
+    return _GPU_BACKWARD_HEADS if block_n <= PAIRWISE_MAX_WIDTH.value else _GPU_BACKWARD
 
 
 def _num_warps(block_n: int) -> int:
@@ -115,8 +135,8 @@ def _num_warps(block_n: int) -> int:
 def tile_config() -> dict:
     """The launch config in force here (for the environment record)."""
     return {"block_n": "next power of 2 of the row width", "num_warps": "4 up to 2048, 8 up to 8192, else 16",
-            "forward_rows": _INTERPRETER_FORWARD_ROWS if interpreting() else _GPU_FORWARD_ROWS,
-            "backward": _INTERPRETER_BACKWARD if interpreting() else _GPU_BACKWARD}
+            "forward_rows": {"head rows (<= 256)": _forward_rows(128), "wider": _forward_rows(4096)},
+            "backward": {"head rows (<= 256)": _backward_config(128), "wider": _backward_config(4096)}}
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
@@ -147,11 +167,11 @@ def _forward(x, weight, eps, residual):
         r2 = rows_view("rms_norm", "residual", residual)
         h = torch.empty((m, n), device=x.device, dtype=x.dtype)
     block_n = next_power_of_2(n)
-    rows = _INTERPRETER_FORWARD_ROWS if interpreting() else _GPU_FORWARD_ROWS
+    rows = _forward_rows(block_n)
     if m > 0:
         _rms_norm_fwd_kernel[(triton.cdiv(m, rows),)](
             x2, weight, y, rstd, x2.stride(0), y.stride(0), m, n, float(eps), r2, h, r2.stride(0), h.stride(0),
-            BLOCK_N=block_n, ADD_RESIDUAL=residual is not None, ROWS=rows, num_warps=_num_warps(block_n),
+            BLOCK_N=block_n, ADD_RESIDUAL=residual is not None, ROWS=rows, num_warps=_num_warps(block_n * rows),
             **pdl_flags(x2),
         )
     return y, h, rstd
@@ -163,14 +183,14 @@ def _backward(h2, weight, rstd, dy, dh):
     dy2 = dy.reshape(m, n).contiguous()
     dh2 = dy2 if dh is None else dh.reshape(m, n).contiguous()
     dx = torch.empty_like(h2, memory_format=torch.contiguous_format)
-    bwd = _INTERPRETER_BACKWARD if interpreting() else _GPU_BACKWARD
+    block_n = next_power_of_2(n)
+    bwd = _backward_config(block_n)
     rows = bwd["rows"]
     n_prog = triton.cdiv(m, rows)
     dw_part = torch.empty((max(n_prog, 1), n), device=h2.device, dtype=torch.float32)
     if m == 0:
         dw_part.zero_()
     else:
-        block_n = next_power_of_2(n)
         _rms_norm_bwd_kernel[(n_prog,)](
             h2, weight, dy2, rstd, dx, dw_part,
             h2.stride(0), dy2.stride(0), dx.stride(0), m, n, dh2, dh2.stride(0),

@@ -7,9 +7,12 @@ own absolute position), and are fp32. With x = [x1, x2] split in halves:
 
 Numerics contract (mode `invariant`):
 - x is upcast to fp32, the tables stay fp32 (Hugging Face casts them to bf16
-  first; we do not: fp32 tables, one rounding), each output is computed in
-  fp32 (the compiler may fuse a product and a sum into one FMA, always the
-  same way) and cast once.
+  first; we do not: fp32 tables, one rounding), each output is one explicit
+  FMA in fp32, out1 = fma(x1, cos, -(x2 * sin)), out2 = fma(x2, cos, x1 * sin)
+  (`rotate`, shared with `rope_cache_write` and `norm_rope`), cast once. Left
+  to the compiler, which product of a sum it fuses depends on the kernel
+  around it (measured: `norm_rope`'s out2 differed from this kernel's in 27 of
+  8M elements), so the rounding is written down.
 - Elementwise per token and head: no dependence on other tokens or the batch
   (one token per program on a GPU, a fixed 32 in the interpreter).
 - Backward is the inverse rotation, the same kernel with sin negated (exact).
@@ -29,6 +32,12 @@ import triton.language as tl
 
 from ._common import check_device, check_float, check_same, interpreting, next_power_of_2, pdl_enter, pdl_flags
 from .mode import get_mode
+
+
+@triton.jit
+def rotate(x1, x2, c, s):
+    """(x1 cos - x2 sin, x2 cos + x1 sin) in fp32, each one FMA over an exact-then-rounded product (the contract)."""
+    return tl.fma(x1, c, -(x2 * s)), tl.fma(x2, c, x1 * s)
 
 
 @triton.jit
@@ -54,8 +63,9 @@ def _rope_kernel(
     x1 = tl.load(x_base, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_base + HALF, mask=mask, other=0.0).to(tl.float32)
     o_base = o_ptr + t * H * 2 * HALF + h * 2 * HALF + d
-    tl.store(o_base, (x1 * c - x2 * s).to(o_ptr.dtype.element_ty), mask=mask)
-    tl.store(o_base + HALF, (x2 * c + x1 * s).to(o_ptr.dtype.element_ty), mask=mask)
+    o1, o2 = rotate(x1, x2, c, s)
+    tl.store(o_base, o1.to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_base + HALF, o2.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 # Tokens per program: one on a GPU; 32 in the interpreter (a fixed number: each element's arithmetic is its own).

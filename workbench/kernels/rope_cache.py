@@ -8,11 +8,11 @@ it for that head, so the step has one node here per layer.
 
 Numerics contract (mode `invariant`): the same bits as the unfused ops in sequence, `rms_norm`, then
 `apply_rope`, then the cache write:
-- the norm's sum of squares is one `tl.sum` over the whole head row in fp32, with the same block (the next power
-  of 2 of D) and the same 4 warps as `rms_norm`'s kernel gives a row of width D, so the same tree; rstd, the
-  rounding of x * rstd to the dtype and of weight * n are `rms_norm`'s, written the same way;
-- the rotation is `apply_rope`'s: the rounded halves upcast to fp32, x1 * cos - x2 * sin and x2 * cos + x1 * sin
-  in fp32 against the fp32 tables, cast once;
+- the norm's sum of squares is `sum_of_squares` over the whole head row in fp32, as in `rms_norm`'s kernel
+  (for heads up to 256 wide a fixed pairwise tree, the same bits under any layout); rstd, the rounding of
+  x * rstd to the dtype and of weight * n are `rms_norm`'s, written the same way;
+- the rotation is `apply_rope`'s (`rotate`: one explicit FMA an output): the rounded halves upcast to fp32,
+  x1 * cos - x2 * sin and x2 * cos + x1 * sin in fp32 against the fp32 tables, cast once;
 - v is copied bit for bit;
 - every output depends only on its own token and head: no dependence on the batch, the other tokens or padding.
 The GPU tests hold it to the unfused ops bit for bit (`tests/test_gpu_model.py`), the CPU tests in the
@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, next_power_of_2, pdl_enter, pdl_flags
-from .rope import apply_rope_reference
+from ._common import check_device, next_power_of_2, pdl_enter, pdl_flags, sum_of_squares
+from .rope import apply_rope_reference, rotate
 
 
 @triton.jit
@@ -68,9 +68,9 @@ def _rope_cache_kernel(
     x2 = tl.load(src + HALF + d, mask=dmask, other=0.0)
     if NORM:
         # rms_norm's row: the sum over the full row as one block (its tree), then each half rounded as it does.
-        full = tl.arange(0, BLOCK_D)
+        full = tl.arange(0, BLOCK_D)[None, :]
         x = tl.load(src + full, mask=full < D, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+        rstd = tl.sum(1.0 / tl.sqrt(sum_of_squares(x, 1, BLOCK_D) / D + eps), axis=0)  # [1] -> a scalar
         w1 = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32)
         n1 = (x1.to(tl.float32) * rstd).to(x1.dtype)
@@ -79,8 +79,9 @@ def _rope_cache_kernel(
         x2 = (n2.to(tl.float32) * w2).to(x2.dtype)
     a = x1.to(tl.float32)
     e = x2.to(tl.float32)
-    tl.store(dst + d, (a * c - e * s).to(dst.dtype.element_ty), mask=dmask)
-    tl.store(dst + HALF + d, (e * c + a * s).to(dst.dtype.element_ty), mask=dmask)
+    o1, o2 = rotate(a, e, c, s)
+    tl.store(dst + d, o1.to(dst.dtype.element_ty), mask=dmask)
+    tl.store(dst + HALF + d, o2.to(dst.dtype.element_ty), mask=dmask)
 
 
 def _check(q, k, v, cos, sin, cache_k, cache_v, start, q_norm_weight, k_norm_weight) -> None:

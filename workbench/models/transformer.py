@@ -31,10 +31,12 @@ from ..kernels import (
     attention_paged,
     attention_with_cache,
     current_state,
+    embedding,
     get_mode,
     linear,
     lora_add,
     mode,
+    norm_rope,
     paged_kv_write,
     rms_norm,
     rms_norm_add,
@@ -198,9 +200,15 @@ class Attention(nn.Module):
                 return self.o_proj(o.reshape(b, t, self.hq * self.d))
             if self.qk_norm:  # the norm reads rows of one stride; rope and attention take any strides
                 q, k = q.contiguous(), k.contiguous()
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)             # cos, sin [B, T, D/2]
+        if self.qk_norm and torch.is_grad_enabled() and self._fuses():
+            # A training forward: norm and rotation in one pass each way, the unfused ops' bits (a forward
+            # without autograd keeps the norm modules, which the parity audit hooks).
+            q = norm_rope(q, self.q_norm.weight, cos, sin, self.q_norm.eps)
+            k = norm_rope(k, self.k_norm.weight, cos, sin, self.k_norm.eps)
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)         # cos, sin [B, T, D/2]
         if cache is None:
             o = attention(q, k, v, seq_lens)                                # [B, T, Hq, D]
         else:
@@ -318,7 +326,7 @@ class CausalLM(nn.Module):
             start = torch.zeros(b, device=dev, dtype=torch.int32)
         positions = start[:, None] + torch.arange(t, device=dev)            # [B, T]
         cos, sin = rope_cos_sin(positions, self.inv_freq(dev))             # [B, T, D/2] fp32
-        x, residual = self.model.embed_tokens(input_ids), None              # [B, T, H]
+        x, residual = embedding(input_ids, self.model.embed_tokens.weight), None  # [B, T, H]
         grad = torch.is_grad_enabled()
         for i, layer in enumerate(self.model.layers):
             if recompute == "layers" and grad:
@@ -335,7 +343,7 @@ class CausalLM(nn.Module):
         In `invariant` mode row n has the bits the training forward gives that token.
         """
         cos, sin = rope_cos_sin(positions[None], self.inv_freq(positions.device))  # [1, N, D/2] fp32
-        x, residual = self.model.embed_tokens(input_ids)[None], None        # [1, N, H]
+        x, residual = embedding(input_ids, self.model.embed_tokens.weight)[None], None  # [1, N, H]
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, cos, sin, None, cache, i, None)
         return self.model.norm.add(x, residual)[0][0]
