@@ -7,7 +7,7 @@ Numerics contract:
 - Forward: F.embedding, a gather: each output row is a copy of a weight row, exact, the same bits on every
   device, for every batch.
 - Backward (the weight's gradient; ids have none): dW[v] = the sum of dy's rows whose id is v. The ids are
-  flattened and sorted by a stable sort, so equal ids form runs that keep their token order. The program of a
+  flattened and sorted by a stable sort, so equal ids form runs that keep their token order. The program holding a
   run's first sorted position sums the run's rows in that order, one fp32 chain per column (-0.0 + dy[t0] +
   dy[t1] + ..., each row upcast exactly; -0.0 is the identity of the fp32 add, so the chain is the rows' own
   sum), then adds the sum into row v of the target with one fp32 add. No atomics, no split of a run, no host

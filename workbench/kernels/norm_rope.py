@@ -3,7 +3,7 @@ forward and backward.
 
 Unfused, the norm and the rotation each read and write every head of q and k, forward and backward: at the
 Qwen3-1.7B shape, 16k tokens, eight passes over 6 KB a token per layer, and the norm ran one 128-wide row per
-program (18.5 ms of a 338 ms micro-batch on an H100). Fused, a program takes all heads of a token: one read
+program (18.4 ms of a 338 ms micro-batch on an H100, 8.4 fused). Fused, a program takes all heads of a token: one read
 and one write forward, two reads and one write backward.
 
 Numerics contract (modes `invariant` for `rms_norm` and `apply_rope`; `Attention` calls this only then):
@@ -15,9 +15,9 @@ Numerics contract (modes `invariant` for `rms_norm` and `apply_rope`; `Attention
 - Backward, in fp32 with the roundings treated as the identity: the inverse rotation of d(out) (not rounded
   to the dtype between the two ops, as the unfused backward does), then `rms_norm`'s formulas:
   g = dy * weight, dx = rstd * (g - n * mean(g * n)) with n = x * rstd, cast once: each row its own, so the
-  same bits whatever the batch. d(weight) = sum over rows of dy * round(n): each program sums its tokens in
-  order (a tree over a tile's heads, the tiles in order), the programs' partial sums added by one fp32 torch
-  reduction: deterministic run to run (a sum over the batch: not batch invariant).
+  same bits whatever the batch. d(weight) = sum over rows of dy * round(n): each program sums its tokens (a
+  tree over a tile's tokens, the tiles in order, then a tree over the heads), the programs' partial sums added
+  by one fp32 torch reduction: deterministic run to run (a sum over the batch: not batch invariant).
 """
 
 from __future__ import annotations
