@@ -180,7 +180,8 @@ class Attention(nn.Module):
         return out[0], out[1]
 
     def _fuses(self) -> bool:
-        """Whether the modes in force are the ones `rope_cache_write` has the bits of (invariant norm and rope)."""
+        """Whether the modes in force are the ones `rope_cache_write` and `norm_rope` have the bits of (invariant
+        norm and rope)."""
         return get_mode("apply_rope") == "invariant" and (not self.qk_norm or get_mode("rms_norm") == "invariant")
 
     def forward(self, x, cos, sin, seq_lens, cache=None, layer=0, start=None):
