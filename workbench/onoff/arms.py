@@ -4,13 +4,27 @@ generator's log-probs come from and what the update does with them.
 | arm | generator | trainer | PPO ratio's old log-probs | correction |
 |---|---|---|---|---|
 | `on` | embedded, invariant kernels | invariant | the sampler's (the same bits as the trainer's) | none |
-| `off` | embedded, standard kernels | standard | the sampler's (the blog's OFF) | none |
-| `off-recompute` | standard | standard | the trainer's recomputation | none |
-| `off-tis` | standard | standard | recomputed | truncated IS, w = min(pi_old / mu, 2) |
-| `off-mis` | standard | standard | recomputed | masked IS, w = 1 inside [1/2, 2], else 0 |
+| `off` | embedded, an engine's kernels | standard | the sampler's (the blog's OFF) | none |
+| `off-recompute` | an engine's | standard | the trainer's recomputation | none |
+| `off-tis` | an engine's | standard | recomputed | truncated IS, w = min(pi_old / mu, 2) |
+| `off-mis` | an engine's | standard | recomputed | masked IS, w = 1 inside [1/2, 2], else 0 |
+| `off-shapes` | embedded, standard kernels | standard | the sampler's | none |
 | `off-vllm` | vLLM, its own model and default kernels | standard | the sampler's (the blog's exact OFF) | none |
 | `on-vllm` | vLLM running the workbench model, invariant | invariant | the sampler's | none |
 | `noise=S` | embedded, invariant, logits + S x N(0, 1) | invariant | the sampler's | none |
+
+What an engine's kernels model (`sampler_kernels='engine'`). A production engine (vLLM, SGLang) and a training
+framework differ in two ways, and the `off` arms have both:
+- the shapes: the engine's products and attention run decode-shaped (one token per sequence against its cache),
+  the trainer's prefill-shaped, so cuBLAS and FlashAttention pick other tiles and splits. Alone (`off-shapes`)
+  this is nearly nothing at small shapes: with few, short sequences both sides' kernels sum in the same order
+  (measured on the blog preset, KL 1.9e-13 per token), while vLLM there differs by KL 2e-3.
+- the formulas: the engine fuses RMSNorm, SiLU x up and RoPE into kernels that compute in fp32 and round once
+  (vLLM's `fused_add_rms_norm`, `silu_and_mul`, `rotary_embedding`), where the trainer runs Hugging Face's
+  (TRL's, most trainers') formulas with their bf16 round trips and bf16 cos/sin. That difference is in every
+  element at every shape, so the arm mismatches on every preset. Both sides keep bf16 logits and an fp32
+  log-softmax of them, as vLLM computes its sampler's log-probs.
+`off-shapes` (the `off` of results before 2026-11-27) is kept to show how little shapes alone do.
 
 `off` puts the mismatch into the ratio (and its clipping) as trainers that take the old log-probs from the
 sampler do; `off-recompute` keeps it out of the ratio and leaves it only in which tokens were sampled;
@@ -39,14 +53,23 @@ class Arm:
     generator: str = "embedded"
     vllm_model: str = "workbench"
     sampler_noise: float = 0.0
+    sampler_kernels: str = "trainer"
+    """'trainer' or 'engine' (TrainConfig.sampler_kernels)."""
 
 
+_ENGINE = {"sampler_kernels": "engine"}
 ARMS: dict[str, Arm] = {
     "on": Arm("bitwise generator = trainer (invariant kernels)", "invariant", "sampler"),
-    "off": Arm("standard kernels, old log-probs = the sampler's", "standard", "sampler"),
-    "off-recompute": Arm("standard kernels, old log-probs recomputed by the trainer", "standard", "recompute"),
-    "off-tis": Arm("standard kernels, truncated importance sampling (C = 2)", "standard", "recompute", "tis"),
-    "off-mis": Arm("standard kernels, masked importance sampling ([1/2, 2])", "standard", "recompute", "mask"),
+    "off": Arm("an engine's kernels generating, standard trainer, old log-probs = the sampler's", "standard",
+               "sampler", **_ENGINE),
+    "off-recompute": Arm("an engine's kernels, old log-probs recomputed by the trainer", "standard", "recompute",
+                         **_ENGINE),
+    "off-tis": Arm("an engine's kernels, truncated importance sampling (C = 2)", "standard", "recompute", "tis",
+                   **_ENGINE),
+    "off-mis": Arm("an engine's kernels, masked importance sampling ([1/2, 2])", "standard", "recompute", "mask",
+                   **_ENGINE),
+    "off-shapes": Arm("standard kernels on both sides (only the shapes differ), old log-probs = the sampler's",
+                      "standard", "sampler"),
     "off-vllm": Arm("vLLM's own model and default kernels generating, standard trainer", "standard", "sampler",
                     generator="vllm", vllm_model="vllm"),
     "on-vllm": Arm("vLLM running the workbench model, invariant", "invariant", "sampler", generator="vllm"),
@@ -74,6 +97,7 @@ def arm_settings(name: str, sequence_level: bool) -> dict:
     arm = get_arm(name)
     settings = {"variant": name, "kernel_mode": arm.kernel_mode, "old_logprobs": arm.old_logprobs,
                 "sampler_noise": arm.sampler_noise, "generator": arm.generator, "vllm_model": arm.vllm_model,
+                "sampler_kernels": arm.sampler_kernels,
                 "correction": "none", "correction_cap": CORRECTION_CAP}
     if arm.correction != "none":
         settings["correction"] = f"{arm.correction}-{'sequence' if sequence_level else 'token'}"

@@ -155,6 +155,10 @@ _REALISTIC = {"policy": SMOLLM2, "task": "arithmetic-chat", "difficulty": 1, "ch
               "prompts_per_step": 16, "group_size": 8, "max_new_tokens": 192, "temperature": 1.0, "loss": "grpo",
               "lr": 1e-5, "max_grad_norm": 1.0, "master_dtype": "float32", "mini_batches": 2, "steps": 100,
               "seeds": (0, 1, 2), "arms": ("on", "off", "off-tis"), "keep_checkpoints": False, "workers": 3}
+# The regime map's cell: counting in steps (`rl.chain`, answers sized to the length), GRPO-family with PPO
+# mini-batches; 6 seeds so that the exact sign-flip test can reach p < 0.05 (2/2^6); lr and clip as `realistic`.
+_REGIME = {**_REALISTIC, "task": "counting", "difficulty": 2, "prompts_per_step": 8, "max_new_tokens": 2048,
+           "steps": 300, "seeds": (0, 1, 2, 3, 4, 5), "arms": ("on", "off"), "workers": 2}
 PRESETS: dict[str, dict] = {
     # The self-trained 6-layer digit policy on bare arithmetic (the first ON/OFF experiment, docs/results).
     "digits": {"policy_size": "small", "difficulty": 1, "policy_steps": 2000, "policy_accuracy": (0.2, 0.5),
@@ -167,6 +171,9 @@ PRESETS: dict[str, dict] = {
     "realistic": _REALISTIC,
     # The long-horizon pair, where the literature sees collapse: 500 steps, the longest generations.
     "long": {**_REALISTIC, "arms": ("on", "off"), "seeds": (0,), "steps": 500, "max_new_tokens": 512, "workers": 2},
+    # One cell of the regime map (`onoff.regime`): `on` vs the engine `off` on a task whose answer fills 3/4 of
+    # max_new_tokens; the map sweeps max_new_tokens and the loss (REGIME_LENGTHS x REGIME_LOSSES).
+    "regime": _REGIME,
 }
 SMOKE = {"policy": "", "policy_size": "tiny", "policy_steps": 100, "policy_accuracy": (0.1, 0.6), "task": "arithmetic",
          "difficulty": 1, "steps": 2, "seeds": (0,), "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4,

@@ -9,6 +9,8 @@ and continues what is there, and `time_limit_min` splits an experiment over call
 Several runs at once (`workers`) each get a process of their own ('spawn': CUDA and vLLM initialise per
 process; vLLM's batch-invariant mode, once on, patches torch for the whole process, so vLLM runs always
 get one). Their kernels are the same whatever else shares the GPU, so `invariant` runs keep their bits.
+On a host with several GPUs the `workers` slots are spread evenly over them, and each run takes a free slot's GPU
+(a run stays on one GPU: they are independent).
 
 out_dir/metrics.csv is the long table of every run in the folder (finished or not), out_dir/runs.csv
 their status, out_dir/invocations.csv each call's wall time.
@@ -16,6 +18,7 @@ their status, out_dir/invocations.csv each call's wall time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -29,6 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pandas as pd
+import torch
 
 from ..config import write_config
 from ..env import environment_record, resolve_device
@@ -124,8 +128,30 @@ def execute(run: TrainConfig, deadline: float, keep_checkpoints: bool, first: bo
     return "done"
 
 
-def _execute_in_worker(run: dict, deadline: float, keep_checkpoints: bool, first: bool) -> str:
-    return execute(TrainConfig(**run), deadline, keep_checkpoints, first)
+def _execute_in_worker(run: dict, deadline: float, keep_checkpoints: bool, first: bool, gpus) -> str:
+    """One run in a fresh process; with `gpus` (a queue of free GPU slots) on the slot it takes, set before
+    anything in this process initialises CUDA."""
+    if gpus is None:
+        return execute(TrainConfig(**run), deadline, keep_checkpoints, first)
+    gpu = gpus.get()
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    try:
+        return execute(TrainConfig(**run), deadline, keep_checkpoints, first)
+    finally:
+        gpus.put(gpu)
+
+
+def _gpu_slots(stack: contextlib.ExitStack, spawn, workers: int, device: str):
+    """A queue of `workers` GPU slots spread evenly over the visible GPUs; None with fewer than two GPUs."""
+    count = torch.cuda.device_count() if device == "cuda" else 0
+    if count < 2:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",")[:count] if visible else [str(i) for i in range(count)]
+    slots = stack.enter_context(spawn.Manager()).Queue()
+    for i in range(workers):
+        slots.put(ids[i % count])
+    return slots
 
 
 def run_on_off(cfg: OnOffConfig) -> pd.DataFrame:
@@ -151,9 +177,12 @@ def run_on_off(cfg: OnOffConfig) -> pd.DataFrame:
     elif todo:
         quiet = [dataclasses.replace(run, progress=False) for run in todo]  # one bar per process would interleave
         spawn = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=cfg.workers, mp_context=spawn, max_tasks_per_child=1) as pool:
+        with contextlib.ExitStack() as stack:
+            gpus = _gpu_slots(stack, spawn, cfg.workers, resolve_device(cfg.device))
+            pool = stack.enter_context(ProcessPoolExecutor(max_workers=cfg.workers, mp_context=spawn,
+                                                           max_tasks_per_child=1))
             futures = {pool.submit(_execute_in_worker, asdict(run), deadline, cfg.keep_checkpoints,
-                                   i < cfg.workers): run.out_dir for i, run in enumerate(quiet)}
+                                   i < cfg.workers, gpus): run.out_dir for i, run in enumerate(quiet)}
             for future in as_completed(futures):
                 name = futures[future]
                 try:

@@ -24,9 +24,14 @@ class TrainConfig:
     """Where metrics and checkpoints go."""
     kernel_mode: str = "invariant"
     """'invariant' (bitwise generator = trainer) or 'standard' (the mismatched control)."""
+    sampler_kernels: str = "trainer"
+    """The embedded generator's kernels: 'trainer' (the trainer's kernel mode) or 'engine' (with
+    kernel_mode='standard': an inference engine's fast path, the norms, SiLU and RoPE fused and rounded once as
+    vLLM's kernels do, against the trainer's Hugging Face formulas; see onoff/arms.py)."""
     task: str = "arithmetic"
-    """'arithmetic' or 'arithmetic-chat' (synthetic), 'facts' (the blog's five), 'gsm8k', or 'humaneval' /
-    'humaneval-partial' (code run in the sandbox: every test passed, or the share passed)."""
+    """'arithmetic' or 'arithmetic-chat' (synthetic), 'counting' (a long checked chain sized to max_new_tokens),
+    'facts' (the blog's five), 'gsm8k', or 'humaneval' / 'humaneval-partial' (code run in the sandbox: every test
+    passed, or the share passed)."""
     task_source: str = ""
     """GSM8K only: a folder of train/test .jsonl or .parquet, a file, or a hub id; empty: the offline copy."""
     question_field: str = "question"
@@ -135,6 +140,11 @@ class TrainConfig:
         get_loss(self.loss)
         if self.kernel_mode not in ("invariant", "standard"):
             raise ValueError(f"kernel_mode must be 'invariant' or 'standard', got {self.kernel_mode!r}")
+        if self.sampler_kernels not in ("trainer", "engine"):
+            raise ValueError(f"sampler_kernels must be 'trainer' or 'engine', got {self.sampler_kernels!r}")
+        if self.sampler_kernels == "engine" and (self.kernel_mode != "standard" or self.generator != "embedded"):
+            raise ValueError("sampler_kernels='engine' models an inference engine beside a standard trainer: it needs "
+                             "kernel_mode='standard' and generator='embedded'")
         if self.task not in TASKS:
             raise ValueError(f"unknown task {self.task!r}; choose one of {', '.join(TASKS)}")
         if self.task == "gsm8k" and not self.task_source and default_gsm8k() is None:

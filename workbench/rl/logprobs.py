@@ -9,6 +9,7 @@ bits the generator reported for it (same kernels, same temperature), whatever th
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -50,13 +51,18 @@ def score(model, batch: RolloutBatch, max_tokens: int, temperature: float,
 def parity_stats(generator: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Generator vs trainer log-probs [B, T] on the real tokens: tokens whose fp32 bits differ, the max and
     mean |difference|, KL(sampler || trainer) per token, and the effective sample size of the sequences'
-    importance weights. Vectorised: a step holds ~10^5 tokens.
+    importance weights, and the spread of the sequences' log-ratios. Vectorised: a step holds ~10^5 tokens.
 
     KL: the k3 estimate mean(r - 1 - log r), r = trainer / sampler probability of each sampled token
     (unbiased and never negative, so it has a log axis; VeXact reports the same). ESS: with the sequence
     weights w = exp(sum over its tokens of trainer - sampler), (sum w)^2 / (B sum w^2), in (0, 1]; 1 when
     every weight is equal (bitwise parity), small when a few sequences dominate an importance-weighted
-    update (the leading indicator of collapse in the off-policy literature)."""
+    update (the leading indicator of collapse in the off-policy literature).
+
+    Sequence log-ratio: sum over a sequence's tokens of trainer - sampler, the log of the ratio a sequence-level
+    loss built on the sampler's log-probs starts from (the blog's loss; GSPO divides it by the length). Its
+    standard deviation over the step's sequences grows with the length (a sum of per-token differences), and the
+    share outside log(1.2) is the share a 0.2 clip range would clip before any update."""
     real = mask.bool()
     n = max(int(real.sum()), 1)
     log_r = (trainer - generator) * real
@@ -65,10 +71,14 @@ def parity_stats(generator: torch.Tensor, trainer: torch.Tensor, mask: torch.Ten
     k3 = (torch.expm1(log_r) - log_r) * real
     seq = log_r.double().sum(1)
     w = torch.exp(seq - seq.max())  # the scale cancels in the ratio
+    rows = real.any(1)
+    spread = float(seq[rows].std()) if int(rows.sum()) > 1 else 0.0
+    outside = float((seq[rows].abs() > math.log(1.2)).double().mean()) if bool(rows.any()) else 0.0
     return {"tokens": int(real.sum()), "tokens_differing": int(differ.sum()),
             "max_abs_diff": float(diff.abs().max()) if diff.numel() else 0.0,
             "mean_abs_diff": float(diff.abs().sum()) / n, "kl": float(k3.sum()) / n,
-            "ess": float(w.sum() ** 2 / (len(w) * (w * w).sum()))}
+            "ess": float(w.sum() ** 2 / (len(w) * (w * w).sum())), "seq_logratio_sd": spread,
+            "seq_ratio_outside_1.2": outside}
 
 
 def save_token_logprobs(path: Path, generator: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> None:

@@ -277,7 +277,7 @@ class Facts:
         return {"answer": float(problem.answer.lower() in completion.lower())}
 
 
-TASKS = ("arithmetic", "arithmetic-chat", "gsm8k", "facts", "humaneval", "humaneval-partial")
+TASKS = ("arithmetic", "arithmetic-chat", "counting", "gsm8k", "facts", "humaneval", "humaneval-partial")
 
 
 def default_gsm8k() -> Path | None:
@@ -288,8 +288,9 @@ def default_gsm8k() -> Path | None:
 
 
 def make_task(name: str, seed: int = 0, difficulty: int = 1, source: str = "", question_field: str = "question",
-              answer_field: str = "answer"):
-    """A task by name: 'arithmetic', 'arithmetic-chat' and 'facts' (need nothing), 'gsm8k' (needs `source`: a
+              answer_field: str = "answer", max_new_tokens: int = 256):
+    """A task by name: 'arithmetic', 'arithmetic-chat' and 'facts' (need nothing), 'counting' (a chain of n numbers
+    sized to `max_new_tokens`, `chain.CountingChain`), 'gsm8k' (needs `source`: a
     folder holding train.jsonl/test.jsonl or .parquet, one such file, or a hub id; `question_field`/`answer_field`
     name its columns), or 'humaneval' / 'humaneval-partial' (code run in a sandbox, rewarded for passing every
     test / the share of tests passed; `source`: another HumanEval-format file, default the packaged one)."""
@@ -299,6 +300,10 @@ def make_task(name: str, seed: int = 0, difficulty: int = 1, source: str = "", q
         return ArithmeticChat(seed=seed, difficulty=difficulty)
     if name == "facts":
         return Facts(seed)
+    if name == "counting":
+        from .chain import CountingChain  # it imports Problem from here
+
+        return CountingChain(seed, difficulty, max_new_tokens)
     if name == "gsm8k":
         source = source or str(default_gsm8k() or "")
         if not source:

