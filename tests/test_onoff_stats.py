@@ -299,6 +299,30 @@ def test_every_figure_draws_and_saves(tmp_path):
         reward_curves(table, metrics=("accuracy",))
 
 
+def test_figures_read_cleanly():
+    """Issue 45's findings, each as the property it broke: one title, a legend that takes no third of the figure,
+    no offset label over a panel's title, whole-number ticks for counts, a legend clear of the bars."""
+    rng = np.random.default_rng(12)
+    table = _experiment(rng, {"on": 0.0, "off": 0.0}, seeds=(0, 1, 2), steps=30)
+    table.loc[table.metric == "is_ess", "value"] = 1 - 6e-11 * rng.random((table.metric == "is_ess").sum())
+    one = reward_curves(table, title="blog: reward")
+    one.savefig(io.BytesIO(), format="png", dpi=40)
+    assert one.get_suptitle() == "" and one.axes[0].get_title() == "blog: reward", "the title once"
+    assert one.axes[0].get_legend() is not None and not one.legends, "a single panel holds its legend"
+    mismatch = mismatch_panels(table, title="ON/OFF `blog`: mismatch")
+    mismatch.savefig(io.BytesIO(), format="png", dpi=40)
+    assert mismatch.get_suptitle() == "ON/OFF `blog`: mismatch"
+    ess = next(ax for ax in mismatch.axes if ax.get_title() == "ESS fraction")
+    assert ess.yaxis.get_offset_text().get_text() == "", "no '1e-5+9.9999e-1' above the panel"
+    counts = next(ax for ax in mismatch.axes if ax.get_title() == "tokens differing")
+    assert all(float(t).is_integer() for t in counts.get_yticks())
+    hist = delta_histogram({"off (step 1)": np.where(rng.random(9) < 0.4, 0, rng.lognormal(-9, 1, 9)),
+                            "on (step 1)": np.zeros(9)})
+    hist.savefig(io.BytesIO(), format="png", dpi=40)
+    assert all(float(t).is_integer() for t in hist.axes[0].get_yticks()), "counts have whole-number ticks"
+    assert hist.axes[0].get_legend() is None and hist.legends, "the legend sits outside the axes"
+
+
 def test_mismatch_panels_with_an_all_zero_arm_on_log_axes():
     table = _experiment(np.random.default_rng(8), {"on": 0.0, "off": 0.0}, seeds=(0, 1))
     table = table[table.metric.isin(["parity_tokens_differing", "parity_max_abs_diff", "sampler_trainer_kl"])]

@@ -92,16 +92,14 @@ def bootstrap_band(wide, level: float = LEVEL, n: int = BAND_RESAMPLES) -> tuple
     return lo, hi
 
 
-def _panels(count: int, title: str = "") -> tuple[Figure, np.ndarray]:
-    """A grid of `count` panels, up to 3 a row (the legend goes above them, or inside a single panel)."""
+def _panels(count: int) -> tuple[Figure, np.ndarray]:
+    """A grid of `count` panels, up to 3 a row; a slot the grid leaves over holds the legend (`_legend`)."""
     cols = min(3, count)
     rows = -(-count // cols)
     fig = Figure(figsize=(4.2 * cols + (1.0 if count == 1 else 0.4), 3.0 * rows + 0.6), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False).flatten()
     for ax in axes[count:]:
-        ax.set_visible(False)
-    if title:
-        fig.suptitle(title, fontsize=10)
+        ax.set_axis_off()
     return fig, axes[:count]
 
 
@@ -112,18 +110,26 @@ def _style_steps(ax, title: str) -> None:
     ax.grid(alpha=0.3)
 
 
-def _legend(fig: Figure, axes) -> None:
-    """One legend of every arm drawn in any panel (an arm may miss a metric): inside a single panel, else in a row
-    above the panels, where it takes no panel's width."""
+def _legend(fig: Figure, axes, title: str = "") -> None:
+    """One legend of every arm drawn in any panel (an arm may miss a metric), and the figure's title: the legend
+    inside a single panel or in the grid's first empty slot, else in rows above the panels under the title (a
+    legend beside the panels would take a third of the width)."""
     handles = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
+    spare = [ax for ax in fig.axes if not ax.axison]
+    if len(axes) > 1 and not spare and handles:
+        # The title as the legend's: a suptitle and a legend both above the panels would overlap.
+        fig.legend(handles.values(), handles.keys(), loc="outside upper center", ncols=min(3, len(handles)),
+                   fontsize=8, frameon=False, title=title or None, title_fontsize=10)
+        return
+    if title:
+        fig.suptitle(title, fontsize=10)
     if len(axes) == 1:
         axes[0].legend(handles.values(), handles.keys(), fontsize=8)
-    elif handles:
-        fig.legend(handles.values(), handles.keys(), loc="outside upper center", ncols=min(4, len(handles)),
-                   fontsize=8, frameon=False)
+    elif spare:
+        spare[0].legend(handles.values(), handles.keys(), loc="center", fontsize=8, frameon=False)
 
 
 def _by_step(rows: pd.DataFrame, smooth: int) -> pd.DataFrame:
@@ -141,7 +147,7 @@ def reward_curves(table: pd.DataFrame, metrics=("reward_mean",), smooth: int = 1
         raise ValueError(f"none of the metrics {list(wanted)} is in the table; "
                          f"it has {sorted(set(table.metric))[:12]}")
     colors = arm_colors(table.variant)
-    fig, axes = _panels(len(metrics), title if len(metrics) > 1 else "")
+    fig, axes = _panels(len(metrics))
     for ax, metric in zip(axes, metrics):
         arms = dict(tuple(table[table.metric == metric].groupby("variant")))
         for variant in (a for a in colors if a in arms):
@@ -153,7 +159,7 @@ def reward_curves(table: pd.DataFrame, metrics=("reward_mean",), smooth: int = 1
         _style_steps(ax, title if len(metrics) == 1 and title else TITLES.get(metric, metric))
         if len(metrics) == 1:
             ax.set_ylabel(TITLES.get(metric, metric))
-    _legend(fig, axes)
+    _legend(fig, axes, title if len(metrics) > 1 else "")
     smoothing = f" after a trailing {smooth}-step average per seed" if smooth > 1 else ""
     how = f"line: mean over seeds{smoothing}\nband: 95% BCa bootstrap CI of that mean per step (none with one seed)"
     fig.supxlabel(f"{how}\n{note}" if note else how, **NOTE_STYLE)
@@ -209,7 +215,7 @@ def mismatch_panels(table: pd.DataFrame, smooth: int = 1, title: str = "") -> Fi
     if not panels:
         raise ValueError(f"no mismatch metric ({[p[0] for p in MISMATCH_PANELS]}) is in the table")
     colors = arm_colors(table.variant)
-    fig, axes = _panels(len(panels), title)
+    fig, axes = _panels(len(panels))
     for ax, (metric, name, log) in zip(axes, panels):
         arms = dict(tuple(table[table.metric == metric].groupby("variant")))
         notes, drawn = [], False
@@ -224,13 +230,20 @@ def mismatch_panels(table: pd.DataFrame, smooth: int = 1, title: str = "") -> Fi
                                     alpha=0.2, lw=0)
         if log and drawn:  # a log axis with nothing positive on it has no range to show
             ax.set_yscale("log")
+        elif log:  # nothing drawn: the notes say why; the steps stay the other panels'
+            ax.set_xlim(table.step.min(), table.step.max())
+            ax.set_yticks([])
         else:
             _plain_linear_axis(ax)
+            if metric == "parity_tokens_differing":  # a count: whole-number ticks, so at least 0 to 1
+                lo, hi = ax.get_ylim()
+                ax.set_ylim(min(lo, -0.05), max(hi, 1))
+                ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         if notes:  # inside the axes on a white box: clear of the tick labels, readable over a line
             ax.text(0.02, 0.03, "\n".join(notes), transform=ax.transAxes, va="bottom",
                     bbox={"facecolor": "white", "alpha": 0.8, "lw": 0, "pad": 1.5}, **NOTE_STYLE)
         _style_steps(ax, name)
-    _legend(fig, axes)
+    _legend(fig, axes, title)
     fig.supxlabel("line: mean over seeds; band: min..max over seeds", **NOTE_STYLE)
     return fig
 
@@ -339,19 +352,19 @@ def dose_response_figure(dose: pd.DataFrame) -> Figure:
             xs = np.geomspace(fit["kl_lo"], fit["kl_hi"], 50)
             ax.plot(xs, fit["intercept"] + fit["slope"] * np.log10(xs), color="0.3", lw=1, ls="--",
                     label="OLS fit on log10 KL (noise arms)")
-            ax.set_title(f"slope {fit['slope']:.3g} per decade of KL [{fit['lo']:.3g}, {fit['hi']:.3g}], "
-                         f"p = {fit['p']:.2g}", fontsize=8)
+            ax.set_title(f"OLS slope {fit['slope']:.2g} per decade of KL [{fit['lo']:.2g}, {fit['hi']:.2g}], "
+                         f"p = {fit['p']:.1g}", fontsize=9)
         if zero_at is not None:
             ax.set_xscale("log")
             _zero_axis(ax, zero_at, positive.min(), positive.max())
-        ax.set_xlabel("measured KL(sampler || trainer), mean over steps")
+        ax.set_xlabel("measured KL(sampler || trainer) / token")
         ax.set_ylabel(ylabels[y])
         ax.grid(alpha=0.3)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right upper", fontsize=8, frameon=False)
+    axes[0].legend(fontsize=7, loc="lower left")
     fig.suptitle("final reward vs measured sampler-trainer KL (dose-response over injected noise)", fontsize=10)
-    fig.supxlabel("points: runs; markers with bars: arm mean and 95% t-interval over seeds; dashed: one OLS fit "
-                  "over the noise arms' runs (slope per decade, 95% CI)"
+    fig.supxlabel("points: runs; markers with bars: arm mean and 95% t-interval over seeds; KL: mean over steps\n"
+                  "dashed: one OLS fit over the noise arms' runs (`on`, at KL 0, is not in it); slope per decade with "
+                  "its 95% CI"
                   + ("" if positive.size else "; no positive KL measured, so the x-axis is linear"), **NOTE_STYLE)
     return fig
 
