@@ -15,7 +15,9 @@ from matplotlib.figure import Figure
 from workbench.onoff.figures import (bootstrap_band, delta_histogram, dose_response_figure, mismatch_panels,
                                      regime_map, reward_curves)
 from workbench.onoff.paired import compare_paired, holm, sign_flip_p, t_interval
-from workbench.onoff.publish import markdown_table, published_results
+from workbench.config import write_config
+from workbench.onoff.config import OnOffConfig
+from workbench.onoff.publish import markdown_table, published_results, reissue
 from workbench.onoff.stats import (dose_response, dose_slope, reference_arm, regime_table, run_endpoints, summarize,
                                    verdict)
 from workbench.plots import save_figure
@@ -268,6 +270,27 @@ def test_regime_table_per_cell_with_holm_over_the_map():
                                                     "KL(sampler || trainer) / token", "SD of the sequence log-ratio"]
     with pytest.raises(ValueError, match=r"lacks \['loss'\]"):
         regime_table(table.drop(columns="loss"))
+
+
+def test_reissue_rewrites_a_published_verdict_and_keeps_its_facts(tmp_path):
+    table = _experiment(np.random.default_rng(14), {"on": 0.0, "off": -0.2}, seeds=range(3), steps=12)
+    table = table[table.metric.isin(["reward_mean", "sampler_trainer_kl"])]  # two small figures: seconds
+    table.to_csv(tmp_path / "metrics.csv.gz", index=False)
+    write_config(OnOffConfig(arms=("on", "off"), seeds=(0, 1, 2), steps=12), tmp_path / "config.yaml")
+    pd.DataFrame({"run": [f"{v}-seed{s}" for v in ("on", "off") for s in range(3)], "variant": ["on"] * 3 + ["off"] * 3,
+                  "seed": [0, 1, 2] * 2, "steps_done": 12, "finished": True, "steps": 12}).to_csv(
+        tmp_path / "runs.csv", index=False)
+    pd.DataFrame({"wall_s": [60.0], "device": ["NVIDIA H100 80GB HBM3"], "git_sha": ["abc1234"]}).to_csv(
+        tmp_path / "invocations.csv", index=False)
+    facts = ["# ON/OFF experiment `custom`", "", "- date 2026-11-23; device NVIDIA H100 80GB HBM3; git abc1234", ""]
+    (tmp_path / "summary.md").write_text("\n".join(facts + ["## Verdict", "", "`off`: lower than `on` (the CI "
+                                                              "excludes 0).", ""]))
+    for _ in range(2):  # a second re-issue gives the same file
+        reissue(tmp_path, "**Statistics re-issued** (test).")
+    text = (tmp_path / "summary.md").read_text()
+    assert text.startswith("\n".join(facts[:3])) and text.count("**Statistics re-issued** (test).") == 1
+    assert "not resolvable with 3 seeds" in text and "the CI excludes 0" not in text
+    assert (tmp_path / "reward.png").exists() and "d_final_reward_p_holm" in pd.read_csv(tmp_path / "summary.csv")
 
 
 def test_published_results_are_the_newest_folder_per_preset(tmp_path):

@@ -139,8 +139,10 @@ def reissue(folder: str | Path, note: str, window: int = 10) -> None:
     published verdicts change when the statistics do."""
     folder = Path(folder)
     old = (folder / "summary.md").read_text().splitlines()
-    header = old[:old.index("## Verdict")] if "## Verdict" in old else None
-    write_report(folder, window, header=[line for line in header if line] if header else None, note=note)
+    # The title and the facts list; an earlier re-issue's note is replaced, so a second re-issue gives the same.
+    header = [line for line in old[:old.index("## Verdict")] if line.startswith(("# ", "- "))] \
+        if "## Verdict" in old else None
+    write_report(folder, window, header=header or None, note=note)
 
 
 def _figure_lines(figures) -> list[str]:
