@@ -19,7 +19,7 @@ from matplotlib.ticker import FixedFormatter, FixedLocator, LogLocator, MaxNLoca
 from scipy import stats
 
 from ..plots import TITLES
-from .paired import LEVEL, t_interval
+from .paired import ALPHA, LEVEL, t_interval
 from .stats import NOISE_PREFIX, REFERENCE, arm_order, dose_slope, noise_sigma
 
 # Okabe-Ito and PiYG/PRGn shades (colorblind-friendly); a vLLM arm is a lighter shade of the arm it mirrors.
@@ -396,7 +396,7 @@ def regime_map(summary_table: pd.DataFrame) -> Figure:
         d = rows.d_final_reward.to_numpy(dtype=float)
         err = np.abs([d - rows.d_final_reward_lo.to_numpy(float), rows.d_final_reward_hi.to_numpy(float) - d])
         axes[0].errorbar(x, d, yerr=np.where(np.isfinite(err), err, 0), fmt="none", color=color, capsize=2)
-        resolvable = rows.d_final_reward_floor <= t.attrs.get("alpha", 0.05)
+        resolvable = rows.d_final_reward_floor <= t.attrs.get("alpha", ALPHA)
         for xi, di, res, ok in zip(x, d, rows.d_final_reward_resolved, resolvable):
             axes[0].plot(xi, di, "o" if ok else "x", ms=6, color=color, mfc=color if res else "white")
         for ax, (col, _) in zip(axes[1:], panels[1:]):
@@ -414,6 +414,6 @@ def regime_map(summary_table: pd.DataFrame) -> Figure:
         axes[1].set_yscale("log")
     fig.legend(loc="outside upper center", ncols=min(4, len(series)), fontsize=8, frameon=False)
     fig.supxlabel(f"filled: resolved (exact sign-flip p, Holm over all {len(t)} cells, <= "
-                  f"{t.attrs.get('alpha', 0.05):g} and the t-CI excludes 0); hollow: not resolved; x: not resolvable "
+                  f"{t.attrs.get('alpha', ALPHA):g} and the t-CI excludes 0); hollow: not resolved; x: not resolvable "
                   "with the cell's seeds; mismatch: means over the arm's runs", **NOTE_STYLE)
     return fig
