@@ -17,7 +17,7 @@ from workbench.onoff.figures import (bootstrap_band, delta_histogram, dose_respo
 from workbench.onoff.paired import compare_paired, holm, sign_flip_p, t_interval
 from workbench.config import write_config
 from workbench.onoff.config import OnOffConfig
-from workbench.onoff.publish import markdown_table, published_results, reissue
+from workbench.onoff.publish import markdown_table, published_results, reissue, write_report
 from workbench.onoff.stats import (dose_response, dose_slope, reference_arm, regime_table, run_endpoints, summarize,
                                    verdict)
 from workbench.plots import save_figure
@@ -159,7 +159,7 @@ def test_a_null_is_not_resolved_and_few_seeds_are_not_resolvable():
     assert "not resolvable with 1 seed (" in verdict(summarize(table[table.seed == 0]))
     six = summarize(_experiment(np.random.default_rng(5), {"on": 0.0, "off": -0.3, "off-tis": -0.3, "off-mis": 0},
                                 seeds=range(6)))
-    assert "not resolvable with 6 seeds and 3 compared arms" in verdict(six), "Holm x 3 lifts 2/64 above 0.05"
+    assert "not resolvable with 6 seeds and 3 comparisons" in verdict(six), "Holm x 3 lifts 2/64 above 0.05"
 
 
 def test_the_vllm_arms_alone_are_compared_with_on_vllm():
@@ -291,6 +291,21 @@ def test_reissue_rewrites_a_published_verdict_and_keeps_its_facts(tmp_path):
     assert text.startswith("\n".join(facts[:3])) and text.count("**Statistics re-issued** (test).") == 1
     assert "not resolvable with 3 seeds" in text and "the CI excludes 0" not in text
     assert (tmp_path / "reward.png").exists() and "d_final_reward_p_holm" in pd.read_csv(tmp_path / "summary.csv")
+
+
+def test_a_regime_report_reads_per_cell(tmp_path):
+    table = _regime_experiment(15, seeds=8, effect_at_2048=0.3)
+    table = table[table.metric.isin(["reward_mean", "sampler_trainer_kl", "seq_logratio_sd"])]
+    table.to_csv(tmp_path / "metrics.csv.gz", index=False)
+    write_config(OnOffConfig(arms=("on", "off"), seeds=tuple(range(8)), steps=20), tmp_path / "config.yaml")
+    pd.DataFrame({"run": [f"{v}-seed{s}" for v in ("on", "off") for s in range(8)], "variant": ["on"] * 8 + ["off"] * 8,
+                  "seed": list(range(8)) * 2, "steps_done": 20, "finished": True, "steps": 20}).to_csv(
+        tmp_path / "runs.csv", index=False)
+    write_report(tmp_path, window=5)
+    text = (tmp_path / "summary.md").read_text()
+    assert "Holm-adjusted over all 6 compared cells" in text and text.count("| 2048 | ") == 2
+    assert "![regime_map](regime_map.png)" in text and (tmp_path / "regime_map.png").exists()
+    assert list(pd.read_csv(tmp_path / "summary.csv").max_new_tokens) == [256, 256, 1024, 1024, 2048, 2048]
 
 
 def test_published_results_are_the_newest_folder_per_preset(tmp_path):

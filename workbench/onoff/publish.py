@@ -20,9 +20,9 @@ from ..plots import save_figure
 from ..tables import project_path
 from .arms import get_arm
 from .config import OnOffConfig
-from .figures import delta_histogram, dose_response_figure, mismatch_panels, reward_curves
+from .figures import delta_histogram, dose_response_figure, mismatch_panels, regime_map, reward_curves
 from .runner import collect, finished_runs, total_wall_s
-from .stats import dose_response, dose_sentence, dose_slope, summarize, verdict
+from .stats import CELL, dose_response, dose_sentence, dose_slope, regime_table, summarize, verdict
 
 # The endpoints a reader compares, in the summary's table: column -> (header, how to print).
 _COLUMNS = {"runs": ("runs", "{:.0f}"), "steps": ("steps", "{:.0f}"), "final_reward": ("final reward", "ci"),
@@ -103,7 +103,11 @@ def write_report(folder: str | Path, window: int = 10, smooth: int = 5, header: 
     """summary.md, summary.csv, dose_response.csv and the figures of a report folder, from its own files
     (metrics.csv.gz, runs.csv, invocations.csv, config.yaml): what `report` writes, and how `reissue` rewrites a
     published one. `header` replaces the generated title and facts lines; `note` is a paragraph put under them.
-    A delta_histogram.png already there (it needs the runs' step-1 log-probs, which are not published) is kept."""
+    A delta_histogram.png already there (it needs the runs' step-1 log-probs, which are not published) is kept.
+
+    A table with `max_new_tokens` and `loss` columns is a regime experiment: its verdict is `stats.regime_table`'s
+    per cell (summary.csv and the `regime_map` figure, which also shows each cell's mismatch), and its reward
+    curves get a panel per cell, so that nothing is averaged across cells."""
     folder = Path(folder)
     cfg = OnOffConfig(**read_config_file(folder / "config.yaml", OnOffConfig))
     table = pd.read_csv(folder / "metrics.csv.gz")
@@ -111,11 +115,22 @@ def write_report(folder: str | Path, window: int = 10, smooth: int = 5, header: 
     name = f"`{cfg.preset or 'custom'}`"
     steps = int(table.step.max())
     smooth = smooth if steps >= 4 * smooth else 1
-    figures = {"reward": reward_curves(table, ("reward_mean",) + tuple(
-        m for m in sorted(set(table.metric)) if m.startswith("accuracy_")), smooth=smooth,
-        title=f"ON/OFF {name}: reward, mean over seeds"),
-        "mismatch": mismatch_panels(table, smooth=smooth, title=f"ON/OFF {name}: mismatch and update health")}
-    dose = dose_response(done, window) if not done.empty else None
+    regime = None
+    if set(CELL) <= set(table.columns):
+        rewards = table[table.metric == "reward_mean"].sort_values(["loss", "max_new_tokens"], kind="stable")
+        facets = rewards.assign(metric="reward: " + rewards.loss.astype(str) + ", "
+                                + rewards.max_new_tokens.astype(str) + " tokens")
+        figures = {"reward": reward_curves(facets, tuple(pd.unique(facets.metric)), smooth=smooth,
+                                           title=f"ON/OFF {name}: reward per cell, mean over seeds")}
+        if not done.empty:
+            regime = regime_table(done, window)
+            figures["regime_map"] = regime_map(regime)
+    else:
+        figures = {"reward": reward_curves(table, ("reward_mean",) + tuple(
+            m for m in sorted(set(table.metric)) if m.startswith("accuracy_")), smooth=smooth,
+            title=f"ON/OFF {name}: reward, mean over seeds"),
+            "mismatch": mismatch_panels(table, smooth=smooth, title=f"ON/OFF {name}: mismatch and update health")}
+    dose = dose_response(done, window) if not done.empty and regime is None else None
     if dose is not None and dose.variant.str.startswith("noise=").any():
         figures["dose_response"] = dose_response_figure(dose)
         dose.to_csv(folder / "dose_response.csv", index=False)
@@ -123,10 +138,14 @@ def write_report(folder: str | Path, window: int = 10, smooth: int = 5, header: 
         dose = None
     for fig_name, fig in figures.items():
         save_figure(fig, folder, fig_name)
-    shown = [n for n in ("reward", "mismatch", "delta_histogram", "dose_response")
+    shown = [n for n in ("regime_map", "reward", "mismatch", "delta_histogram", "dose_response")
              if n in figures or (folder / f"{n}.png").exists()]
     if done.empty:
         (folder / "summary.md").write_text(_unfinished_markdown(cfg, folder, shown))
+        return
+    if regime is not None:
+        regime.to_csv(folder / "summary.csv", index=False)
+        (folder / "summary.md").write_text(_regime_markdown(cfg, folder, done, regime, shown, header, note))
         return
     summary = summarize(done, window)
     summary.to_csv(folder / "summary.csv", index=False)
@@ -202,6 +221,27 @@ def _summary_markdown(cfg: OnOffConfig, out: Path, done, summary, dose, figures,
                        "curves up to that step, not in the endpoints.")
     if caveats:
         lines += ["", "## Caveats", ""] + [f"- {c}" for c in caveats]
+    return "\n".join(lines) + "\n"
+
+
+def _regime_markdown(cfg: OnOffConfig, out: Path, done, regime, figures, header=None, note="") -> str:
+    arms = list(dict.fromkeys(done.variant))
+    head = header or _header(cfg, out, done, pd.DataFrame({"variant": arms}))
+    ref = regime.attrs["reference"]
+    lines = [head[0], "", *head[1:], ""] + ([note, ""] if note else []) + ["## Verdict", "",
+             (f"Per (generation length, loss) cell: final reward (the last {regime.attrs['window']} steps) arm - "
+              f"`{ref}`, paired by seed, with its 95% paired t-interval and exact sign-flip permutation p-value, "
+              f"Holm-adjusted over all {len(regime)} compared cells; a cell is called higher or lower only when that "
+              "p is at most 0.05 and the interval excludes 0."), "",
+             "| max new tokens | loss | arm | seeds | KL / token | SD of seq. log-ratio | clip fraction | min ESS | "
+             f"final reward − {ref} [95% t-CI] | p | p (Holm) | verdict |", "|---" * 12 + "|"]
+    numbers = (("kl_mean", "{:.3g}"), ("seq_logratio_sd", "{:.3g}"), ("clip_fraction", "{:.3f}"),
+               ("ess_min", "{:.3f}"), ("d_final_reward", "ci"), ("d_final_reward_p", "{:.3g}"),
+               ("d_final_reward_p_holm", "{:.3g}"))
+    for _, r in regime.iterrows():
+        lines.append(f"| {r.max_new_tokens} | {r.loss} | `{r.variant}` | {r.seeds} | "
+                     + " | ".join(_cell(r, col, how) for col, how in numbers) + f" | {r.verdict} |")
+    lines += ["", "## Arms", ""] + [f"- `{v}`: {get_arm(v).description}" for v in arms] + _figure_lines(figures)
     return "\n".join(lines) + "\n"
 
 

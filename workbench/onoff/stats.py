@@ -208,7 +208,7 @@ def reading(n: int, d: float, lo: float, hi: float, p: float, p_holm: float, flo
         if smallest > alpha:
             return (f"not resolvable with {n} seed{'' if n == 1 else 's'} (the smallest attainable p is 2/2^{n} = "
                     f"{_g(smallest)})")
-        return (f"not resolvable with {n} seeds and {family} compared arms (the smallest attainable p, 2/2^{n} = "
+        return (f"not resolvable with {n} seeds and {family} comparisons (the smallest attainable p, 2/2^{n} = "
                 f"{_g(smallest)}, becomes {_g(floor)} under Holm's correction)")
     ps = f"permutation p {_g(p)}" + (f", Holm-adjusted {_g(p_holm)}" if family > 1 else "")
     if resolved:
