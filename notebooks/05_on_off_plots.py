@@ -9,28 +9,55 @@
 # ---
 
 # %% [markdown]
-# # 05 · ON/OFF: reward, mismatch and dose-response
+# # 05 · ON/OFF: reward, mismatch, dose-response and the regime map
 #
 # Drawn only from a metrics table, so any run folder can be pointed at: this nightly run's (the default),
 # or a published one (`docs/results/2026-11-23_onoff-blog-h100_1272149/metrics.csv.gz`, the
-# dose-response in `..._onoff-blog-dose-h100_...`). Lines are the mean over seeds, bands the 95% bootstrap
-# CI over seeds; the verdict is read off the same numbers. Figures are saved as SVG (for a blog post) and PNG.
+# dose-response in `..._onoff-blog-dose-h100_...`). Lines are the mean over seeds, bands a 95% BCa bootstrap
+# CI over seeds (a display of spread). The verdict is calibrated: an arm is called higher or lower than `on`
+# only when an exact sign-flip permutation test over seeds, Holm-adjusted over the arms, gives p <= 0.05 and
+# the paired t-interval excludes 0. n seeds cannot give a p below 2/2^n, so fewer than 6 resolve nothing.
+# Figures are saved as SVG (for a blog post) and PNG.
+#
+# **Without a GPU** the smoke rerun below checks the pipeline only, its numbers mean nothing, so the notebook
+# first shows the newest published GPU results per preset from `docs/results` (figures and verdicts), each
+# labelled "published, GPU, <device>, <date>".
 
 # %% tags=["parameters"]
 smoke = True
 device = "auto"
 run_dir = "runs/notebooks"
 metrics = ""
+published = "docs/results"
 
 # %%
-from IPython.display import display
+from IPython.display import Image, Markdown, display
 
-from workbench.onoff.figures import MISMATCH_PANELS, dose_response_figure, mismatch_panels, reward_curves
-from workbench.onoff.stats import dose_response, summarize, verdict
+from workbench.env import resolve_device
+from workbench.onoff.figures import (MISMATCH_PANELS, dose_response_figure, mismatch_panels, regime_map,
+                                     reward_curves)
+from workbench.onoff.publish import published_results
+from workbench.onoff.stats import CELL, dose_response, dose_sentence, dose_slope, regime_table, summarize, verdict
 from workbench.plots import save_figure
 from workbench.tables import load_table, project_path
 
 run_dir = str(project_path(run_dir))  # against the project root, not the kernel's folder
+
+# %% [markdown]
+# ## Published results (GPU)
+#
+# Shown when this machine has no GPU: the newest published folder of each preset (a `regime` map first, when
+# one is published), read from its `summary.md` and PNGs as published.
+
+# %%
+shown = published_results(published) if resolve_device(device) == "cpu" else []
+for result in shown:
+    display(Markdown(result.markdown))
+    for path in result.figures:
+        display(Markdown(f"*{path.stem}, {result.label}*"), Image(filename=str(path)))
+
+# %% [markdown]
+# ## This run
 
 # %%
 table = load_table(metrics or run_dir, "on_off")
@@ -45,7 +72,7 @@ for name, t in groups.items():
     save_figure(figure, f"{run_dir}/figures", f"on_off{suffix}")
     display(figure)
     if t.metric.isin([name for name, _, _ in MISMATCH_PANELS]).any():  # an old table may hold rewards only
-        figure = mismatch_panels(t)
+        figure = mismatch_panels(t, title=f"{name or 'ON/OFF'}: mismatch and update health")
         save_figure(figure, f"{run_dir}/figures", f"mismatch{suffix}")
         display(figure)
 
@@ -58,6 +85,17 @@ for name, t in groups.items():
 # %%
 for name, t in groups.items():
     if t.variant.str.startswith("noise=").any():
-        figure = dose_response_figure(dose_response(t, window=window))
+        dose = dose_response(t, window=window)
+        print(name, dose_sentence(dose_slope(dose)), sep="\n")
+        figure = dose_response_figure(dose)
         save_figure(figure, f"{run_dir}/figures", f"dose_response_{name}")
+        display(figure)
+
+# %%
+for name, t in groups.items():
+    if set(CELL) <= set(t.columns):  # a regime experiment: runs across generation lengths and losses
+        cells = regime_table(t, window=window)
+        display(cells)
+        figure = regime_map(cells)
+        save_figure(figure, f"{run_dir}/figures", f"regime_map_{name}")
         display(figure)

@@ -3,6 +3,7 @@ the usual mismatch (`off` and its corrected variants), over seeds; the mismatch 
 the rewards compared with confidence intervals, and the results published as a folder.
 
 - `arms`: the named variants of a run; `config`: `OnOffConfig` and the presets (blog, realistic, ...);
-- `runner`: runs resumable, in pieces, several at once; `stats`: endpoints, bootstrap CIs, the verdict;
-- `figures`: plots as functions of the long table; `publish`: the results folder.
+- `runner`: runs resumable, in pieces, several at once; `stats`: endpoints, the verdict, the dose-response slope,
+  the regime table; `paired`: the calibrated paired comparison (t-interval, exact sign-flip p, Holm);
+- `figures`: plots as functions of the long table; `publish`: the results folder, and the published ones.
 """

@@ -1,20 +1,26 @@
 """Figures of an ON/OFF experiment, drawn only from its long metrics table (or from per-token deltas).
 
 Each function returns a matplotlib `Figure` (no pyplot global state), in the look of `workbench.plots`; write
-it with `workbench.plots.save_figure`.
+it with `workbench.plots.save_figure`. Per-step bands are BCa bootstrap intervals over seeds (`scipy.stats.
+bootstrap`), a display of spread; the calibrated comparison is `paired.compare_paired`'s, shown by
+`dose_response_figure` and `regime_map` as t-intervals.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import pandas as pd
 from matplotlib import colormaps
 from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
-from matplotlib.ticker import FixedFormatter, FixedLocator, LogLocator, MaxNLocator, NullLocator
+from matplotlib.ticker import FixedFormatter, FixedLocator, LogLocator, MaxNLocator, NullLocator, ScalarFormatter
+from scipy import stats
 
 from ..plots import TITLES
-from .stats import NOISE_PREFIX, REFERENCE, arm_order, bootstrap_band, bootstrap_ci, noise_sigma
+from .paired import ALPHA, LEVEL, t_interval
+from .stats import NOISE_PREFIX, REFERENCE, arm_order, dose_slope, noise_sigma
 
 # Okabe-Ito and PiYG/PRGn shades (colorblind-friendly); a vLLM arm is a lighter shade of the arm it mirrors.
 COLORS = {"on": "#1b7837", "off": "#c51b7d", "off-recompute": "#0072b2", "off-tis": "#e69f00",
@@ -25,8 +31,9 @@ LABELS = {"on": "on (bitwise)", "off": "off (standard kernels, old = sampler)", 
 # Noise arms run light to dark with sigma; purple is used by no named arm.
 NOISE_COLORMAP, NOISE_SHADES = "Purples", (0.45, 0.95)
 _SPARE = ("#000000", "#d55e00", "#999999", "#a6761d", "#e6ab02")  # arms this module does not know
+_SERIES = ("#c51b7d", "#0072b2", "#e69f00", "#009e73", "#56b4e9", "#d55e00")  # the regime map's (arm, loss) lines
 # Per-step bands resample seeds this often: enough for a smooth 95% band, fast for 500 steps x 7 arms.
-BAND_RESAMPLES = 4000
+BAND_RESAMPLES = 2000
 # (metric, panel title, log y-axis): the mismatch sizes span decades, counts and fractions do not.
 MISMATCH_PANELS = (("parity_tokens_differing", "tokens differing", False),
                    ("parity_max_abs_diff", "max |Δ log-prob|", True),
@@ -56,14 +63,43 @@ def arm_colors(variants) -> dict[str, str]:
     return {a: COLORS.get(a) or colors[a] for a in arms}
 
 
+def bootstrap_band(wide, level: float = LEVEL, n: int = BAND_RESAMPLES) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of a [steps, seeds] array: the BCa bootstrap interval of the mean over seeds (`scipy.stats.
+    bootstrap`), or the percentile one where BCa is undefined (seeds that agree exactly: the band is that value).
+
+    Rows with fewer than 2 finite values get NaN (one seed has no spread to resample). Rows are bootstrapped
+    together per pattern of present seeds, so a run cut short leaves the other rows' bands whole.
+    """
+    wide = np.asarray(wide, dtype=float)
+    lo, hi = np.full(len(wide), np.nan), np.full(len(wide), np.nan)
+    present = np.isfinite(wide)
+    for mask in np.unique(present, axis=0):
+        rows = (present == mask).all(axis=1)
+        if mask.sum() < 2:
+            continue
+        values = wide[np.ix_(rows, mask)]
+        with warnings.catch_warnings(), np.errstate(invalid="ignore", divide="ignore"):
+            warnings.simplefilter("ignore")  # BCa's "cannot be calculated" on equal seeds: handled below
+            ci = stats.bootstrap((values,), np.mean, axis=1, vectorized=True, n_resamples=n, confidence_level=level,
+                                 method="BCa", rng=0).confidence_interval
+        rlo, rhi = ci.low, ci.high
+        flat = ~(np.isfinite(rlo) & np.isfinite(rhi))
+        if flat.any():
+            ci = stats.bootstrap((values[flat],), np.mean, axis=1, vectorized=True, n_resamples=n,
+                                 confidence_level=level, method="percentile", rng=0).confidence_interval
+            rlo[flat], rhi[flat] = ci.low, ci.high
+        lo[rows], hi[rows] = rlo, rhi
+    return lo, hi
+
+
 def _panels(count: int) -> tuple[Figure, np.ndarray]:
-    """A grid of `count` panels, up to 3 a row, with room on the right for a legend of every arm."""
+    """A grid of `count` panels, up to 3 a row; a slot the grid leaves over holds the legend (`_legend`)."""
     cols = min(3, count)
     rows = -(-count // cols)
-    fig = Figure(figsize=(4.2 * cols + 2.6, 3.0 * rows), layout="constrained")
+    fig = Figure(figsize=(4.2 * cols + (1.0 if count == 1 else 0.4), 3.0 * rows + 0.6), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False).flatten()
     for ax in axes[count:]:
-        ax.set_visible(False)
+        ax.set_axis_off()
     return fig, axes[:count]
 
 
@@ -74,13 +110,26 @@ def _style_steps(ax, title: str) -> None:
     ax.grid(alpha=0.3)
 
 
-def _legend(fig: Figure, axes) -> None:
-    """One legend right of the panels with every arm drawn in any of them (an arm may miss a metric)."""
+def _legend(fig: Figure, axes, title: str = "") -> None:
+    """One legend of every arm drawn in any panel (an arm may miss a metric), and the figure's title: the legend
+    inside a single panel or in the grid's first empty slot, else in rows above the panels under the title (a
+    legend beside the panels would take a third of the width)."""
     handles = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
-    fig.legend(handles.values(), handles.keys(), loc="outside right upper", fontsize=8)
+    spare = [ax for ax in fig.axes if not ax.axison]
+    if len(axes) > 1 and not spare and handles:
+        # The title as the legend's: a suptitle and a legend both above the panels would overlap.
+        fig.legend(handles.values(), handles.keys(), loc="outside upper center", ncols=min(3, len(handles)),
+                   fontsize=8, frameon=False, title=title or None, title_fontsize=10)
+        return
+    if title:
+        fig.suptitle(title, fontsize=10)
+    if len(axes) == 1:
+        axes[0].legend(handles.values(), handles.keys(), fontsize=8)
+    elif spare:
+        spare[0].legend(handles.values(), handles.keys(), loc="center", fontsize=8, frameon=False)
 
 
 def _by_step(rows: pd.DataFrame, smooth: int) -> pd.DataFrame:
@@ -91,7 +140,8 @@ def _by_step(rows: pd.DataFrame, smooth: int) -> pd.DataFrame:
 
 def reward_curves(table: pd.DataFrame, metrics=("reward_mean",), smooth: int = 1, title: str = "",
                   note: str = "") -> Figure:
-    """One panel per metric: per arm the mean over seeds per step, with a 95% bootstrap band over seeds."""
+    """One panel per metric: per arm the mean over seeds per step, with a 95% BCa bootstrap band over seeds. With
+    one panel, `title` names it (no second title above it)."""
     wanted, metrics = metrics, [m for m in metrics if m in set(table.metric)]
     if not metrics:
         raise ValueError(f"none of the metrics {list(wanted)} is in the table; "
@@ -104,14 +154,14 @@ def reward_curves(table: pd.DataFrame, metrics=("reward_mean",), smooth: int = 1
             wide = _by_step(arms[variant], smooth)
             ax.plot(wide.index, wide.mean(axis=1), color=colors[variant], label=arm_label(variant), lw=1.4)
             if wide.shape[1] > 1:
-                lo, hi = bootstrap_band(wide.to_numpy(), n=BAND_RESAMPLES)
+                lo, hi = bootstrap_band(wide.to_numpy())
                 ax.fill_between(wide.index, lo, hi, color=colors[variant], alpha=0.2, lw=0)
-        _style_steps(ax, TITLES.get(metric, metric))
-    _legend(fig, axes)
-    if title:
-        fig.suptitle(title, fontsize=10)
+        _style_steps(ax, title if len(metrics) == 1 and title else TITLES.get(metric, metric))
+        if len(metrics) == 1:
+            ax.set_ylabel(TITLES.get(metric, metric))
+    _legend(fig, axes, title if len(metrics) > 1 else "")
     smoothing = f" after a trailing {smooth}-step average per seed" if smooth > 1 else ""
-    how = f"line: mean over seeds{smoothing}\nband: 95% bootstrap CI of that mean per step (none with one seed)"
+    how = f"line: mean over seeds{smoothing}\nband: 95% BCa bootstrap CI of that mean per step (none with one seed)"
     fig.supxlabel(f"{how}\n{note}" if note else how, **NOTE_STYLE)
     return fig
 
@@ -145,16 +195,28 @@ def _log_panel_arm(ax, wide: pd.DataFrame, variant: str, color: str, notes: list
     return True
 
 
-def mismatch_panels(table: pd.DataFrame, smooth: int = 1) -> Figure:
+def _plain_linear_axis(ax) -> None:
+    """No offset label ("1e-5+9.9999e-1" above a panel runs into its title): a range narrower than 1e-3 of the
+    values is widened to that, so the ticks read as plain numbers (an ESS of 1 - 6e-11 reads as 1.000)."""
+    ax.yaxis.set_major_formatter(ScalarFormatter(useOffset=False))
+    lo, hi = ax.get_ylim()
+    span, scale = hi - lo, max(abs(lo), abs(hi))
+    if scale > 0 and span < 1e-3 * scale:
+        mid = (lo + hi) / 2
+        ax.set_ylim(mid - 5e-4 * scale, mid + 5e-4 * scale)
+
+
+def mismatch_panels(table: pd.DataFrame, smooth: int = 1, title: str = "") -> Figure:
     """Sampler-trainer mismatch and update health per step, one panel per logged metric: per arm the mean over
-    seeds with a min..max band. Mismatch sizes are on log axes, where an arm at exactly 0 (`on`) is a note."""
+    seeds with a min..max band. Mismatch sizes are on log axes, where an arm at exactly 0 (`on`) is a note.
+    `title` (e.g. naming the preset) goes above the panels."""
     table = _with_clip_fraction(table)
     panels = [p for p in MISMATCH_PANELS if p[0] in set(table.metric)]
     if not panels:
         raise ValueError(f"no mismatch metric ({[p[0] for p in MISMATCH_PANELS]}) is in the table")
     colors = arm_colors(table.variant)
     fig, axes = _panels(len(panels))
-    for ax, (metric, title, log) in zip(axes, panels):
+    for ax, (metric, name, log) in zip(axes, panels):
         arms = dict(tuple(table[table.metric == metric].groupby("variant")))
         notes, drawn = [], False
         for variant in (a for a in colors if a in arms):
@@ -168,26 +230,36 @@ def mismatch_panels(table: pd.DataFrame, smooth: int = 1) -> Figure:
                                     alpha=0.2, lw=0)
         if log and drawn:  # a log axis with nothing positive on it has no range to show
             ax.set_yscale("log")
-        if notes:
-            ax.text(0.02, 0.02, "\n".join(notes), transform=ax.transAxes, va="bottom", **NOTE_STYLE)
-        _style_steps(ax, title)
-    _legend(fig, axes)
+        elif log:  # nothing drawn: the notes say why; the steps stay the other panels'
+            ax.set_xlim(table.step.min(), table.step.max())
+            ax.set_yticks([])
+        else:
+            _plain_linear_axis(ax)
+            if metric == "parity_tokens_differing":  # a count: whole-number ticks, so at least 0 to 1
+                lo, hi = ax.get_ylim()
+                ax.set_ylim(min(lo, -0.05), max(hi, 1))
+                ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        if notes:  # inside the axes on a white box: clear of the tick labels, readable over a line
+            ax.text(0.02, 0.03, "\n".join(notes), transform=ax.transAxes, va="bottom",
+                    bbox={"facecolor": "white", "alpha": 0.8, "lw": 0, "pad": 1.5}, **NOTE_STYLE)
+        _style_steps(ax, name)
+    _legend(fig, axes, title)
     fig.supxlabel("line: mean over seeds; band: min..max over seeds", **NOTE_STYLE)
     return fig
 
 
-def delta_histogram(deltas: dict[str, np.ndarray]) -> Figure:
+def delta_histogram(deltas: dict[str, np.ndarray], title: str = "") -> Figure:
     """Per-token |Δ log-prob| (sampler - trainer) per named series, on log-spaced bins shared by all series.
 
-    Exact zeros (bitwise-equal tokens) have no place on a log axis, so they are counted in the legend; a series
-    with nothing but zeros gets a note instead of bars.
+    Exact zeros (bitwise-equal tokens) have no place on a log axis, so they are counted in the legend (below the
+    axes, clear of the bars); a series with nothing but zeros gets a legend line instead of bars.
     """
     if not deltas:
         raise ValueError("no series to draw")
     series = {name: np.abs(np.asarray(d, dtype=float).ravel()) for name, d in deltas.items()}
     series = {name: d[np.isfinite(d)] for name, d in series.items()}
     nonzero = np.concatenate([d[d > 0] for d in series.values()])
-    fig = Figure(figsize=(6.5, 3.2), layout="constrained")
+    fig = Figure(figsize=(6.5, 3.6), layout="constrained")
     ax = fig.subplots()
     notes = []
     if nonzero.size:
@@ -208,39 +280,54 @@ def delta_histogram(deltas: dict[str, np.ndarray]) -> Figure:
                     label=f"{name}: {zeros} of {len(d)} tokens exactly equal")
         else:
             notes.append(f"{name}: all {len(d)} tokens exactly equal (nothing to draw on a log axis)")
-    for note in notes:  # legend entries without a mark, so they cannot cover the bars
+    for note in notes:  # legend entries without a mark
         ax.plot([], [], " ", label=note)
     ax.set_xlabel("|log-prob(sampler) - log-prob(trainer)| per token")
     ax.set_ylabel("tokens")
-    ax.legend(fontsize=8)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts
+    fig.legend(loc="outside lower center", fontsize=8, frameon=False)
+    if title:
+        ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     return fig
 
 
 def _zero_axis(ax, zero_at: float, smallest: float, largest: float) -> None:
-    """Log x ticks with KL 0 drawn at `zero_at`, left of a dotted break before the smallest positive KL."""
+    """Log x ticks with KL 0 drawn at `zero_at`, left of a dotted break before the smallest positive KL.
+
+    At most about six labels, none closer to "0 (on)" than a tenth of the axis: decades (every second one past six
+    decades), 1-2-5 steps only within a decade or two.
+    """
     cut = np.sqrt(zero_at * smallest)
     ax.axvline(cut, color="0.6", lw=0.8, ls=":")
-    ax.set_xlim(zero_at / 1.6, largest * 1.6)
-    # Decades only when the KLs span several, else 1-2-5 steps so that at least a couple of ticks show.
-    subs = (1.0,) if largest / smallest > 100 else (1.0, 2.0, 5.0)
-    ticks = [t for t in LogLocator(subs=subs).tick_values(smallest, largest * 1.6) if cut < t <= largest * 1.6]
+    left, right = zero_at / 1.6, largest * 1.6
+    ax.set_xlim(left, right)
+    decades = np.log10(largest / smallest)
+    subs = (1.0, 2.0, 5.0) if decades < 1 else (1.0,)
+    ticks = [t for t in LogLocator(subs=subs).tick_values(smallest, right) if cut < t <= right]
+    if len(ticks) > 6:
+        ticks = ticks[len(ticks) % 2::2]
+    gap = 0.1 * np.log10(right / left)
+    ticks = [t for t in ticks if np.log10(t / zero_at) >= gap]
     ax.xaxis.set_major_locator(FixedLocator([zero_at, *ticks]))
-    ax.xaxis.set_major_formatter(FixedFormatter(["0 (on)", *(f"{t:.3g}" for t in ticks)]))
+    ax.xaxis.set_major_formatter(FixedFormatter(["0 (on)", *(f"{t:.0e}".replace("e-0", "e-") for t in ticks)]))
     ax.xaxis.set_minor_locator(NullLocator())  # minor ticks would suggest a scale across the break
 
 
 def dose_response_figure(dose: pd.DataFrame) -> Figure:
     """Final reward (and AUC) vs the measured KL(sampler || trainer) of the `noise=` arms and `on`.
 
-    A point per run, and per arm its mean with 95% bootstrap CIs over seeds on both axes. `on`'s KL is 0, which
-    a log axis cannot show: it is drawn at the left edge (0.3x the smallest positive KL), labelled "0 (on)".
+    A point per run; per arm its mean with the 95% t-interval over seeds; and one OLS line of the endpoint on
+    log10 KL over the noise arms' runs (`stats.dose_slope`, its slope and CI in the panel). `on`'s KL is 0, which a
+    log axis cannot show: it is drawn left of a break, labelled "0 (on)", and is not in the fit.
     """
     if dose.empty:
         raise ValueError("the dose-response table is empty")
     kl = dose.kl_mean.to_numpy(dtype=float)
     positive = kl[np.isfinite(kl) & (kl > 0)]
-    zero_at = 0.3 * positive.min() if positive.size else None
+    # "0 (on)" sits a quarter of the positive KLs' span (at least half a decade) left of the smallest.
+    zero_at = positive.min() / 10 ** max(0.5, 0.25 * np.log10(positive.max() / positive.min())) \
+        if positive.size else None
 
     def place(x):
         x = np.asarray(x, dtype=float)
@@ -250,27 +337,83 @@ def dose_response_figure(dose: pd.DataFrame) -> Figure:
     ylabels = {"final_reward": f"final reward (last {window} steps)" if window else "final reward",
                "auc": "AUC (mean reward over all steps)"}
     colors = arm_colors(dose.variant)
-    fig = Figure(figsize=(9.0, 3.4), layout="constrained")
+    fig = Figure(figsize=(9.0, 3.8), layout="constrained")
     axes = fig.subplots(1, 2)
     for ax, y in zip(axes, ylabels):
         for variant, arm in dose.groupby("variant", sort=False):
             ax.scatter(place(arm.kl_mean), arm[y], s=12, alpha=0.4, color=colors[variant], lw=0)
-            x_mean, y_mean = place(arm.kl_mean.mean()), arm[y].mean()
-            (x_lo, x_hi), (y_lo, y_hi) = place(bootstrap_ci(arm.kl_mean)), bootstrap_ci(arm[y])
-            # A percentile interval need not hold the mean in degenerate resamples; a bar cannot be negative.
-            xerr = np.maximum(0, [[x_mean - x_lo], [x_hi - x_mean]])
-            yerr = np.maximum(0, [[y_mean - y_lo], [y_hi - y_mean]])
-            ax.errorbar(x_mean, y_mean, xerr=None if np.isnan(xerr).any() else xerr,
-                        yerr=None if np.isnan(yerr).any() else yerr, fmt="D" if variant == REFERENCE else "o", ms=6,
-                        capsize=2, color=colors[variant], label=arm_label(variant))
+            y_mean = arm[y].mean()
+            y_lo, y_hi = (float(v[0]) for v in t_interval(arm[y].to_numpy(dtype=float)[None, :]))
+            yerr = None if np.isnan([y_lo, y_hi]).any() else [[y_mean - y_lo], [y_hi - y_mean]]
+            ax.errorbar(place(arm.kl_mean.mean()), y_mean, yerr=yerr, fmt="D" if variant == REFERENCE else "o",
+                        ms=6, capsize=2, color=colors[variant], label=arm_label(variant))
+        fit = dose_slope(dose, y)
+        if np.isfinite(fit["slope"]):
+            xs = np.geomspace(fit["kl_lo"], fit["kl_hi"], 50)
+            ax.plot(xs, fit["intercept"] + fit["slope"] * np.log10(xs), color="0.3", lw=1, ls="--",
+                    label="OLS fit on log10 KL (noise arms)")
+            ax.set_title(f"OLS slope {fit['slope']:.2g} per decade of KL [{fit['lo']:.2g}, {fit['hi']:.2g}], "
+                         f"p = {fit['p']:.1g}", fontsize=9)
         if zero_at is not None:
             ax.set_xscale("log")
             _zero_axis(ax, zero_at, positive.min(), positive.max())
-        ax.set_xlabel("measured KL(sampler || trainer), mean over steps")
+        ax.set_xlabel("measured KL(sampler || trainer) / token")
         ax.set_ylabel(ylabels[y])
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=7, loc="lower left")
     fig.suptitle("final reward vs measured sampler-trainer KL (dose-response over injected noise)", fontsize=10)
-    fig.supxlabel("points: runs; markers with bars: arm mean and 95% bootstrap CI over seeds (x and y)"
+    fig.supxlabel("points: runs; markers with bars: arm mean and 95% t-interval over seeds; KL: mean over steps\n"
+                  "dashed: one OLS fit over the noise arms' runs (`on`, at KL 0, is not in it); slope per decade with "
+                  "its 95% CI"
                   + ("" if positive.size else "; no positive KL measured, so the x-axis is linear"), **NOTE_STYLE)
+    return fig
+
+
+def regime_map(summary_table: pd.DataFrame) -> Figure:
+    """The regime map from `stats.regime_table`: per (generation length, loss) cell, reward arm - reference with
+    its 95% paired t-interval (filled marker: resolved by the calibrated rule, hollow: not, x: not resolvable with
+    the cell's seeds), and the mismatch there: KL/token, and the SD of the sequence log-ratio where logged (else
+    the clip fraction). One line per (arm, loss) along the lengths."""
+    t = summary_table
+    if t.empty:
+        raise ValueError("the regime table is empty")
+    reference = t.attrs.get("reference", REFERENCE)
+    spread = "seq_logratio_sd" if t.seq_logratio_sd.notna().any() else "clip_fraction"
+    panels = (("d_final_reward", f"final reward − {reference} (95% paired t-CI)"),
+              ("kl_mean", "KL(sampler || trainer) / token"),
+              (spread, "SD of the sequence log-ratio" if spread == "seq_logratio_sd" else "clip fraction"))
+    fig = Figure(figsize=(12.6, 3.8), layout="constrained")
+    axes = fig.subplots(1, 3)
+    lengths = sorted(set(t.max_new_tokens))
+    series = list(t.groupby(["variant", "loss"], sort=False))
+    for i, ((variant, loss), rows) in enumerate(series):
+        rows = rows.sort_values("max_new_tokens")
+        color, label = _SERIES[i % len(_SERIES)], f"{variant}, {loss}"
+        # Lines of one arm over the losses side by side: a small shift keeps their bars apart.
+        x = rows.max_new_tokens.to_numpy(dtype=float) * 2 ** (0.06 * (i - (len(series) - 1) / 2))
+        for ax, (col, _) in zip(axes, panels):
+            ax.plot(x, rows[col], color=color, lw=1, alpha=0.7, label=label if ax is axes[0] else None)
+        d = rows.d_final_reward.to_numpy(dtype=float)
+        err = np.abs([d - rows.d_final_reward_lo.to_numpy(float), rows.d_final_reward_hi.to_numpy(float) - d])
+        axes[0].errorbar(x, d, yerr=np.where(np.isfinite(err), err, 0), fmt="none", color=color, capsize=2)
+        resolvable = rows.d_final_reward_floor <= t.attrs.get("alpha", ALPHA)
+        for xi, di, res, ok in zip(x, d, rows.d_final_reward_resolved, resolvable):
+            axes[0].plot(xi, di, "o" if ok else "x", ms=6, color=color, mfc=color if res else "white")
+        for ax, (col, _) in zip(axes[1:], panels[1:]):
+            ax.plot(x, rows[col], "o", ms=4, color=color)
+    axes[0].axhline(0, color="0.5", lw=0.8)
+    for ax, (col, name) in zip(axes, panels):
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(lengths))
+        ax.xaxis.set_major_formatter(FixedFormatter([f"{v:g}" for v in lengths]))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlabel("max new tokens")
+        ax.set_title(name, fontsize=10)
+        ax.grid(alpha=0.3)
+    if t.kl_mean.gt(0).any():
+        axes[1].set_yscale("log")
+    fig.legend(loc="outside upper center", ncols=min(4, len(series)), fontsize=8, frameon=False)
+    fig.supxlabel(f"filled: resolved (exact sign-flip p, Holm over all {len(t)} cells, <= "
+                  f"{t.attrs.get('alpha', ALPHA):g} and the t-CI excludes 0); hollow: not resolved; x: not resolvable "
+                  "with the cell's seeds; mismatch: means over the arm's runs", **NOTE_STYLE)
     return fig

@@ -1,12 +1,15 @@
-"""The experiment's report, drawn only from its folder: summary.md (the verdict, the table of endpoints, the
-caveats), the figures as SVG and PNG, and the long metrics table, in out_dir/report/; `publish` copies that
-folder to <dest>/<date>_onoff-<preset>-<device>_<sha>/ (docs/results for the records)."""
+"""The experiment's report, drawn only from its folder: summary.md (the verdict, the dose-response slope, the
+table of endpoints, the caveats), the figures as SVG and PNG, and the long metrics table, in out_dir/report/;
+`publish` copies that folder to <dest>/<date>_onoff-<preset>-<device>_<sha>/ (docs/results for the records),
+`reissue` rewrites a published folder's statistics from its own files, and `published_results` lists the newest
+published folder per preset for a reader without a GPU."""
 
 from __future__ import annotations
 
 import datetime
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,15 +17,17 @@ import pandas as pd
 
 from ..config import read_config_file
 from ..plots import save_figure
+from ..tables import project_path
 from .arms import get_arm
 from .config import OnOffConfig
-from .figures import delta_histogram, dose_response_figure, mismatch_panels, reward_curves
+from .figures import delta_histogram, dose_response_figure, mismatch_panels, regime_map, reward_curves
 from .runner import collect, finished_runs, total_wall_s
-from .stats import dose_response, summarize, verdict
+from .stats import CELL, dose_response, dose_sentence, dose_slope, regime_table, summarize, verdict
 
 # The endpoints a reader compares, in the summary's table: column -> (header, how to print).
 _COLUMNS = {"runs": ("runs", "{:.0f}"), "steps": ("steps", "{:.0f}"), "final_reward": ("final reward", "ci"),
-            "d_final_reward": ("vs {reference}", "ci"), "auc": ("mean reward (AUC)", "ci"),
+            "d_final_reward": ("vs {reference}", "ci"), "d_final_reward_p_holm": ("p (Holm)", "{:.3g}"),
+            "auc": ("mean reward (AUC)", "ci"),
             "steps_to_threshold": ("steps to threshold", "{:.1f}"), "kl_mean": ("KL / token", "{:.3g}"),
             "max_abs_diff": ("max abs Δ log-prob", "{:.3g}"), "tokens_differing": ("tokens differing", "{:.0f}"),
             "ess_min": ("min ESS", "{:.3f}"), "clip_fraction": ("clip fraction", "{:.3f}"),
@@ -40,7 +45,7 @@ def _cell(row: pd.Series, name: str, how: str) -> str:
 
 
 def markdown_table(summary: pd.DataFrame) -> str:
-    """The per-arm endpoints as a markdown table (means over seeds, [95% bootstrap CI])."""
+    """The per-arm endpoints as a markdown table (means over seeds, [95% t-interval])."""
     cols = [c for c in _COLUMNS if c in summary]
     reference = summary.attrs.get("reference", "on")
     lines = ["| arm | " + " | ".join(_COLUMNS[c][0].format(reference=reference) for c in cols) + " |",
@@ -74,9 +79,7 @@ def report(out_dir: str | Path, window: int = 10, smooth: int = 5) -> Path:
     """Write out_dir/report/ from the runs in out_dir; returns that folder. Endpoints use finished runs only; the
     curves show every step any run reached, so a run cut short still shows how far it got."""
     out = Path(out_dir)
-    cfg = OnOffConfig(**read_config_file(out / "config.yaml", OnOffConfig))
     table = collect(out)
-    done = finished_runs(table, out)
     folder = out / "report"
     if folder.exists():
         shutil.rmtree(folder)
@@ -85,31 +88,80 @@ def report(out_dir: str | Path, window: int = 10, smooth: int = 5) -> Path:
     for name in ("runs.csv", "invocations.csv", "config.yaml"):
         if (out / name).exists():
             shutil.copy(out / name, folder / name)
-    steps = int(table.step.max())
-    smooth = smooth if steps >= 4 * smooth else 1
-    figures = {"reward": reward_curves(table, ("reward_mean",) + tuple(
-        m for m in sorted(set(table.metric)) if m.startswith("accuracy_")), smooth=smooth,
-        title=f"ON/OFF `{cfg.preset or 'custom'}`: reward, mean over seeds, 95% bootstrap band"),
-        "mismatch": mismatch_panels(table, smooth=smooth)}
     # Arms that differ only in what the update does with the log-probs share step 1's: one of them is enough.
     deltas = _deltas(out, [v for v in sorted(set(table.variant)) if v in _OWN_SAMPLES or v.startswith("noise=")])
     if deltas:
-        figures["delta_histogram"] = delta_histogram({f"{v} (step 1)": d for v, d in deltas.items()})
-    if done.empty:
-        for name, fig in figures.items():
-            save_figure(fig, folder, name)
-        (folder / "summary.md").write_text(_unfinished_markdown(cfg, out, figures))
-        return folder
-    summary = summarize(done, window)
-    summary.to_csv(folder / "summary.csv", index=False)
-    dose = dose_response(done, window)
-    if dose.variant.str.startswith("noise=").any():
+        save_figure(delta_histogram({f"{v} (step 1)": d for v, d in deltas.items()},
+                                    title="per-token mismatch at step 1 (the starting policy)"),
+                    folder, "delta_histogram")
+    write_report(folder, window, smooth)
+    return folder
+
+
+def write_report(folder: str | Path, window: int = 10, smooth: int = 5, header: list[str] | None = None,
+                 note: str = "") -> None:
+    """summary.md, summary.csv, dose_response.csv and the figures of a report folder, from its own files
+    (metrics.csv.gz, runs.csv, invocations.csv, config.yaml): what `report` writes, and how `reissue` rewrites a
+    published one. `header` replaces the generated title and facts lines; `note` is a paragraph put under them.
+    A delta_histogram.png already there (it needs the runs' step-1 log-probs, which are not published) is kept.
+
+    A table with `max_new_tokens` and `loss` columns is a regime experiment: its verdict is `stats.regime_table`'s
+    per cell (summary.csv and the `regime_map` figure, which also shows each cell's mismatch), and its reward
+    curves get a panel per cell, so that nothing is averaged across cells."""
+    folder = Path(folder)
+    cfg = OnOffConfig(**read_config_file(folder / "config.yaml", OnOffConfig))
+    table = pd.read_csv(folder / "metrics.csv.gz")
+    done = finished_runs(table, folder)
+    name = f"`{cfg.preset or 'custom'}`"
+    steps = int(table.step.max())
+    smooth = smooth if steps >= 4 * smooth else 1
+    regime = None
+    if set(CELL) <= set(table.columns):
+        rewards = table[table.metric == "reward_mean"].sort_values(["loss", "max_new_tokens"], kind="stable")
+        facets = rewards.assign(metric="reward: " + rewards.loss.astype(str) + ", "
+                                + rewards.max_new_tokens.astype(str) + " tokens")
+        figures = {"reward": reward_curves(facets, tuple(pd.unique(facets.metric)), smooth=smooth,
+                                           title=f"ON/OFF {name}: reward per cell, mean over seeds")}
+        if not done.empty:
+            regime = regime_table(done, window)
+            figures["regime_map"] = regime_map(regime)
+    else:
+        figures = {"reward": reward_curves(table, ("reward_mean",) + tuple(
+            m for m in sorted(set(table.metric)) if m.startswith("accuracy_")), smooth=smooth,
+            title=f"ON/OFF {name}: reward, mean over seeds"),
+            "mismatch": mismatch_panels(table, smooth=smooth, title=f"ON/OFF {name}: mismatch and update health")}
+    dose = dose_response(done, window) if not done.empty and regime is None else None
+    if dose is not None and dose.variant.str.startswith("noise=").any():
         figures["dose_response"] = dose_response_figure(dose)
         dose.to_csv(folder / "dose_response.csv", index=False)
-    for name, fig in figures.items():
-        save_figure(fig, folder, name)
-    (folder / "summary.md").write_text(_summary_markdown(cfg, out, table, done, summary, figures))
-    return folder
+    else:
+        dose = None
+    for fig_name, fig in figures.items():
+        save_figure(fig, folder, fig_name)
+    shown = [n for n in ("regime_map", "reward", "mismatch", "delta_histogram", "dose_response")
+             if n in figures or (folder / f"{n}.png").exists()]
+    if done.empty:
+        (folder / "summary.md").write_text(_unfinished_markdown(cfg, folder, shown))
+        return
+    if regime is not None:
+        regime.to_csv(folder / "summary.csv", index=False)
+        (folder / "summary.md").write_text(_regime_markdown(cfg, folder, done, regime, shown, header, note))
+        return
+    summary = summarize(done, window)
+    summary.to_csv(folder / "summary.csv", index=False)
+    (folder / "summary.md").write_text(_summary_markdown(cfg, folder, done, summary, dose, shown, header, note))
+
+
+def reissue(folder: str | Path, note: str, window: int = 10) -> None:
+    """Rewrite a published folder's statistics (summary.md, summary.csv, figures) from its own files with the
+    current code, keeping its title and facts lines (date, device, commits, runs) and adding `note`: how the
+    published verdicts change when the statistics do."""
+    folder = Path(folder)
+    old = (folder / "summary.md").read_text().splitlines()
+    # The title and the facts list; an earlier re-issue's note is replaced, so a second re-issue gives the same.
+    header = [line for line in old[:old.index("## Verdict")] if line.startswith(("# ", "- "))] \
+        if "## Verdict" in old else None
+    write_report(folder, window, header=header or None, note=note)
 
 
 def _figure_lines(figures) -> list[str]:
@@ -125,36 +177,40 @@ def _unfinished_markdown(cfg: OnOffConfig, out: Path, figures) -> str:
                      + _figure_lines(figures)) + "\n"
 
 
-def _summary_markdown(cfg: OnOffConfig, out: Path, table, done, summary, figures) -> str:
+def _header(cfg: OnOffConfig, out: Path, done, summary) -> list[str]:
     calls = pd.read_csv(out / "invocations.csv") if (out / "invocations.csv").exists() else pd.DataFrame()
     devices = ", ".join(sorted(set(calls.device.astype(str)))) if "device" in calls else "unknown"
     shas = ", ".join(sorted(set(calls.git_sha.astype(str)))) if "git_sha" in calls else "unknown"
+    finished = int(pd.read_csv(out / "runs.csv").finished.astype(bool).sum())
+    return [f"# ON/OFF experiment `{cfg.preset or 'custom'}`{' (smoke)' if cfg.smoke else ''}",
+            f"- date {datetime.date.today().isoformat()}; device {devices}; git {shas}",
+            (f"- {finished} finished runs: arms {', '.join(f'`{v}`' for v in summary.variant)} "
+             f"x seeds {sorted(set(done.seed))}, {int(done.step.max())} steps each; total wall time "
+             f"{total_wall_s(out) / 60:.1f} min over {len(calls)} call{'' if len(calls) == 1 else 's'}"),
+            (f"- policy `{cfg.policy or 'self-trained ' + cfg.policy_size}`, task `{cfg.task}`, loss `{cfg.loss}`, "
+             f"{cfg.prompts_per_step} prompts x {cfg.group_size} samples x {cfg.max_new_tokens} new tokens, lr "
+             f"{cfg.lr:g}; settings in config.yaml")]
+
+
+def _summary_markdown(cfg: OnOffConfig, out: Path, done, summary, dose, figures, header=None, note="") -> str:
     runs = pd.read_csv(out / "runs.csv")
     unfinished = runs[~runs.finished.astype(bool)]
     ref = summary.attrs["reference"]
-    lines = [f"# ON/OFF experiment `{cfg.preset or 'custom'}`{' (smoke)' if cfg.smoke else ''}", "",
-             f"- date {datetime.date.today().isoformat()}; device {devices}; git {shas}",
-             (f"- {len(runs) - len(unfinished)} finished runs: arms {', '.join(f'`{v}`' for v in summary.variant)} "
-              f"x seeds {sorted(set(done.seed))}, {int(done.step.max())} steps each; total wall time "
-              f"{total_wall_s(out) / 60:.1f} min over {len(calls)} call{'' if len(calls) == 1 else 's'}"),
-             (f"- policy `{cfg.policy or 'self-trained ' + cfg.policy_size}`, task `{cfg.task}`, loss `{cfg.loss}`, "
-              f"{cfg.prompts_per_step} prompts x {cfg.group_size} samples x {cfg.max_new_tokens} new tokens, lr "
-              f"{cfg.lr:g}; settings in config.yaml"), "", "## Verdict", "", verdict(summary), "",
-             "## Endpoints", "",
-             f"Means over seeds, [95% bootstrap CI over seeds]; `vs {ref}`: the paired difference in final reward. "
-             f"Final reward: the last {summary.attrs['window']} steps. " + _threshold_text(summary), "",
-             markdown_table(summary), "", "## Arms", ""]
+    head = header or _header(cfg, out, done, summary)
+    lines = [head[0], "", *head[1:], ""] + ([note, ""] if note else []) + ["## Verdict", "", verdict(summary), ""]
+    if dose is not None:
+        lines += ["## Dose-response", "", dose_sentence(dose_slope(dose)), ""]
+    lines += ["## Endpoints", "",
+              f"Means over seeds, [95% t-interval over seeds]; `vs {ref}`: the paired difference in final reward "
+              f"[95% paired t-interval]; p (Holm): its exact sign-flip permutation p-value, Holm-adjusted over the "
+              f"arms compared with `{ref}`. Final reward: the last {summary.attrs['window']} steps. "
+              + _threshold_text(summary), "", markdown_table(summary), "", "## Arms", ""]
     lines += [f"- `{v}`: {get_arm(v).description}" for v in summary.variant]
     lines += _figure_lines(figures)
     caveats = []
     if cfg.smoke:
         caveats.append("Smoke scale: the tiny self-trained policy, two steps, one seed. This checks the pipeline; "
                        "it is no result.")
-    compared = len(summary) - 1
-    if compared > 1:
-        caveats.append(f"{compared} arms are each compared with `{ref}` at 95%: even with no effect anywhere, one of "
-                       f"their CIs excludes 0 with probability about {1 - 0.95 ** compared:.0%} (no correction for "
-                       "multiple comparisons is applied).")
     workers = int(cfg.workers)
     if workers > 1:
         caveats.append(f"Up to {workers} runs shared the device at once: seconds per step are not the speed of one "
@@ -165,6 +221,27 @@ def _summary_markdown(cfg: OnOffConfig, out: Path, table, done, summary, figures
                        "curves up to that step, not in the endpoints.")
     if caveats:
         lines += ["", "## Caveats", ""] + [f"- {c}" for c in caveats]
+    return "\n".join(lines) + "\n"
+
+
+def _regime_markdown(cfg: OnOffConfig, out: Path, done, regime, figures, header=None, note="") -> str:
+    arms = list(dict.fromkeys(done.variant))
+    head = header or _header(cfg, out, done, pd.DataFrame({"variant": arms}))
+    ref = regime.attrs["reference"]
+    lines = [head[0], "", *head[1:], ""] + ([note, ""] if note else []) + ["## Verdict", "",
+             (f"Per (generation length, loss) cell: final reward (the last {regime.attrs['window']} steps) arm - "
+              f"`{ref}`, paired by seed, with its 95% paired t-interval and exact sign-flip permutation p-value, "
+              f"Holm-adjusted over all {len(regime)} compared cells; a cell is called higher or lower only when that "
+              "p is at most 0.05 and the interval excludes 0."), "",
+             "| max new tokens | loss | arm | seeds | KL / token | SD of seq. log-ratio | clip fraction | min ESS | "
+             f"final reward − {ref} [95% t-CI] | p | p (Holm) | verdict |", "|---" * 12 + "|"]
+    numbers = (("kl_mean", "{:.3g}"), ("seq_logratio_sd", "{:.3g}"), ("clip_fraction", "{:.3f}"),
+               ("ess_min", "{:.3f}"), ("d_final_reward", "ci"), ("d_final_reward_p", "{:.3g}"),
+               ("d_final_reward_p_holm", "{:.3g}"))
+    for _, r in regime.iterrows():
+        lines.append(f"| {r.max_new_tokens} | {r.loss} | `{r.variant}` | {r.seeds} | "
+                     + " | ".join(_cell(r, col, how) for col, how in numbers) + f" | {r.verdict} |")
+    lines += ["", "## Arms", ""] + [f"- `{v}`: {get_arm(v).description}" for v in arms] + _figure_lines(figures)
     return "\n".join(lines) + "\n"
 
 
@@ -191,3 +268,54 @@ def publish(out_dir: str | Path, dest: str | Path) -> Path:
         shutil.rmtree(target)
     shutil.copytree(folder, target)
     return target
+
+
+_PUBLISHED = re.compile(r"(?P<date>\d{4}-\d{2}-\d{2})_onoff-(?P<preset>.+)-(?P<slug>[a-z0-9]+)_(?P<sha>\w+)")
+_FIGURE_ORDER = ("regime_map", "dose_response", "reward", "mismatch", "delta_histogram")
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published ON/OFF folder, as a notebook shows it beside a smoke run."""
+
+    folder: Path
+    """The folder in docs/results."""
+    preset: str
+    """The preset it ran (from the folder's name)."""
+    date: str
+    """The publishing date (from the folder's name)."""
+    device: str
+    """The device its runs ran on (invocations.csv, else the name's device part)."""
+    label: str
+    """"published, GPU, <device>, <date>": what a reader must see next to these numbers."""
+    figures: tuple[Path, ...]
+    """Its PNG figures, the regime map and the dose-response first."""
+    markdown: str
+    """summary.md under the label, without its list of figure links (the figures are shown instead)."""
+
+
+def published_results(root: str | Path = "docs/results") -> list[Published]:
+    """The newest published ON/OFF folder of each preset under `root` (a relative root is the project's), smoke
+    folders left out, the regime map's first and then the newest first. A new `<date>_onoff-<preset>-<device>_<sha>`
+    folder is picked up by its name alone."""
+    newest: dict[str, tuple[str, Path, re.Match]] = {}
+    for folder in sorted(project_path(root).glob("*_onoff-*")):
+        match = _PUBLISHED.fullmatch(folder.name)
+        if not match or match["preset"].endswith("-smoke") or not (folder / "summary.md").exists():
+            continue
+        key = (match["date"], folder.name)
+        if match["preset"] not in newest or key > newest[match["preset"]][0]:
+            newest[match["preset"]] = (key, folder, match)
+    found = []
+    for _, folder, match in newest.values():
+        calls = folder / "invocations.csv"
+        devices = pd.read_csv(calls).device.astype(str) if calls.exists() else pd.Series(dtype=str)
+        device = devices.iloc[-1] if len(devices) else match["slug"].upper()
+        kind = "CPU" if device.upper() == "CPU" else "GPU"
+        label = f"published, {kind}, {device}, {match['date']}"
+        text = (folder / "summary.md").read_text()
+        text = re.sub(r"\n## Figures\n.*?(?=\n## |\Z)", "\n", text, flags=re.S)
+        figures = tuple(folder / f"{n}.png" for n in _FIGURE_ORDER if (folder / f"{n}.png").exists())
+        found.append(Published(folder, match["preset"], match["date"], device, label, figures,
+                               f"**{label}** (`{folder.name}`)\n\n{text}"))
+    return sorted(found, key=lambda p: (p.preset.startswith("regime"), p.date, p.folder.name), reverse=True)

@@ -3,77 +3,31 @@
 A run is one (variant, seed). Its endpoints (start and final reward, the area under the reward curve, the
 sizes of the sampler-trainer mismatch) are one number per run, and an arm is compared with the reference arm
 `on` through differences PAIRED by seed: runs with the same seed share what the seed fixes (e.g. the prompt
-order), so pairing takes that shared noise out of the comparison. Intervals are percentile bootstraps over
-seeds: they assume no distribution shape, but are rough with few seeds (3 seeds have 10 distinct resamples).
+order), so pairing takes that shared noise out of the comparison. The comparison itself (paired t-interval, exact
+sign-flip permutation p-value, Holm's correction over the arms, and the rule that calls an arm higher or lower) is
+`paired.compare_paired`; an arm's own mean gets a t-interval over its seeds.
+
+Pre-specified endpoints: the verdict reads the final reward only; the AUC is reported with the same statistics but
+calls nothing, and steps-to-threshold (a threshold set from the reference's own curve, averaged over the runs that
+reach it) is description, never tested.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
 from .arms import NOISE_PREFIX, get_arm
+from .paired import ALPHA, LEVEL, compare_paired, t_interval
 
 REFERENCE = "on"
-# Resamples are drawn in chunks of at most this many counts, so a long vector of values never needs an
-# n x len(values) matrix at once.
-_CHUNK = 1 << 22
 # How an arm pools its runs' mismatch and update endpoints: each the way its name says.
 _POOLED = {"kl_mean": "mean", "max_abs_diff": "max", "mean_abs_diff": "mean", "tokens_differing": "sum",
            "steps_with_differing_tokens": "sum", "ess_min": "min", "clip_fraction": "mean", "ratio_mean": "mean",
-           "grad_norm_max": "max", "time_step_median": "median"}
+           "grad_norm_max": "max", "time_step_median": "median", "seq_logratio_sd": "mean"}
 _RUN_COLUMNS = ["variant", "seed", "steps", "window", "start_reward", "final_reward", "auc", "steps_to_threshold",
                 *_POOLED]
-
-
-def _bootstrap_means(values: np.ndarray, n: int, seed: int) -> np.ndarray:
-    """[rows, k] values (NaN = missing) -> [n, rows]: each row's mean over its k columns resampled with replacement.
-
-    One resample of the k column indices serves every row (a seed is resampled as a whole run), applied as
-    counts (how often each column was drawn) times the values: a matrix product, not an [n, rows, k] gather.
-    """
-    k = values.shape[1]
-    present = np.isfinite(values)
-    filled, present = np.where(present, values, 0.0), present.astype(float)
-    rng = np.random.default_rng(seed)
-    out = np.empty((n, values.shape[0]))
-    per_chunk = max(1, _CHUNK // k)
-    for start in range(0, n, per_chunk):
-        m = min(per_chunk, n - start)
-        draws = rng.integers(0, k, size=(m, k)) + k * np.arange(m)[:, None]
-        counts = np.bincount(draws.ravel(), minlength=m * k).reshape(m, k).astype(float)
-        with np.errstate(invalid="ignore", divide="ignore"):  # a resample of only missing values has no mean
-            out[start:start + m] = (counts @ filled.T) / (counts @ present.T)
-    return out
-
-
-def _quantiles(level: float) -> list[float]:
-    return [(1 - level) / 2, (1 + level) / 2]
-
-
-def bootstrap_ci(values, level: float = 0.95, n: int = 10_000, seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of the finite values; (nan, nan) with fewer than 2."""
-    x = np.asarray(values, dtype=float).ravel()
-    x = x[np.isfinite(x)]
-    if len(x) < 2:
-        return float("nan"), float("nan")
-    lo, hi = np.quantile(_bootstrap_means(x[None, :], n, seed)[:, 0], _quantiles(level))
-    return float(lo), float(hi)
-
-
-def bootstrap_band(wide, level: float = 0.95, n: int = 10_000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of a [steps, seeds] array: the percentile bootstrap interval of the mean over seeds.
-
-    Rows with fewer than 2 finite values get NaN (one seed has no spread to resample).
-    """
-    wide = np.asarray(wide, dtype=float)
-    lo, hi = np.full(len(wide), np.nan), np.full(len(wide), np.nan)
-    enough = np.isfinite(wide).sum(axis=1) >= 2
-    if enough.any():
-        means = _bootstrap_means(wide[enough], n, seed)
-        quantile = np.nanquantile if np.isnan(means).any() else np.quantile  # the NaN-aware one is ~3x slower
-        lo[enough], hi[enough] = quantile(means, _quantiles(level), axis=0)
-    return lo, hi
 
 
 def arm_order(variants, reference: str = REFERENCE) -> list[str]:
@@ -129,6 +83,7 @@ def _one_run(run: pd.DataFrame, window: int, threshold: float) -> dict:
         "clip_fraction": (_col(run, "clip_low") + _col(run, "clip_high")).mean(),
         "ratio_mean": _col(run, "ratio_mean").mean(),
         "grad_norm_max": _col(run, "grad_norm").max(),
+        "seq_logratio_sd": _col(run, "seq_logratio_sd").mean(),
         # The first step includes compilation and warm-up, so it does not stand for a step's time.
         "time_step_median": _col(run, "time_step")[run.index > run.index.min()].median(),
     }
@@ -155,26 +110,35 @@ def run_endpoints(table: pd.DataFrame, window: int = 10, threshold: float | None
                            ignore_index=True)
 
 
-def _paired(arm: pd.Series, ref: pd.Series, name: str) -> dict:
-    """Mean and bootstrap CI of arm - reference over the seeds both have (Series indexed by seed)."""
-    diffs = (arm - ref.reindex(arm.index)).dropna()
-    lo, hi = bootstrap_ci(diffs)
-    return {f"d_{name}": diffs.mean() if len(diffs) else np.nan, f"d_{name}_lo": lo, f"d_{name}_hi": hi}
+def _mean_ci(values: pd.Series) -> tuple[float, float]:
+    lo, hi = t_interval(values.to_numpy(dtype=float)[None, :])
+    return float(lo[0]), float(hi[0])
+
+
+def _differences(runs: pd.DataFrame, variants: list[str], reference: str, name: str) -> np.ndarray:
+    """[len(variants), seeds] arm - reference per seed of endpoint `name`; NaN where either run is missing."""
+    wide = runs.pivot_table(index="variant", columns="seed", values=name, aggfunc="mean", dropna=False)
+    seeds = sorted(set(runs.seed))
+    wide = wide.reindex(index=[reference, *variants], columns=seeds)
+    return (wide.loc[variants].to_numpy(dtype=float) - wide.loc[[reference]].to_numpy(dtype=float))
 
 
 def summarize(table: pd.DataFrame, window: int = 10, threshold: float | None = None,
               reference: str | None = None) -> pd.DataFrame:
     """One row per arm (the reference first): runs, steps, and the endpoints pooled over seeds.
 
-    final_reward, auc and steps_to_threshold are means over seeds with a bootstrap CI (`_lo`, `_hi`);
+    final_reward, auc and steps_to_threshold are means over seeds with a t-interval (`_lo`, `_hi`);
     steps_to_threshold averages only the runs that reached it (`threshold_reached` counts them). Mismatch and
     update endpoints are pooled as their names say (means; tokens and steps with differing tokens summed;
-    max |Δ| and the largest grad norm as max; ESS as min). `d_final_reward` and `d_auc` (with CIs) are the mean
-    per-seed difference arm - reference over the seeds both have (`paired_seeds`); NaN for the reference.
+    max |Δ| and the largest grad norm as max; ESS as min). For final_reward and auc, `d_<name>` is the mean per-seed
+    difference arm - reference over the seeds both have (`paired_seeds`), with `paired.compare_paired`'s t-interval
+    (`_lo`, `_hi`), permutation p (`_p`), Holm-adjusted p over the compared arms (`_p_holm`), the smallest
+    attainable adjusted p (`_floor`) and the verdict's call (`_resolved`); `d_final_reward_seeds` holds the
+    per-seed differences. All NaN for the reference.
 
     A threshold of None is halfway between the reference's mean start and final reward (NaN without a
-    reference); the threshold used, the window and the reference are in `attrs`. A reference of None is
-    `reference_arm` of the table's arms.
+    reference); the threshold used, the window, the reference, alpha and the level are in `attrs`. A reference of
+    None is `reference_arm` of the table's arms.
     """
     if reference is None:
         reference = reference_arm(table.variant)
@@ -182,26 +146,41 @@ def summarize(table: pd.DataFrame, window: int = 10, threshold: float | None = N
         ref = run_endpoints(table[table.variant == reference], window)
         threshold = (ref.start_reward.mean() + ref.final_reward.mean()) / 2 if len(ref) else np.nan
     runs = run_endpoints(table, window, threshold)
-    ref = runs[runs.variant == reference].set_index("seed")
+    order = arm_order(runs.variant, reference)
+    compared = [v for v in order if v != reference] if reference in order else []
     rows = []
-    for variant in arm_order(runs.variant, reference):
+    for variant in order:
         arm = runs[runs.variant == variant]
         row = {"variant": variant, "runs": len(arm), "steps": int(arm.steps.max()),
                "start_reward": arm.start_reward.mean()}
         for name in ("final_reward", "auc", "steps_to_threshold"):
             row[name] = arm[name].mean()
-            row[f"{name}_lo"], row[f"{name}_hi"] = bootstrap_ci(arm[name])
+            row[f"{name}_lo"], row[f"{name}_hi"] = _mean_ci(arm[name])
         row["threshold_reached"] = int(arm.steps_to_threshold.notna().sum())
         for name, how in _POOLED.items():
             row[name] = arm[name].sum(min_count=1) if how == "sum" else arm[name].agg(how)
-        by_seed, is_ref = arm.set_index("seed"), variant == reference
-        shared = by_seed.index[:0] if is_ref else by_seed.index.intersection(ref.index)
-        row["paired_seeds"] = np.nan if is_ref else len(shared)
-        for name in ("final_reward", "auc"):
-            row.update(_paired(by_seed.loc[shared, name], ref[name], name))
         rows.append(row)
     out = pd.DataFrame(rows)
-    out.attrs.update(threshold=float(threshold), window=window, reference=reference)
+    out["paired_seeds"] = np.nan
+    for name in ("final_reward", "auc"):
+        for key in ("", "_lo", "_hi", "_p", "_p_holm", "_floor"):
+            out[f"d_{name}{key}"] = np.nan
+        out[f"d_{name}_resolved"] = False
+    out["d_final_reward_seeds"] = None
+    if compared:
+        at = out.index[out.variant.isin(compared)]
+        for name in ("final_reward", "auc"):
+            diffs = _differences(runs, compared, reference, name)
+            res = compare_paired(diffs)
+            for key, col in (("mean", ""), ("lo", "_lo"), ("hi", "_hi"), ("p", "_p"), ("p_holm", "_p_holm"),
+                             ("floor", "_floor"), ("resolved", "_resolved")):
+                out.loc[at, f"d_{name}{col}"] = res[key]
+            if name == "final_reward":
+                out.loc[at, "paired_seeds"] = res["n"]
+                out["d_final_reward_seeds"] = out["d_final_reward_seeds"].astype(object)
+                for i, row in zip(at, diffs):
+                    out.at[i, "d_final_reward_seeds"] = tuple(float(x) for x in row[np.isfinite(row)])
+    out.attrs.update(threshold=float(threshold), window=window, reference=reference, alpha=ALPHA, level=LEVEL)
     return out
 
 
@@ -221,48 +200,78 @@ def _parity_sentence(row: pd.Series, reference: str) -> str:
             f"so it is no exact on-policy reference and the differences below are not measured against one.")
 
 
-def _arm_sentence(row: pd.Series, ref: pd.Series | None, reference: str) -> str:
-    ci = (f"95% CI {_g(row.final_reward_lo)} to {_g(row.final_reward_hi)}" if np.isfinite(row.final_reward_lo)
+def reading(n: int, d: float, lo: float, hi: float, p: float, p_holm: float, floor: float, resolved: bool,
+            reference: str, alpha: float = ALPHA, family: int = 1) -> str:
+    """What one paired comparison resolves, in words (the verdict's and the regime table's reading)."""
+    if floor > alpha:
+        smallest = 2.0 ** (1 - n)
+        if smallest > alpha:
+            return (f"not resolvable with {n} seed{'' if n == 1 else 's'} (the smallest attainable p is 2/2^{n} = "
+                    f"{_g(smallest)})")
+        return (f"not resolvable with {n} seeds and {family} comparisons (the smallest attainable p, 2/2^{n} = "
+                f"{_g(smallest)}, becomes {_g(floor)} under Holm's correction)")
+    ps = f"permutation p {_g(p)}" + (f", Holm-adjusted {_g(p_holm)}" if family > 1 else "")
+    if resolved:
+        return f"{'higher' if lo > 0 else 'lower'} than `{reference}` ({ps} <= {alpha:g}; the t-interval excludes 0)"
+    if p_holm <= alpha:
+        return f"no difference resolved ({ps} <= {alpha:g}, but the t-interval contains 0)"
+    return f"no difference resolved ({ps} > {alpha:g})"
+
+
+def _arm_sentence(row: pd.Series, ref: pd.Series | None, reference: str, family: int, level: float) -> str:
+    pct = f"{level:.0%}"
+    ci = (f"{pct} t-CI {_g(row.final_reward_lo)} to {_g(row.final_reward_hi)}" if np.isfinite(row.final_reward_lo)
           else "no CI: fewer than 2 runs")
     text = f"`{row.variant}`: final reward {_g(row.final_reward)} ({ci})"
     if ref is None:
-        text += f"; no `{reference}` arm to compare with"
+        return text + f"; no `{reference}` arm to compare with" + _mismatch(row)
+    text += f" vs {_g(ref.final_reward)} for `{reference}`"
+    d, pairs = row.d_final_reward, row.paired_seeds
+    if not pairs or not np.isfinite(d):
+        return text + f"; no seed shared with `{reference}`, so no paired difference" + _mismatch(row)
+    n = int(pairs)
+    text += f"; paired difference {_g(d)}"
+    if np.isfinite(row.d_final_reward_lo):
+        text += f" ({pct} t-CI {_g(row.d_final_reward_lo)} to {_g(row.d_final_reward_hi)}, {n} seeds)"
     else:
-        text += f" vs {_g(ref.final_reward)} for `{reference}`"
-        d, lo, hi, pairs = row.d_final_reward, row.d_final_reward_lo, row.d_final_reward_hi, row.paired_seeds
-        if not pairs or not np.isfinite(d):
-            text += f"; no seed shared with `{reference}`, so no paired difference"
-        elif not np.isfinite(lo):
-            text += (f"; paired difference {_g(d)} from {pairs:.0f} seed{'' if pairs == 1 else 's'}: the CI needs >= 2 "
-                     f"seeds, so nothing is resolved")
-        else:
-            if lo > 0 or hi < 0:
-                reading = f"{'higher' if lo > 0 else 'lower'} than `{reference}` (the CI excludes 0)"
-            else:
-                reading = "no difference resolved (the CI contains 0)"
-            text += f"; paired difference {_g(d)} (95% CI {_g(lo)} to {_g(hi)}, {pairs:.0f} seeds): {reading}"
+        text += f" from {n} seed{'' if n == 1 else 's'}"
+    text += ": " + reading(n, d, row.d_final_reward_lo, row.d_final_reward_hi, row.d_final_reward_p,
+                           row.d_final_reward_p_holm, row.d_final_reward_floor, bool(row.d_final_reward_resolved),
+                           reference, family=family)
+    if row.d_final_reward_floor > ALPHA and row.d_final_reward_seeds:
+        text += "; per-seed differences " + ", ".join(_g(x) for x in row.d_final_reward_seeds)
+    return text + _mismatch(row)
+
+
+def _mismatch(row: pd.Series) -> str:
     if np.isfinite(row.kl_mean) or np.isfinite(row.max_abs_diff):
-        return text + f". Mismatch: mean KL {_g(row.kl_mean)}, max |Δ log-prob| {_g(row.max_abs_diff)}."
-    return text + ". Mismatch: not recorded."
+        return f". Mismatch: mean KL {_g(row.kl_mean)}, max |Δ log-prob| {_g(row.max_abs_diff)}."
+    return ". Mismatch: not recorded."
 
 
 def verdict(summary: pd.DataFrame, reference: str | None = None) -> str:
-    """A short paragraph read off `summarize`'s numbers: the reference's parity, then per arm its final reward,
-    the paired difference to the reference with its 95% CI, what that CI resolves, and the mismatch size. A
-    reference of None is the one `summarize` compared with."""
+    """A short paragraph read off `summarize`'s numbers: the reference's parity, the rule, then per arm its final
+    reward, the paired difference to the reference with its t-interval, what `paired.compare_paired` resolves
+    (with the per-seed differences where nothing could be), and the mismatch size. A reference of None is the one
+    `summarize` compared with."""
     reference = reference or summary.attrs.get("reference", REFERENCE)
+    alpha, level = summary.attrs.get("alpha", ALPHA), summary.attrs.get("level", LEVEL)
     rows = summary.set_index("variant", drop=False)
     ref = rows.loc[reference] if reference in rows.index else None
     window = summary.attrs.get("window")
+    family = int((summary.paired_seeds > 0).sum()) if "paired_seeds" in summary else 0
     parts = [_parity_sentence(ref, reference) if ref is not None else f"No `{reference}` arm in this table."]
     if window is not None:
         parts.append(f"Final reward is the mean reward over each run's last {window} steps (half the run when "
-                     f"shorter)" + (f"; differences are arm - `{reference}`, paired by seed." if ref is not None
-                                    else "."))
-    seeds = summary.runs.min() if len(summary) else 0
-    if 2 <= seeds < 5:
-        parts.append(f"With only {seeds} seeds in the smallest arm, bootstrap CIs are rough and tend to be too narrow.")
-    parts += [_arm_sentence(row, ref, reference) for _, row in rows.iterrows() if row.variant != reference]
+                     f"shorter).")
+    if ref is not None and family:
+        parts.append(f"Differences are arm - `{reference}`, paired by seed. An arm is called higher or lower only "
+                     f"when its exact sign-flip permutation p-value"
+                     + (f", Holm-adjusted over the {family} arms compared with `{reference}`," if family > 1 else "")
+                     + f" is at most {alpha:g} and its {level:.0%} paired t-interval excludes 0; n seeds cannot give "
+                     f"a p below 2/2^n, so fewer than 6 never resolve anything.")
+    parts += [_arm_sentence(row, ref, reference, family, level) for _, row in rows.iterrows()
+              if row.variant != reference]
     return " ".join(parts)
 
 
@@ -275,4 +284,84 @@ def dose_response(table: pd.DataFrame, window: int = 10) -> pd.DataFrame:
     out = runs[["variant", "seed", "sigma", "kl_mean", "final_reward", "auc"]]
     out = out.sort_values(["sigma", "seed"], kind="stable", ignore_index=True)
     out.attrs["window"] = window
+    return out
+
+
+def dose_slope(dose: pd.DataFrame, y: str = "final_reward", level: float = LEVEL) -> dict:
+    """One OLS slope of `y` on log10 of the measured KL over every run with KL > 0 (`scipy.stats.linregress`), with
+    its t-interval and two-sided p-value: the dose-response as one claim instead of one per arm.
+
+    `on` (KL exactly 0) is left out of the fit: log 0 is -inf, and any floor put in its place would be a free
+    choice that sets the `on` runs' leverage and with it the slope. The fit is over the measured range of
+    the noise arms; `on` stays in the figure and in the paired verdict. Runs with the same seed share its effect
+    across arms, which OLS takes as independent: with few seeds the interval leans narrow.
+    Returns slope (per decade of KL), lo, hi, p, intercept, runs, kl_lo, kl_hi; NaN with fewer than 3 runs or one
+    KL.
+    """
+    fit = dose[np.isfinite(dose.kl_mean) & (dose.kl_mean > 0) & np.isfinite(dose[y])]
+    x = np.log10(fit.kl_mean.to_numpy(dtype=float))
+    out = {"slope": np.nan, "lo": np.nan, "hi": np.nan, "p": np.nan, "intercept": np.nan, "runs": len(fit),
+           "kl_lo": float(fit.kl_mean.min()) if len(fit) else np.nan,
+           "kl_hi": float(fit.kl_mean.max()) if len(fit) else np.nan, "y": y, "level": level}
+    if len(fit) < 3 or np.ptp(x) == 0:
+        return out
+    res = stats.linregress(x, fit[y].to_numpy(dtype=float))
+    half = stats.t.ppf((1 + level) / 2, len(fit) - 2) * res.stderr
+    out.update(slope=res.slope, lo=res.slope - half, hi=res.slope + half, p=res.pvalue, intercept=res.intercept)
+    return out
+
+
+def dose_sentence(fit: dict) -> str:
+    """The dose-response slope in one sentence."""
+    if not np.isfinite(fit["slope"]):
+        return f"No dose-response slope: {fit['runs']} run(s) with a positive KL (a slope needs 3 and two KLs)."
+    name = fit["y"].replace("_", " ")
+    return (f"One OLS fit of {name} on log10 of the measured KL over the {fit['runs']} runs of the noise arms (KL "
+            f"{fit['kl_lo']:.2g} to {fit['kl_hi']:.2g}; `on`, at KL 0, is left out of the log fit): slope "
+            f"{_g(fit['slope'])} per decade of KL ({fit['level']:.0%} CI {_g(fit['lo'])} to {_g(fit['hi'])}, "
+            f"p = {_g(fit['p'])}).")
+
+
+CELL = ("max_new_tokens", "loss")
+"""The columns that name a cell of the regime map (generation length x loss)."""
+
+
+def regime_table(table: pd.DataFrame, window: int = 10, reference: str = REFERENCE) -> pd.DataFrame:
+    """The regime map's numbers: one row per (max_new_tokens, loss) cell and arm compared with `reference` there.
+
+    `table` is the long metrics table with `max_new_tokens` and `loss` columns. Per row: `seeds` (paired with the
+    reference), the arm's mismatch (mean KL/token, mean SD of the sequence log-ratio where `seq_logratio_sd` is
+    logged, clip fraction, min ESS), and final reward arm - reference through `paired.compare_paired`, with Holm's
+    correction over every compared (cell, arm): the map is one family, and the verdict column reads its rule.
+    """
+    missing = [c for c in CELL if c not in table]
+    if missing:
+        raise ValueError(f"the regime table groups runs by {list(CELL)}: the metrics table lacks {missing}; "
+                         "add them per run (from each run's config) before calling regime_table")
+    rows, diffs = [], []
+    for (length, loss), cell in table.groupby(list(CELL), sort=True):
+        runs = run_endpoints(cell, window)
+        if reference not in set(runs.variant):
+            continue
+        for variant in arm_order(runs.variant, reference)[1:]:
+            arm = runs[runs.variant == variant]
+            rows.append({"max_new_tokens": length, "loss": loss, "variant": variant, "kl_mean": arm.kl_mean.mean(),
+                         "seq_logratio_sd": arm.seq_logratio_sd.mean(), "clip_fraction": arm.clip_fraction.mean(),
+                         "ess_min": arm.ess_min.min(), "final_reward": arm.final_reward.mean(),
+                         "reference_reward": runs[runs.variant == reference].final_reward.mean()})
+            diffs.append(pd.Series(_differences(runs, [variant], reference, "final_reward")[0],
+                                   index=sorted(set(runs.seed))))
+    if not rows:
+        raise ValueError(f"no cell of the table has a `{reference}` arm and another arm to compare with it")
+    wide = pd.DataFrame(diffs).reset_index(drop=True)
+    res = compare_paired(wide.to_numpy(dtype=float)[None])
+    out = pd.DataFrame(rows)
+    out.insert(3, "seeds", res["n"][0])
+    for key in ("mean", "lo", "hi", "p", "p_holm", "floor", "resolved"):
+        out[f"d_final_reward{'' if key == 'mean' else '_' + key}"] = res[key][0]
+    family = len(out)
+    out["verdict"] = [reading(int(r.seeds), r.d_final_reward, r.d_final_reward_lo, r.d_final_reward_hi,
+                              r.d_final_reward_p, r.d_final_reward_p_holm, r.d_final_reward_floor,
+                              bool(r.d_final_reward_resolved), reference, family=family) for r in out.itertuples()]
+    out.attrs.update(reference=reference, window=window, alpha=ALPHA, level=LEVEL)
     return out
