@@ -29,8 +29,7 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
 def enter_jail(jail: dict, size_mb: int) -> None:
-    """As root, pid 1 of fresh mount, PID, network and IPC namespaces (unshare made them): join the run's cgroup,
-    build a root of empty tmpfs with the interpreter, its libraries and the devices bound read-only, private
+    """As root, pid 1 of fresh mount, PID, network and IPC namespaces (unshare made them): build a root of empty tmpfs with the interpreter, its libraries and the devices bound read-only, private
     scratch folders and a /proc of this PID namespace, chroot into it, and become `jail['uid']` for good (all
     capabilities go with uid 0; no_new_privs; SIGKILL when the launcher dies, which the uid change had cleared).
 
@@ -46,9 +45,6 @@ def enter_jail(jail: dict, size_mb: int) -> None:
             error = ctypes.get_errno()
             raise OSError(error, f"sandbox jail: mounting {target}: {os.strerror(error)}")
 
-    if jail["cgroup"]:
-        with open(os.path.join(jail["cgroup"], "cgroup.procs"), "w") as f:
-            f.write("0")  # this process; everything it starts follows
     root, uid, safe = jail["root"], jail["uid"], _MS_NOSUID | _MS_NODEV
     mount(None, "/", None, _MS_REC | _MS_PRIVATE)
     mount("tmpfs", root, "tmpfs", safe, "size=64k,mode=755")

@@ -7,8 +7,7 @@ first, by starting a probe child with each candidate (`CANDIDATES`) until one wo
   /tmp, /var/tmp, /dev/shm and home, four devices, and a /proc of its own PID namespace; then it chroots there
   and becomes nobody for good. Nothing of the trainer (its files, the installed packages and their data, its
   processes, /proc entries, path-named sockets) exists in that view, nor another run's; the mounts vanish with
-  the namespace. Each run also gets its own cgroup where one can be made (cgroup.py): CPU time counted for the
-  whole process tree, and a kill that reaches all of it;
+  the namespace;
 - namespaces without the jail (`unshare`): net (no network: only a loopback that is down, not this machine's)
   and pid (the parent is invisible, `kill -1` reaches only the sandbox, everything in it dies with the child).
   A root parent creates them directly; any other needs a user namespace around them (`--user`);
@@ -37,7 +36,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import cgroup
+from . import cputime
 
 NOBODY = 65534
 """The uid and gid a root parent's children run as (Debian's nobody/nogroup)."""
@@ -78,7 +77,8 @@ class Isolation:
 
     def describe(self) -> str:
         who = {"jail": "nobody, chrooted into a private root of the interpreter only", "direct": "nobody (setpriv)"}
-        cpu = "the whole process tree (cgroup)" if self.drop == "jail" and cgroup.parent() else "each process"
+        cpu = ("the whole process tree" if "pid" in self.namespaces and cputime.available()
+               else "each process" if not cputime.available() else "the process tree, less what leaves it")
         return (f"uid {self.uid} = {who.get(self.drop, 'the parent user')}; "
                 f"namespaces: {', '.join(self.namespaces) or 'none'}; network blocked by: {self.network}; "
                 f"CPU limited for: {cpu}; guards: {'on' if self.guards else 'off'}; "
@@ -109,8 +109,7 @@ def command(isolation: Isolation, run_dir: Path, settings: dict, program: str) -
     if by_root:
         argv += [_tool("unshare"), *(f for n in by_root for f in _FLAGS[n]), "--"]
     if isolation.drop == "jail":
-        settings["jail"] = dict(jail_view(), root=str(run_dir / "root"), uid=NOBODY, home=JAIL_HOME,
-                                cgroup=settings.pop("cgroup", None))
+        settings["jail"] = dict(jail_view(), root=str(run_dir / "root"), uid=NOBODY, home=JAIL_HOME)
     elif isolation.drop:
         argv += [_tool("setpriv"), f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--no-new-privs"]
         # Changing uid clears unshare's --kill-child; restored, the child dies with unshare even if it left the
@@ -118,7 +117,6 @@ def command(isolation: Isolation, run_dir: Path, settings: dict, program: str) -
         argv += ["--pdeathsig", "KILL", "--"] if "pid" in by_root else ["--"]
     if "user" in spaces:
         argv += [_tool("unshare"), *(f for n in spaces for f in _FLAGS[n]), "--"]
-    settings.pop("cgroup", None)
     env = {"PATH": PATH, "HOME": settings["home"], "LANG": "C.UTF-8"}
     argv += [str(binary), "-I", "-S", "-c", _child_source(), marshal.dumps(settings).hex(), program]
     return argv, env

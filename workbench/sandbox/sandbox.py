@@ -1,5 +1,5 @@
 """`Sandbox.run`: one program in a fresh child process under limits, with a wall-clock deadline, a CPU budget for
-its whole process tree (where a cgroup can be made), an empty temporary home and working folder (removed after),
+its whole process tree (cputime.py), an empty temporary home and working folder (removed after),
 a scrubbed environment and capped output, and optionally a result channel and pipes to another run.
 
 What isolates the child beyond that (another user, namespaces, the guards) is chosen by `launch.probe`;
@@ -18,12 +18,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import cgroup, launch
+from . import cputime, launch
 
 _CHUNK = 1 << 16
 _CPU_POLL_S = 0.05
-"""How often the parent reads a run's CPU time (cgroup) while it runs: the budget may be overrun by about this
-much per core."""
+"""How often the parent reads a run's CPU time while it runs: the budget may be overrun by about this much per
+core."""
 _EXIT_GRACE_S = 0.5
 """After the child exits, how long its output may still take to drain (its whole group has been killed)."""
 MAX_PROGRAM_BYTES = 100_000
@@ -37,8 +37,8 @@ class Limits:
     timeout_s: float = 5.0
     """Wall-clock seconds; past them the child's whole process group is killed."""
     cpu_s: int = 5
-    """CPU seconds of the run's whole process tree (its cgroup, where one can be made: then the parent kills it
-    all), and of each process (RLIMIT_CPU: SIGXCPU then, SIGKILL one second later)."""
+    """CPU seconds of the run's whole process tree (counted by the parent in /proc, cputime.py; past them it is
+    killed), and of each process (RLIMIT_CPU: SIGXCPU then, SIGKILL one second later)."""
     memory_mb: int = 1024
     """Address space (RLIMIT_AS), in MiB: a larger allocation raises MemoryError."""
     file_mb: int = 16
@@ -69,7 +69,7 @@ class RunResult:
     output_capped: bool
     """stdout, stderr or the channel passed Limits.output_bytes and the child was killed."""
     cpu_exceeded: bool = False
-    """The process tree used more than Limits.cpu_s of CPU (counted in its cgroup) and was killed."""
+    """The process tree used more than Limits.cpu_s of CPU (cputime.py) and was killed."""
     channel: bytes = b""
     """What the child wrote to its result channel (`run(..., channel=True)`)."""
     seconds: float = field(default=0.0, compare=False)
@@ -87,6 +87,7 @@ class Sandbox:
         self.limits = limits or Limits()
         self.isolation = isolation or launch.probe(guards)
         self._nproc = launch.tasks_of(self.isolation.uid) + self.limits.processes
+        self._count_cpu = cputime.available()
 
     def run(self, program: str, stdin: bytes = b"", channel: bool = False, fds: tuple[int, ...] = ()) -> RunResult:
         """Run `program` (Python source, as __main__) with `stdin` as its input, and collect what it wrote.
@@ -99,7 +100,6 @@ class Sandbox:
             raise ValueError(f"sandbox: the program is {len(program.encode())} bytes, over {MAX_PROGRAM_BYTES}; "
                              "pass large inputs through stdin")
         limits = self.limits
-        group_root = cgroup.parent() if self.isolation.drop == "jail" else None
         reader, writer = os.pipe() if channel else (None, None)
         if channel:
             stdin = b"%d\n" % writer + stdin
@@ -109,31 +109,25 @@ class Sandbox:
                                              ignore_cleanup_errors=True) as tmp:
                 run_dir = Path(tmp)
                 home = launch.prepare(run_dir, self.isolation)
-                group = cgroup.RunGroup(group_root) if group_root else None
                 settings = {"home": str(home), "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
                             "file_mb": limits.file_mb, "nproc": self._nproc, "open_files": limits.open_files,
-                            "guards": self.isolation.guards, "cgroup": group and str(group.path)}
+                            "guards": self.isolation.guards}
                 argv, env = launch.command(self.isolation, run_dir, settings, program)
                 start = time.monotonic()
-                try:
-                    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, cwd=run_dir if self.isolation.drop == "jail" else home, env=env,
-                                          start_new_session=True, pass_fds=passed) as proc:
-                        for fd in passed:
-                            os.close(fd)
-                        passed = ()
-                        try:
-                            out, err, back, timed_out, capped, cpu = _communicate(
-                                proc, stdin, reader, start + limits.timeout_s, limits.output_bytes,
-                                group, limits.cpu_s)
-                        finally:
-                            if group is not None:
-                                group.kill()
-                            _kill_group(proc)  # before wait(): the group id is not reused while its leader is unreaped
-                            proc.wait()
-                finally:
-                    if group is not None:
-                        group.close()
+                with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      cwd=run_dir if self.isolation.drop == "jail" else home, env=env,
+                                      start_new_session=True, pass_fds=passed) as proc:
+                    for fd in passed:
+                        os.close(fd)
+                    passed = ()
+                    try:
+                        out, err, back, timed_out, capped, cpu = _communicate(
+                            proc, stdin, reader, start + limits.timeout_s, limits.output_bytes,
+                            limits.cpu_s if self._count_cpu else None)
+                    finally:
+                        _kill_tree(proc)
+                        _kill_group(proc)  # before wait(): the group id is not reused while its leader is unreaped
+                        proc.wait()
                 return RunResult(proc.returncode, out, err, timed_out, capped, cpu, back, time.monotonic() - start)
         finally:
             for fd in (*passed, reader):
@@ -142,9 +136,9 @@ class Sandbox:
 
 
 def _communicate(proc: subprocess.Popen, data: bytes, channel: int | None, deadline: float, cap: int,
-                 group: cgroup.RunGroup | None, cpu_s: float) -> tuple[bytes, bytes, bytes, bool, bool, bool]:
+                 cpu_s: float | None) -> tuple[bytes, bytes, bytes, bool, bool, bool]:
     """Feed stdin and read stdout, stderr (and the channel) until they close, the deadline passes, one passes
-    `cap` bytes or the group's CPU time passes `cpu_s`. Returns (stdout, stderr, channel, timed_out, capped,
+    `cap` bytes or the process tree's CPU time passes `cpu_s` (None: not counted). Returns (stdout, stderr, channel, timed_out, capped,
     cpu_exceeded)."""
     out_fd, err_fd, in_fd = proc.stdout.fileno(), proc.stderr.fileno(), proc.stdin.fileno()
     outputs = {out_fd: bytearray(), err_fd: bytearray()}
@@ -173,19 +167,18 @@ def _communicate(proc: subprocess.Popen, data: bytes, channel: int | None, deadl
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return collected(timed_out=not exited)
-                if group is not None and group.cpu_seconds() > cpu_s:
+                if cpu_s is not None and not exited and cputime.cpu_seconds(proc.pid) > cpu_s:
+                    _kill_tree(proc)
                     return collected(cpu=True)
                 if exit_fd is None and not exited and _has_exited(proc.pid):
                     exited, deadline = True, min(deadline, time.monotonic() + _EXIT_GRACE_S)
                     _kill_group(proc)
                 wait = remaining if exit_fd is not None or exited else min(remaining, 0.02)
-                for key, _ in sel.select(min(wait, _CPU_POLL_S) if group is not None else wait):
+                for key, _ in sel.select(min(wait, _CPU_POLL_S) if cpu_s is not None else wait):
                     fd = key.fd
                     if fd == exit_fd:  # the child is gone: stray descendants holding the pipes go with its group
                         sel.unregister(fd)
                         exited, deadline = True, min(deadline, time.monotonic() + _EXIT_GRACE_S)
-                        if group is not None:
-                            group.kill()
                         _kill_group(proc)
                     elif fd == in_fd:
                         try:
@@ -222,6 +215,16 @@ def _exit_fd(pid: int) -> int | None:
 def _has_exited(pid: int) -> bool:
     """Without reaping it (WNOWAIT), so its process group id stays reserved for _kill_group."""
     return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL to every process of the tree, leaves first (inside a PID namespace, killing its first process
+    would do; without one, this reaches descendants that left the process group)."""
+    for pid in reversed(cputime.tree(proc.pid)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
