@@ -253,3 +253,13 @@ def test_cpu_is_limited_for_the_whole_process_tree(jail, task):
     checked = run_check(spin, "import os\nos.fork()\ndef add(a, b):\n    while True:\n        pass\n",
                         task.items[0].test, "add")
     assert checked.scores() == ZERO and "CPU" in checked.error, checked
+
+
+def test_a_chain_without_the_jail_is_announced(monkeypatch):
+    """Where the host allows no jail, start-up says what is then reachable and names bubblewrap and nsjail."""
+    from workbench.sandbox import launch
+
+    monkeypatch.setattr(launch, "CANDIDATES", tuple(c for c in launch.CANDIDATES if c[0] != "jail"))
+    with pytest.warns(UserWarning, match="no private file-system view.*bubblewrap.*nsjail"):
+        isolation = launch.probe.__wrapped__(True)
+    assert isolation.drop != "jail"
