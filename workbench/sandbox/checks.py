@@ -256,8 +256,8 @@ def _run_judged(sandbox: Sandbox, solution: str, test: Test, entry_point: str) -
         for fd in (requests_read, replies_write):
             os.close(fd)
         raise
-    judge = {"test": test.source, "prelude": test.prelude, "entry_point": entry_point, "requests": requests_write,
-             "replies": replies_read}
+    judge = {"test": test.source, "prelude": test.prelude, "entry_point": entry_point, "reader": _program("values.py"),
+             "requests": requests_write, "replies": replies_read}
     judged = sandbox.run(_program("judge.py"), marshal.dumps(judge), channel=True, fds=(requests_write, replies_read))
     thread.join()
     if not solver:

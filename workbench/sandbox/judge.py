@@ -5,7 +5,8 @@ or raises the exception named. The test's code, its helpers and its names (`abs`
 own; no object of the solution's ever reaches it.
 
 The job (stdin, after the result channel's number): the problem's prompt (its helpers), the entry point's name,
-the instrumented test (`checks.instrument_test`), and the descriptors of the pipes to and from the solution. The verdict, one marshal record on the result channel:
+the instrumented test (`checks.instrument_test`), the text of values.py (this process sees no workbench), and
+the descriptors of the pipes to and from the solution. The verdict, one marshal record on the result channel:
 (check ran to its end, the units that passed, the first error). Standard library only.
 """
 
@@ -37,28 +38,33 @@ def _send(fd: int, frame: bytes) -> None:
         frame = frame[os.write(fd, frame):]
 
 
-def _receive(fd: int) -> bytes:
+def _read_exactly(fd: int, size: int) -> bytes:
     data = b""
-    while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "big"):
-        chunk = os.read(fd, 1 << 16)
+    while len(data) < size:
+        chunk = os.read(fd, min(size - len(data), 1 << 16))
         if not chunk:
             raise RuntimeError("the solution's process stopped before answering")
         data += chunk
-    return data[4:]
+    return data
+
+
+def _receive(fd: int) -> bytes:
+    return _read_exactly(fd, int.from_bytes(_read_exactly(fd, 4), "big"))
 
 
 def _describe(error: BaseException) -> str:
     return " ".join(f"{type(error).__name__}: {error}".split())[:300]
 
 
-def stand_in(requests: int, replies: int):
-    """The `candidate` the test calls."""
+def stand_in(requests: int, replies: int, loads):
+    """The `candidate` the test calls; `loads` reads a reply (values.py's, not marshal.loads: the bytes are the
+    solution's)."""
 
     def candidate(*args, **kwargs):
         _send(requests, marshal.dumps((args, kwargs)))  # ValueError: arguments that are not plain data
         try:
-            outcome = marshal.loads(_receive(replies))
-        except (ValueError, EOFError, TypeError) as e:
+            outcome = loads(_receive(replies))
+        except ValueError as e:
             raise RuntimeError("the solution's process sent something that is not a result") from e
         if not (isinstance(outcome, tuple) and outcome and _plain(outcome)):
             raise RuntimeError("the solution's process sent something that is not plain data")
@@ -85,7 +91,9 @@ def main() -> None:
         elif not errors:
             errors.append(f"unit {index}: {_describe(error)}")
 
-    namespace, candidate = {"__name__": "test"}, stand_in(job["requests"], job["replies"])
+    reader = {"__name__": "values"}
+    exec(compile(job["reader"], "<values>", "exec"), reader)  # noqa: S102 (values.py, sent by the parent)
+    namespace, candidate = {"__name__": "test"}, stand_in(job["requests"], job["replies"], reader["loads"])
     try:
         exec(compile(job["prelude"], "<prompt>", "exec"), namespace)  # noqa: S102 (the problem set's own code)
         namespace[job["entry_point"]] = candidate
