@@ -47,8 +47,8 @@ def startup_rows(repeats: int) -> list[str]:
     if spaces:
         trials.append((f"+ {', '.join(spaces)} namespaces", Isolation("", spaces, os.getuid(), True)))
     if best.drop:
-        trials.append((f"+ {'mount namespace, private root' if best.drop == 'jail' else 'setpriv'}, nobody "
-                       f"({best.drop}): the chain in use here", best))
+        how = "mount namespace, private root" if best.drop == "jail" else "setpriv"
+        trials.append((f"+ {how}, nobody ({best.drop}): the chain in use here", best))
     for name, isolation in trials:
         sandbox = Sandbox(isolation=isolation)
         layers.append((name, lambda s=sandbox: s.run("pass")))
@@ -86,10 +86,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args()
     isolation = Sandbox().isolation
+    plain = sum(bool(p.test.calls) for p in HumanEval().items)
     lines = [(f"CPU: {os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}; "
               f"Python {platform.python_version()}; load average {os.getloadavg()[0]:.2f} at the start"),
-             f"Isolation: {isolation.describe()}", f"Tests graded in this process (plain calls): "
-             f"{sum(bool(p.test.calls) for p in HumanEval().items)} of 164; the rest by the judge", "",
+             f"Isolation: {isolation.describe()}",
+             f"Tests graded in this process (plain calls): {plain} of 164; the rest by the judge", "",
              *throughput_rows(a.rounds), "", *startup_rows(a.repeats)]
     text = "\n".join(lines)
     print(text)

@@ -107,7 +107,8 @@ def test_partial_credit_follows_the_rule(add_task, tmp_path):
     assert problem.test.units == 4 and problem.test.calls, "assert True is no unit; the rest are plain calls"
     assert task.scores("def add(a, b):\n    return a * b\n", problem) == {"binary": 0.0, "partial": 0.5}
     assert task.scores(ADD["prompt"] + ADD["canonical_solution"], problem) == {"binary": 1.0, "partial": 1.0}
-    assert task.submit("def add(a, b):\n    return a * b\n", problem).result().error == "unit 0: returned 2, expected == 3"
+    wrong = task.submit("def add(a, b):\n    return a * b\n", problem).result()
+    assert wrong.error == "unit 0: returned 2, expected == 3"
     # A failing set-up statement stops `check`: the units before it count, binary is 0.
     stops = dict(ADD, test="def check(candidate):\n    assert candidate(1, 2) == 3\n    x = 1 / 0\n"
                            "    assert candidate(0, 0) == 0\n")

@@ -29,9 +29,10 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
 def enter_jail(jail: dict, size_mb: int) -> None:
-    """As root, pid 1 of fresh mount, PID, network and IPC namespaces (unshare made them): build a root of empty tmpfs with the interpreter, its libraries and the devices bound read-only, private
-    scratch folders and a /proc of this PID namespace, chroot into it, and become `jail['uid']` for good (all
-    capabilities go with uid 0; no_new_privs; SIGKILL when the launcher dies, which the uid change had cleared).
+    """As root, pid 1 of fresh mount, PID, network and IPC namespaces (unshare made them): build a root of empty
+    tmpfs with the interpreter, its libraries and the devices bound read-only, private scratch folders and a /proc
+    of this PID namespace, chroot into it, and become `jail['uid']` for good (all capabilities go with uid 0;
+    no_new_privs; SIGKILL when the launcher dies, which the uid change had cleared).
 
     The mounts go through libc (ctypes, loaded before the root changes): Python 3.11 has no os.mount, and one
     `mount` process per folder would cost more than the rest of the start-up. ctypes leaves sys.modules after."""
@@ -105,7 +106,8 @@ def install_guards(home: str) -> None:
     Everything it reads lives in this closure: frozen sets, tuples, and the C functions of `posix` (a path is
     resolved with them, not with os.path, whose helpers a program could rebind). Rebinding anything in a module
     (this one is `__main__`) changes nothing; reaching the closure's cells needs `gc`, which it refuses.
-    Builtins it calls are bound here too. It is still Python-level, which is why the jail (launch.py), not this, is the boundary: docs/sandbox.md."""
+    Builtins it calls are bound here too. It is still Python-level, which is why the jail (launch.py), not this,
+    is the boundary: docs/sandbox.md."""
     import posix
 
     denied_events = frozenset({

@@ -138,8 +138,8 @@ class Sandbox:
 def _communicate(proc: subprocess.Popen, data: bytes, channel: int | None, deadline: float, cap: int,
                  cpu_s: float | None) -> tuple[bytes, bytes, bytes, bool, bool, bool]:
     """Feed stdin and read stdout, stderr (and the channel) until they close, the deadline passes, one passes
-    `cap` bytes or the process tree's CPU time passes `cpu_s` (None: not counted). Returns (stdout, stderr, channel, timed_out, capped,
-    cpu_exceeded)."""
+    `cap` bytes or the process tree's CPU time passes `cpu_s` (None: not counted). Returns (stdout, stderr,
+    channel, timed_out, capped, cpu_exceeded)."""
     out_fd, err_fd, in_fd = proc.stdout.fileno(), proc.stderr.fileno(), proc.stdin.fileno()
     outputs = {out_fd: bytearray(), err_fd: bytearray()}
     if channel is not None:
