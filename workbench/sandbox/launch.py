@@ -195,9 +195,10 @@ def weaker_than_jail(isolation: Isolation) -> str:
     """The warning for a launch chain without the jail: what a child can then reach, and how to get more."""
     return (f"sandbox: no private file-system view here ({isolation.describe()}): it needs a root parent with "
             "CAP_SYS_ADMIN. Sandboxed code can read every file its user can read (the trainer's files, the "
-            "installed problem data), see other processes in /proc and reach path-named unix sockets, and its CPU "
-            "is limited per process. Run the trainer inside bubblewrap (bwrap --unshare-all --die-with-parent) or "
-            "nsjail, or as root in a container: docs/sandbox.md")
+            "installed problem data), and reach path-named unix sockets and the scratch folders (/tmp, /dev/shm) "
+            "that other runs use, and sees every process of this machine in /proc. Run the trainer "
+            "inside bubblewrap (bwrap --unshare-all --die-with-parent) or nsjail, or as root in a container: "
+            "docs/sandbox.md")
 
 
 def tasks_of(uid: int) -> int:
