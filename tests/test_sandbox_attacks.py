@@ -263,3 +263,36 @@ def test_a_chain_without_the_jail_is_announced(monkeypatch):
     with pytest.warns(UserWarning, match="no private file-system view.*bubblewrap.*nsjail"):
         isolation = launch.probe.__wrapped__(True)
     assert isolation.drop != "jail"
+
+
+def test_the_parent_reads_only_plain_data():
+    """values.loads, which reads what a child sends: plain values round-trip exactly (types too); code objects,
+    recursive and truncated records are refused; random corruptions raise ValueError and nothing else."""
+    import marshal
+    import random
+
+    from workbench.sandbox.values import loads
+
+    plain = [None, True, 0, -5, 2**100, -(2**70), 1.5, float("inf"), 1 + 2j, "é€𝄞", "x" * 300, b"xy", (),
+             (1, "a", [2, 3.0]), [[1, 2], [1, 2]], {"a": 1, (1, 2): [3]}, {1, 2}, frozenset({3}), [True] * 1000]
+    for value in plain:
+        back = loads(marshal.dumps(value))
+        assert back == value and type(back) is type(value), value
+    looped = [1]
+    looped.append(looped)
+    for hostile in (marshal.dumps(compile("1", "x", "eval")), marshal.dumps(looped), marshal.dumps(1) + b"x",
+                    marshal.dumps("abc")[:-1]):
+        with pytest.raises(ValueError):
+            loads(hostile)
+    seed = secrets.randbits(32)
+    rng = random.Random(seed)
+    for _ in range(2000):
+        data = bytearray(marshal.dumps(rng.choice(plain)))
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        try:
+            loads(bytes(data))
+        except ValueError:
+            pass
+        except Exception as e:  # noqa: BLE001 (the property under test: nothing but ValueError)
+            pytest.fail(f"seed {seed}: {bytes(data)!r} raised {e!r}")
