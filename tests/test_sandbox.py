@@ -203,15 +203,21 @@ def test_run_limits_output_time_and_environment(sandbox, monkeypatch):
     print(sandbox.isolation.describe())
 
 
-def test_the_python_guards_hold_without_the_kernel_layers(secret, listener):
+def test_the_python_guards_hold_without_the_kernel_layers(secret, listener, tmp_path):
     plain = Sandbox(FAST, isolation=Isolation("", (), os.getuid(), guards=True))
+    kept, made = str(secret), str(tmp_path / "made")
     for program in (f"import socket; socket.create_connection(('127.0.0.1', {listener}), timeout=1)",
                     "import os; os.kill(os.getppid(), 9)", "import os; os.fork()", "import subprocess",
-                    f"print(open({str(secret)!r}).read())", "open('/tmp/wb-sandbox-escape', 'w')",
-                    "import ctypes"):
+                    f"print(open({kept!r}).read())", "open('/tmp/wb-sandbox-escape', 'w')",
+                    "import ctypes", f"import os; os.remove({kept!r})", f"import os; os.truncate({kept!r}, 0)",
+                    f"import os; os.rename({kept!r}, {made!r})", f"import os; os.link({kept!r}, {made!r})",
+                    f"import os; os.symlink({kept!r}, {made!r})", f"import os; os.mkdir({made!r})",
+                    f"import os; os.rmdir({str(secret.parent)!r})", "import _posixshmem",
+                    "from multiprocessing import shared_memory"):
         result = plain.run(program)
         assert b"PermissionError: sandbox:" in result.stderr and result.returncode == 1, program
-    assert not Path("/tmp/wb-sandbox-escape").exists()
+    assert not Path("/tmp/wb-sandbox-escape").exists() and not Path(made).exists()
+    assert secret.read_text() == "PRIVATE-KEY-43f1"
 
 
 def test_the_kernel_layers_hold_without_the_guards(secret, listener):
