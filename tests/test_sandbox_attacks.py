@@ -24,6 +24,17 @@ JUDGED = dict(ADD, task_id="Test/judged", test=("def check(candidate):\n    for 
 ZERO = {"binary": 0.0, "partial": 0.0}
 
 
+@pytest.fixture(autouse=True)
+def trainer_unharmed():
+    """After each attack: this process keeps its parent, and no process of any run is left behind."""
+    from workbench.sandbox import cputime
+
+    parent = os.getppid()
+    yield
+    assert os.getppid() == parent
+    assert cputime.tree(os.getpid()) == [os.getpid()], "a sandboxed process outlived its run"
+
+
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
     """Two problems: one whose units are plain calls (graded in this process), one run by the judge."""
