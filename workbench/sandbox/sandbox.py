@@ -1,5 +1,6 @@
-"""`Sandbox.run`: one program in a fresh child process under limits, with a wall-clock deadline, an empty
-temporary home and working folder (removed after), a scrubbed environment and capped output.
+"""`Sandbox.run`: one program in a fresh child process under limits, with a wall-clock deadline, a CPU budget for
+its whole process tree (cputime.py), an empty temporary home and working folder (removed after),
+a scrubbed environment and capped output, and optionally a result channel and pipes to another run.
 
 What isolates the child beyond that (another user, namespaces, the guards) is chosen by `launch.probe`;
 docs/sandbox.md is the threat model.
@@ -17,9 +18,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import launch
+from . import cputime, launch
 
 _CHUNK = 1 << 16
+_CPU_POLL_S = 0.05
+"""How often the parent reads a run's CPU time while it runs: the budget may be overrun by about this much per
+core."""
 _EXIT_GRACE_S = 0.5
 """After the child exits, how long its output may still take to drain (its whole group has been killed)."""
 MAX_PROGRAM_BYTES = 100_000
@@ -33,11 +37,13 @@ class Limits:
     timeout_s: float = 5.0
     """Wall-clock seconds; past them the child's whole process group is killed."""
     cpu_s: int = 5
-    """CPU seconds (RLIMIT_CPU): SIGXCPU then, SIGKILL one second later."""
+    """CPU seconds of the run's whole process tree (counted by the parent in /proc, cputime.py; past them it is
+    killed), and of each process (RLIMIT_CPU: SIGXCPU then, SIGKILL one second later)."""
     memory_mb: int = 1024
     """Address space (RLIMIT_AS), in MiB: a larger allocation raises MemoryError."""
     file_mb: int = 16
-    """The largest file the child may write (RLIMIT_FSIZE), in MiB; writing past it kills it (SIGXFSZ)."""
+    """The largest file the child may write (RLIMIT_FSIZE), in MiB; writing past it kills it (SIGXFSZ). In the
+    jail also the size of each of its private tmpfs folders (home, /tmp, /var/tmp, /dev/shm)."""
     processes: int = 64
     """Processes and threads the child's user may start beyond those it had when the sandbox was made
     (RLIMIT_NPROC counts every process of the real user, not the child's own)."""
@@ -61,7 +67,11 @@ class RunResult:
     timed_out: bool
     """The wall-clock deadline passed and the child was killed."""
     output_capped: bool
-    """stdout or stderr passed Limits.output_bytes and the child was killed."""
+    """stdout, stderr or the channel passed Limits.output_bytes and the child was killed."""
+    cpu_exceeded: bool = False
+    """The process tree used more than Limits.cpu_s of CPU (cputime.py) and was killed."""
+    channel: bytes = b""
+    """What the child wrote to its result channel (`run(..., channel=True)`)."""
     seconds: float = field(default=0.0, compare=False)
 
 
@@ -77,42 +87,68 @@ class Sandbox:
         self.limits = limits or Limits()
         self.isolation = isolation or launch.probe(guards)
         self._nproc = launch.tasks_of(self.isolation.uid) + self.limits.processes
+        self._count_cpu = cputime.available()
 
-    def run(self, program: str, stdin: bytes = b"") -> RunResult:
-        """Run `program` (Python source, as __main__) with `stdin` as its input, and collect what it wrote."""
+    def run(self, program: str, stdin: bytes = b"", channel: bool = False, fds: tuple[int, ...] = ()) -> RunResult:
+        """Run `program` (Python source, as __main__) with `stdin` as its input, and collect what it wrote.
+
+        channel: give the child a pipe back to the parent, whose descriptor number is prepended to `stdin` as
+        ASCII digits and a newline (the child reads that line first); what it writes there comes back in
+        `RunResult.channel`. fds: descriptors handed to the child under the same numbers (pipes to another
+        run); this call closes them in the parent once the child holds them."""
         if len(program.encode()) > MAX_PROGRAM_BYTES:
             raise ValueError(f"sandbox: the program is {len(program.encode())} bytes, over {MAX_PROGRAM_BYTES}; "
                              "pass large inputs through stdin")
         limits = self.limits
-        with tempfile.TemporaryDirectory(prefix="workbench-sandbox-", dir=launch.temp_root(),
-                                         ignore_cleanup_errors=True) as tmp:
-            run_dir = Path(tmp)
-            home = launch.prepare(run_dir, self.isolation)
-            settings = {"home": str(home), "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
-                        "file_mb": limits.file_mb, "nproc": self._nproc, "open_files": limits.open_files,
-                        "guards": self.isolation.guards}
-            argv, env = launch.command(self.isolation, run_dir, settings, program)
-            start = time.monotonic()
-            with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  cwd=home, env=env, start_new_session=True) as proc:
-                try:
-                    out, err, timed_out, capped = _communicate(proc, stdin, start + limits.timeout_s,
-                                                               limits.output_bytes)
-                finally:
-                    _kill_group(proc)  # before wait(): the group's id is not reused while its leader is unreaped
-                    proc.wait()
-            return RunResult(proc.returncode, out, err, timed_out, capped, time.monotonic() - start)
+        reader, writer = os.pipe() if channel else (None, None)
+        if channel:
+            stdin = b"%d\n" % writer + stdin
+        passed = (*fds, writer) if channel else tuple(fds)
+        try:
+            with tempfile.TemporaryDirectory(prefix="workbench-sandbox-", dir=launch.temp_root(),
+                                             ignore_cleanup_errors=True) as tmp:
+                run_dir = Path(tmp)
+                home = launch.prepare(run_dir, self.isolation)
+                settings = {"home": str(home), "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
+                            "file_mb": limits.file_mb, "nproc": self._nproc, "open_files": limits.open_files,
+                            "guards": self.isolation.guards}
+                argv, env = launch.command(self.isolation, run_dir, settings, program)
+                start = time.monotonic()
+                with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      cwd=run_dir if self.isolation.drop == "jail" else home, env=env,
+                                      start_new_session=True, pass_fds=passed) as proc:
+                    for fd in passed:
+                        os.close(fd)
+                    passed = ()
+                    try:
+                        out, err, back, timed_out, capped, cpu = _communicate(
+                            proc, stdin, reader, start + limits.timeout_s, limits.output_bytes,
+                            limits.cpu_s if self._count_cpu else None)
+                    finally:
+                        _kill_tree(proc)
+                        _kill_group(proc)  # before wait(): the group id is not reused while its leader is unreaped
+                        proc.wait()
+                return RunResult(proc.returncode, out, err, timed_out, capped, cpu, back, time.monotonic() - start)
+        finally:
+            for fd in (*passed, reader):
+                if fd is not None:
+                    os.close(fd)
 
 
-def _communicate(proc: subprocess.Popen, data: bytes, deadline: float, cap: int) -> tuple[bytes, bytes, bool, bool]:
-    """Feed stdin and read stdout/stderr until both close, the deadline passes or one passes `cap` bytes.
-    Returns (stdout, stderr, timed_out, capped)."""
+def _communicate(proc: subprocess.Popen, data: bytes, channel: int | None, deadline: float, cap: int,
+                 cpu_s: float | None) -> tuple[bytes, bytes, bytes, bool, bool, bool]:
+    """Feed stdin and read stdout, stderr (and the channel) until they close, the deadline passes, one passes
+    `cap` bytes or the process tree's CPU time passes `cpu_s` (None: not counted). Returns (stdout, stderr,
+    channel, timed_out, capped, cpu_exceeded)."""
     out_fd, err_fd, in_fd = proc.stdout.fileno(), proc.stderr.fileno(), proc.stdin.fileno()
     outputs = {out_fd: bytearray(), err_fd: bytearray()}
+    if channel is not None:
+        outputs[channel] = bytearray()
     pending = memoryview(data)
 
-    def collected(timed_out: bool = False, capped: bool = False):
-        return bytes(outputs[out_fd]), bytes(outputs[err_fd]), timed_out, capped
+    def collected(timed_out: bool = False, capped: bool = False, cpu: bool = False):
+        return (bytes(outputs[out_fd]), bytes(outputs[err_fd]), bytes(outputs.get(channel, b"")), timed_out, capped,
+                cpu)
 
     with selectors.DefaultSelector() as sel:
         for fd in outputs:
@@ -131,10 +167,14 @@ def _communicate(proc: subprocess.Popen, data: bytes, deadline: float, cap: int)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return collected(timed_out=not exited)
+                if cpu_s is not None and not exited and cputime.cpu_seconds(proc.pid) > cpu_s:
+                    _kill_tree(proc)
+                    return collected(cpu=True)
                 if exit_fd is None and not exited and _has_exited(proc.pid):
                     exited, deadline = True, min(deadline, time.monotonic() + _EXIT_GRACE_S)
                     _kill_group(proc)
-                for key, _ in sel.select(remaining if exit_fd is not None or exited else min(remaining, 0.02)):
+                wait = remaining if exit_fd is not None or exited else min(remaining, 0.02)
+                for key, _ in sel.select(min(wait, _CPU_POLL_S) if cpu_s is not None else wait):
                     fd = key.fd
                     if fd == exit_fd:  # the child is gone: stray descendants holding the pipes go with its group
                         sel.unregister(fd)
@@ -175,6 +215,16 @@ def _exit_fd(pid: int) -> int | None:
 def _has_exited(pid: int) -> bool:
     """Without reaping it (WNOWAIT), so its process group id stays reserved for _kill_group."""
     return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL to every process of the tree, leaves first (inside a PID namespace, killing its first process
+    would do; without one, this reaches descendants that left the process group)."""
+    for pid in reversed(cputime.tree(proc.pid)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
