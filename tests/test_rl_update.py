@@ -247,12 +247,15 @@ def test_clip_range_aggregation_and_kl_estimator_reach_the_update():
     assert seq_mean["loss"] == pytest.approx(0.0, abs=1e-6)
     assert token_mean["loss"] == pytest.approx(float(-(adv * lengths).sum() / lengths.sum()), abs=1e-6)
     assert abs(token_mean["loss"]) > 1e-3
-    # The KL to a reference 0.1 nats above on every token: k2 = 0.1^2 / 2 (auto, in the loss), k3 = e^0.1 - 1.1.
+    # The KL to a reference 0.1 nats above on every token, the advantages 0 so that it is the whole loss: a token's
+    # d/dlogp is -0.1 for k2, 1 - e^0.1 for k3, so k3's gradient is k2's times (e^0.1 - 1) / 0.1 ('auto' must be k2).
+    # The logged kl is k3's value either way.
     kl_cfg = dataclasses.replace(cfg, kl_coef=0.1)
-    with_ref = UpdateInputs(adv, logp, None, logp + 0.1 * batch.mask)
-    _, auto = _fp32_grad(kl_cfg, batch, with_ref)
-    _, k3 = _fp32_grad(dataclasses.replace(kl_cfg, kl_estimator="k3"), batch, with_ref)
-    assert auto["kl"] == pytest.approx(0.005, rel=1e-4) and k3["kl"] == pytest.approx(math.exp(0.1) - 1.1, rel=1e-4)
+    with_ref = UpdateInputs(adv * 0, logp, None, logp + 0.1 * batch.mask)
+    auto, auto_stats = _fp32_grad(kl_cfg, batch, with_ref)
+    k3, k3_stats = _fp32_grad(dataclasses.replace(kl_cfg, kl_estimator="k3"), batch, with_ref)
+    assert float(auto.norm()) > 0 and _rel(k3, auto * (math.exp(0.1) - 1) / 0.1) < 1e-5
+    assert auto_stats["kl"] == k3_stats["kl"] == pytest.approx(math.exp(0.1) - 1.1, rel=1e-4)
 
 
 def test_ppo_mini_batches_move_the_ratio_and_the_old_logprobs_source_matters():

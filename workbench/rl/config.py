@@ -106,7 +106,7 @@ class TrainConfig:
     kl_estimator: str = "auto"
     """k1, k2, k3 or 'auto' (k3 in the reward, k2 in the loss); k1 only in the reward (see losses.kl_estimate)."""
     kl_in_reward: bool = False
-    """Subtract the KL from each sequence's reward instead of adding it to the loss."""
+    """Penalise the KL in the advantages (after the task rewards' scaling: see group_advantages), not in the loss."""
     generator: str = "embedded"
     """'embedded' (the workbench's sampler) or 'vllm' (vLLM running the workbench model: needs vLLM, a GPU)."""
     vllm_model: str = "workbench"

@@ -157,9 +157,9 @@ def importance_weights(old_logp: torch.Tensor, behavior_logp: torch.Tensor, mask
 @dataclass(frozen=True)
 class LossConfig:
     eps_low: float = 0.2
-    """Lower clip: the ratio is kept above 1 - eps_low."""
+    """Lower clip edge 1 - eps_low: below it a negative advantage pushes the ratio down no further (no gradient)."""
     eps_high: float = 0.2
-    """Upper clip: the ratio is kept below 1 + eps_high (DAPO's clip-higher raises it)."""
+    """Upper clip edge 1 + eps_high: above it a positive advantage pushes no further (DAPO's clip-higher raises it)."""
     aggregation: str = "seq-mean-token-mean"
     """How the per-token loss becomes a scalar (see `aggregate`)."""
     norm: float | None = None

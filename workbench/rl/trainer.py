@@ -351,9 +351,9 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     # penalty changes no bit: x - 0 is x).
     penalty = torch.zeros_like(rewards)
     if kl_target is not None and cfg.kl_in_reward:
-        kl = kl_estimate(recomputed, kl_target, cfg.kl_estimator_used) * mask
-        penalty = cfg.kl_coef * kl.sum(1)
-        later["kl"] = dp.ratio_of_sums(kl.sum(), mask.sum())
+        penalty = cfg.kl_coef * (kl_estimate(recomputed, kl_target, cfg.kl_estimator_used) * mask).sum(1)
+        # Logged: the KL's value by k3, as in the loss path (update), whatever estimator the penalty uses.
+        later["kl"] = dp.ratio_of_sums((kl_estimate(recomputed, kl_target, "k3") * mask).sum(), mask.sum())
     # From the whole step's rewards ('batch' scales by all of them), then this rank's rows.
     rewards_all, penalty_all = dp.gather_rows(rewards, penalty)
     advantages = group_advantages(rewards_all, cfg.group_size, scale=spec.advantage_scale, penalty=penalty_all)[rows]

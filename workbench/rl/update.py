@@ -102,9 +102,11 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
                 loss, stats = spec.fn(logp, inputs.old[mb.index, cols], inputs.advantages[mb.index], mask,
                                       loss_cfg, w, totals)
                 if inputs.kl_target is not None:
-                    kl = kl_estimate(logp, inputs.kl_target[mb.index, cols], cfg.kl_estimator_used) * mask
+                    target = inputs.kl_target[mb.index, cols]
+                    kl = kl_estimate(logp, target, cfg.kl_estimator_used) * mask
                     loss = loss + cfg.kl_coef * aggregate(kl, mask, loss_cfg.aggregation, loss_cfg.norm, totals)
-                    sums["kl"] += kl.detach().sum() / max(totals.tokens, 1)
+                    # Logged: the KL's value by k3 (unbiased, never negative), whichever estimator the gradient needs.
+                    sums["kl"] += (kl_estimate(logp.detach(), target, "k3") * mask).sum() / max(totals.tokens, 1)
                 loss.backward()
                 losses.append(loss.detach())
                 for k, v in stats.items():
