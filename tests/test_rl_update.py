@@ -68,7 +68,7 @@ def test_logprobs_do_not_depend_on_the_micro_batch_split(kernel_mode):
     for other in splits:
         if kernel_mode == "invariant":
             assert torch.equal(other, full), "a token's log-prob must not depend on its micro-batch"
-        else:
+        else:   # a smoke bound: this mismatch is what the project measures, not an error of the code's
             torch.testing.assert_close(other, full, atol=2e-2, rtol=0)
 
 
