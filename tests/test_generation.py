@@ -156,6 +156,37 @@ def test_keep_mask_top_k_and_top_p():
     assert keep_mask(logits, SamplingParams()) is None
 
 
+@pytest.mark.parametrize("kernels", ["invariant", "standard"])
+def test_top_k_then_top_p_keeps_hugging_faces_set(kernels):
+    """top-k with top-p: top-p cuts the top-k distribution renormalised, as Hugging Face's TopKLogitsWarper then
+    TopPLogitsWarper (and vLLM) do, on random logits: the same kept set, row by row whatever the batch. A token on
+    which the two disagree may only be one whose preceding (renormalised) mass is top_p up to the fp32 sums."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    seed = int(torch.randint(0, 2**31, ()))
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(seed)) * 3
+    renormalised_cut = False
+    for top_k, top_p, temperature in ((20, 0.9, 1.0), (50, 0.7, 0.7), (5, 0.95, 1.3), (300, 0.8, 1.0)):
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        with mode(kernels):
+            keep = keep_mask(logits, params)
+            alone = [keep_mask(logits[i:i + 1], params) for i in range(len(logits))]
+        assert all(torch.equal(a, keep[i:i + 1]) for i, a in enumerate(alone)), f"seed {seed}: a row alone differs"
+        x = TemperatureLogitsWarper(temperature)(None, logits.clone())
+        hf = TopPLogitsWarper(top_p)(None, TopKLogitsWarper(top_k)(None, x)).isfinite()
+        probs = torch.softmax(logits.double() / temperature, -1)
+        top = probs * (logits >= logits.topk(top_k, -1).values[:, -1:])
+        top = top / top.sum(-1, keepdim=True)
+        # before[b, j]: the mass of the more likely tokens than j in the renormalised top-k distribution (fp64)
+        before = (top.unsqueeze(-2) * (top.unsqueeze(-2) > top.unsqueeze(-1))).sum(-1)
+        differ = keep != hf
+        assert ((before[differ] - top_p).abs() < 1e-5).all(), \
+            f"seed {seed}, {params}: {int(differ.sum())} tokens kept by one definition only"
+        # The case the renormalisation decides: top-k's mass below top_p, yet top-p cuts into the top-k.
+        renormalised_cut |= bool(((probs * keep).sum(-1) < top_p).logical_and(keep.sum(-1) < min(top_k, 300)).any())
+    assert renormalised_cut, f"seed {seed}: no row where the renormalisation matters; the test proved nothing"
+
+
 def test_uniforms_stay_strictly_inside_the_unit_interval():
     from workbench.generation.sampling import unit_interval
 
@@ -281,18 +312,18 @@ def test_logit_noise_perturbs_the_sampled_distribution_row_by_row():
     from workbench.generation import sample
     from workbench.generation.sampling import _NOISE_SALT
 
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    logits = torch.randn(5, 300, generator=g) * 2
+    seed = int(torch.randint(0, 2**31, ()))
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(seed)) * 2
     req, pos = torch.tensor([3, 1, 4, 1, 5]), torch.tensor([0, 2, 7, 1, 8])
     params = SamplingParams(temperature=1.0, seed=11, logit_noise=0.5)
     tokens, raw, smp = sample(logits, params, req, pos)
     z = torch.special.ndtri(uniforms(11, req, pos, 300, _NOISE_SALT))
     assert abs(float(z.mean())) < 0.05 and abs(float(z.std()) - 1) < 0.05, "z ~ N(0, 1)"
     want = torch.log_softmax(logits + 0.5 * z, -1).gather(1, tokens[:, None])[:, 0]
-    assert torch.allclose(raw, want, atol=1e-5) and torch.equal(raw, smp)
+    assert torch.allclose(raw, want, atol=1e-5) and torch.equal(raw, smp), f"seed {seed}"
     alone = sample(logits[2:3], params, req[2:3], pos[2:3])
-    assert torch.equal(alone[0], tokens[2:3]) and torch.equal(alone[1], raw[2:3])
+    assert torch.equal(alone[0], tokens[2:3]) and torch.equal(alone[1], raw[2:3]), f"seed {seed}"
     clean = sample(logits, SamplingParams(temperature=1.0, seed=11), req, pos)[1]
-    assert not torch.equal(clean, raw)
+    assert not torch.equal(clean, raw), f"seed {seed}"
     with pytest.raises(ValueError, match="logit_noise"):
         SamplingParams(logit_noise=-0.1)

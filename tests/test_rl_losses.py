@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from workbench.rl.config import TrainConfig
 from workbench.rl.losses import (
     LossConfig,
     Totals,
@@ -16,6 +17,7 @@ from workbench.rl.losses import (
     sequence_ppo_loss,
     token_ppo_loss,
 )
+from workbench.sweep.grid import parse_grid
 
 LN = math.log
 
@@ -39,6 +41,28 @@ def test_group_advantages():
         group_advantages(r, 3)
 
 
+def test_kl_penalty_is_subtracted_after_the_task_rewards_scaling():
+    """The KL in the reward with GRPO's group scaling (issue 42): a group whose task rewards are all equal gets
+    advantages of the KL penalty's size, not +-1; a group with a success keeps its task advantage, moved by the
+    centred penalty alone; less KL, more advantage."""
+    rewards = torch.tensor([1.0, 1, 1, 1, 1, 0, 0, 0])
+    kl = torch.tensor([0.010, 0.012, 0.011, 0.013, 0.010, 0.012, 0.011, 0.013])
+    penalty = 0.05 * kl
+    folded = group_advantages(rewards - penalty, 4)   # the penalty inside the reward, then the scaling: the old way
+    assert folded[:4].abs().max() > 1, "the failure this guards against: KL differences blown up to a success's size"
+    a = group_advantages(rewards, 4, penalty=penalty)
+    centred = penalty.view(2, 4) - penalty.view(2, 4).mean(1, keepdim=True)
+    assert torch.allclose(a[:4], -centred[0], atol=1e-9) and a[:4].abs().max() < 1e-4
+    assert torch.allclose(a[4:], group_advantages(rewards[4:], 4) - centred[1], atol=1e-7)
+    assert a[0] > a[2] > a[1] > a[3], "the sequence with the least KL gets the largest advantage"
+    # Unscaled (Dr.GRPO), the two orders are one.
+    assert torch.allclose(group_advantages(rewards, 4, "none", penalty=penalty),
+                          group_advantages(rewards - penalty, 4, "none"), atol=1e-7)
+    assert torch.equal(group_advantages(rewards, 4, penalty=torch.zeros(8)), group_advantages(rewards, 4))
+    with pytest.raises(ValueError, match="penalty must have the rewards' shape"):
+        group_advantages(rewards, 4, penalty=penalty[:4])
+
+
 def test_aggregations():
     x = torch.tensor([[1.0, 2, 3], [4, 5, 99]])
     m = torch.tensor([[1, 1, 1], [1, 1, 0]])
@@ -59,6 +83,68 @@ def test_kl_estimators():
     assert kl_estimate(logp, logp, "k3").item() == 0.0
     with pytest.raises(ValueError, match="unknown KL estimator"):
         kl_estimate(logp, ref, "k4")
+
+
+def test_kl_estimators_gradients_in_the_loss():
+    """Each estimator's gradient as a loss term, in expectation over tokens of pi (a categorical of 6), against the
+    analytic gradients: k2's is that of KL(pi || ref), k3's that of KL(ref || pi), k1's is 0. The expectation
+    exactly (each token's gradient weighted by its probability, the weights detached) and by Monte Carlo."""
+    seed = int(torch.randint(0, 2**31, ()))
+    g = torch.Generator().manual_seed(seed)
+    theta = torch.randn(6, generator=g, dtype=torch.float64) * 0.7
+    ref = torch.log_softmax(torch.randn(6, generator=g, dtype=torch.float64) * 0.7, 0)
+
+    def grad(f):
+        t = theta.clone().requires_grad_(True)
+        f(torch.log_softmax(t, 0)).backward()
+        return t.grad
+
+    forward = grad(lambda logp: (logp.exp() * (logp - ref)).sum())    # KL(pi || ref)
+    reverse = grad(lambda logp: (ref.exp() * (ref - logp)).sum())     # KL(ref || pi)
+    assert (forward - reverse).abs().max() > 1e-3, f"seed {seed}: the two KLs' gradients must differ to tell k2 from k3"
+    tokens = torch.multinomial(torch.softmax(theta, 0), 400_000, replacement=True, generator=g)
+    for estimator, want in (("k1", torch.zeros(6, dtype=torch.float64)), ("k2", forward), ("k3", reverse)):
+        exact = grad(lambda logp: (logp.exp().detach() * kl_estimate(logp, ref, estimator)).sum())
+        sampled = grad(lambda logp: kl_estimate(logp[tokens], ref[tokens], estimator).mean())
+        assert torch.allclose(exact, want, atol=1e-12), f"seed {seed}: {estimator} {exact} vs {want}"
+        assert (sampled - want).abs().max() < 0.01, f"seed {seed}: {estimator} Monte Carlo {sampled} vs {want}"
+
+
+def test_kl_estimator_of_each_path():
+    """k1 in the loss is refused (its gradient's expectation is 0); 'auto' is k2 in the loss, k3 in the reward."""
+    assert TrainConfig(kl_coef=0.1).kl_estimator_used == "k2"
+    assert TrainConfig(kl_coef=0.1, kl_in_reward=True).kl_estimator_used == "k3"
+    assert TrainConfig(kl_coef=0.1, kl_estimator="k3").kl_estimator_used == "k3"
+    assert TrainConfig(kl_coef=0.1, kl_in_reward=True, kl_estimator="k1").kl_estimator_used == "k1"
+    with pytest.raises(ValueError, match="kl_estimator='k1' in the loss has a gradient of expectation 0"):
+        TrainConfig(kl_coef=0.1, kl_estimator="k1")
+    with pytest.raises(ValueError, match="unknown KL estimator 'k4'"):
+        TrainConfig(kl_estimator="k4")
+
+
+def test_clip_range_and_aggregation_are_settable_and_checked():
+    """TrainConfig's clip_low / clip_high / aggregation over the loss's published settings (0 and empty keep them);
+    the sweep grid reaches them by name; a sequence-level loss refuses an aggregation it would ignore."""
+    assert TrainConfig(loss="grpo").loss_config() == LossConfig(0.2, 0.2, "seq-mean-token-mean", None)
+    assert TrainConfig(loss="grpo", clip_high=0.28, aggregation="token-mean").loss_config() == \
+        LossConfig(0.2, 0.28, "token-mean", None)
+    assert TrainConfig(loss="dr_grpo", max_new_tokens=7).loss_config().norm == 7
+    assert TrainConfig(loss="dapo", aggregation="seq-mean-token-sum-norm", max_new_tokens=5).loss_config() == \
+        LossConfig(0.2, 0.28, "seq-mean-token-sum-norm", 5)
+    assert TrainConfig(loss="gspo", clip_low=1e-3).loss_config() == LossConfig(1e-3, 4e-4, "seq-mean-token-mean")
+    axes = parse_grid(["clip_low=0.1,0.2", "clip_high=0.28", "aggregation=token-mean,seq-mean-token-mean"],
+                      TrainConfig, "out_dir")
+    assert axes == {"clip_low": [0.1, 0.2], "clip_high": [0.28],
+                    "aggregation": ["token-mean", "seq-mean-token-mean"]}
+    for loss in ("gspo", "blog"):
+        with pytest.raises(ValueError, match=f"loss '{loss}' averages one term per sequence and takes no aggregation"):
+            TrainConfig(loss=loss, aggregation="token-mean")
+    with pytest.raises(ValueError, match="unknown aggregation 'mean'"):
+        TrainConfig(aggregation="mean")
+    with pytest.raises(ValueError, match=r"clip_low must lie in \[0, 1\)"):
+        TrainConfig(clip_low=1.0)
+    with pytest.raises(ValueError, match="clip_high must be a finite number >= 0"):
+        TrainConfig(clip_high=float("inf"))
 
 
 def _batch():
@@ -98,7 +184,7 @@ def test_gspo_sequence_ratio():
     logp, old, adv, mask = _batch()
     ratio = math.sqrt(1.5 * 0.5)  # exp(mean(log 1.5, log 0.5))
     loss, stats = sequence_ppo_loss(logp, old, adv, mask, get_loss("gspo").defaults)
-    assert stats["ratio_mean"].item() == pytest.approx(ratio)
+    assert stats["seq_ratio_mean"].item() == pytest.approx(ratio)
     # A=+1: min(0.866, 0.9997) = 0.866; A=-1: min(-0.866, -0.9997) = -0.9997.
     assert loss.item() == pytest.approx((-ratio + (1 - 3e-4)) / 2, rel=1e-5)
 
@@ -152,7 +238,8 @@ def _simple_rl_loss(token_lps, sampler_lps, adv):
 def test_blog_loss_is_simple_rl_term_for_term():
     """Ragged sequences in the padded [B, T] layout, random log-probs: the loss and its gradient equal the
     source's per-sequence loop, also when cut into two micro-batches with the step's Totals."""
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    seed = int(torch.randint(0, 2**31, ()))
+    g = torch.Generator().manual_seed(seed)
     lens = [5, 2, 7, 3]
     logp = -torch.rand(4, 7, generator=g) * 3
     old = logp + torch.randn(4, 7, generator=g) * 0.1
@@ -167,13 +254,14 @@ def test_blog_loss_is_simple_rl_term_for_term():
     b = logp.clone().requires_grad_(True)
     ref = _simple_rl_loss([b[i, :n] for i, n in enumerate(lens)], [old[i, :n] for i, n in enumerate(lens)], adv)
     ref.backward()
-    assert torch.allclose(loss, ref, atol=1e-6) and torch.allclose(a.grad, b.grad, atol=1e-6)
+    assert torch.allclose(loss, ref, atol=1e-6) and torch.allclose(a.grad, b.grad, atol=1e-6), f"seed {seed}"
     totals = Totals.of(mask)
     c = logp.clone().requires_grad_(True)
     parts = [spec.fn(c[rows], old[rows], adv[rows], mask[rows], spec.defaults, None, totals)[0]
              for rows in (slice(0, 1), slice(1, 4))]
     sum(parts).backward()
-    assert torch.allclose(sum(parts), ref, atol=1e-6) and torch.allclose(c.grad, b.grad, atol=1e-6)
+    assert torch.allclose(sum(parts), ref, atol=1e-6) and torch.allclose(c.grad, b.grad, atol=1e-6), f"seed {seed}"
     ratio = torch.exp(((logp - old) * mask).sum(1))
-    assert torch.allclose(stats["ratio_mean"], ratio.mean())
-    assert torch.allclose(stats["ratio_outside_clip"], ((ratio < 0.8) | (ratio > 1.2)).float().mean())
+    assert torch.allclose(stats["seq_ratio_mean"], ratio.mean()), f"seed {seed}"
+    assert torch.allclose(stats["seq_ratio_outside_clip"], ((ratio < 0.8) | (ratio > 1.2)).float().mean()), \
+        f"seed {seed}"

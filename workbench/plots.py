@@ -18,9 +18,10 @@ from matplotlib.ticker import MaxNLocator
 # ON = invariant (generator = trainer bitwise), OFF = standard (the usual mismatched kernels).
 COLORS = {"invariant": "#1b7837", "standard": "#c51b7d"}
 LABELS = {"invariant": "invariant (ON)", "standard": "standard (OFF)"}
-TITLES = {"reward_mean": "reward", "accuracy": "accuracy", "entropy": "entropy (nats)",
-          "sampler_trainer_kl": "KL(sampler || trainer)", "parity_tokens_differing": "tokens differing",
-          "parity_max_abs_diff": "max |Δ log-prob|", "kl": "KL penalty (kl_to)"}
+TITLES = {"reward_mean": "reward", "accuracy": "accuracy", "reward_positive": "share with reward > 0",
+          "entropy": "entropy (nats)", "sampler_trainer_kl": "KL(sampler || trainer)",
+          "parity_tokens_differing": "tokens differing", "parity_max_abs_diff": "max |Δ log-prob|",
+          "kl": "KL penalty (kl_to)"}
 
 
 def save_figure(fig: Figure, folder: str | Path, name: str) -> list[Path]:

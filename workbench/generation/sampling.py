@@ -4,7 +4,8 @@ Randomness: the uniform number for vocabulary entry v at generation position p
 of request r is a 32-bit integer hash of (seed, r, p, v), pure integer
 arithmetic, the same on any device and in any batch. Sampling is Gumbel-max:
 the token is argmax over the kept vocabulary of logits / T - log(-log(u)),
-which draws exactly from softmax(logits / T) restricted to the kept set. One
+which draws exactly from softmax(logits / T) restricted to the kept set, up to
+the 2^-23 quantisation of u (`unit_interval`). One
 fused kernel (`workbench.kernels.gumbel`) hashes, adds the noise and takes the
 argmax in a single read of the logits; a CPU without the Triton interpreter
 runs the same formula in PyTorch.
@@ -113,7 +114,9 @@ def keep_mask(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | No
     are kept; top-p sorts the tempered probabilities (stable, so ties go by
     token id; a sort only permutes) and keeps each token whose preceding mass,
     summed by `row_cumsum` in one fixed order, is below top_p, so the most
-    likely token is always kept.
+    likely token is always kept. With both, top-p cuts the distribution top-k
+    left, renormalised (vLLM's and Hugging Face's definition): its normaliser
+    is the logsumexp of the kept logits alone.
     """
     if params.top_k == 0 and params.top_p >= 1.0:
         return None
@@ -124,7 +127,8 @@ def keep_mask(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | No
         keep &= x >= kth
     if params.top_p < 1.0:
         t = params.temperature if params.temperature > 0 else 1.0
-        probs = torch.exp(x / t - logsumexp(logits, t)[..., None]) * keep
+        kept = logits.masked_fill(~keep, float("-inf")) if params.top_k else logits
+        probs = torch.exp(x / t - logsumexp(kept, t)[..., None]) * keep
         sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
         # Our own scan: a library cumsum may change algorithm with the batch shape (one row vs many).
         before = row_cumsum(sorted_p) - sorted_p

@@ -4,13 +4,14 @@ refused before anything runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from ..config import check_at_least_one, check_positive
 from ..models.config import RECOMPUTE
 from ..models.lora import PROJECTIONS, LoraConfig
-from .losses import get_loss
+from .losses import AGGREGATIONS, KL_ESTIMATORS, LossConfig, get_loss
 from .tasks import TASKS, default_gsm8k
 
 
@@ -42,6 +43,12 @@ class TrainConfig:
     """Arithmetic difficulty."""
     loss: str = "grpo"
     """grpo, dr_grpo, dapo, gspo or blog."""
+    clip_low: float = 0.0
+    """The PPO ratio is clipped below at 1 - clip_low (0: the loss's published value, 0.2; gspo's 3e-4)."""
+    clip_high: float = 0.0
+    """The PPO ratio is clipped above at 1 + clip_high (0: the loss's published value; dapo's clip-higher 0.28)."""
+    aggregation: str = ""
+    """grpo, dr_grpo, dapo: token-mean, seq-mean-token-mean or seq-mean-token-sum-norm (empty: the loss's own)."""
     steps: int = 2
     """Policy updates (the defaults are a CPU smoke run of about 45 s)."""
     prompts_per_step: int = 2
@@ -101,10 +108,10 @@ class TrainConfig:
     """Weight of the KL penalty (0: none, and no reference model is built)."""
     kl_to: str = "reference"
     """What the KL is measured to: 'reference' (the frozen starting policy) or 'sampler' (the generator)."""
-    kl_estimator: str = "k3"
-    """k1, k2 or k3 (see losses.kl_estimate)."""
+    kl_estimator: str = "auto"
+    """k1, k2, k3 or 'auto' (k3 in the reward, k2 in the loss); k1 only in the reward (see losses.kl_estimate)."""
     kl_in_reward: bool = False
-    """Subtract the KL from each sequence's reward instead of adding it to the loss."""
+    """Penalise the KL in the advantages (after the task rewards' scaling: see group_advantages), not in the loss."""
     generator: str = "embedded"
     """'embedded' (the workbench's sampler) or 'vllm' (vLLM running the workbench model: needs vLLM, a GPU)."""
     vllm_model: str = "workbench"
@@ -137,7 +144,18 @@ class TrainConfig:
     """A progress bar on the terminal (reward, parity) while training."""
 
     def __post_init__(self):
-        get_loss(self.loss)
+        spec = get_loss(self.loss)
+        if not 0 <= self.clip_low < 1:
+            raise ValueError(f"clip_low must lie in [0, 1) (0: the loss's published value), got {self.clip_low!r}")
+        if not (math.isfinite(self.clip_high) and self.clip_high >= 0):
+            raise ValueError(f"clip_high must be a finite number >= 0 (0: the loss's published value), got "
+                             f"{self.clip_high!r}")
+        if self.aggregation and self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"unknown aggregation {self.aggregation!r}; choose one of {', '.join(AGGREGATIONS)}, "
+                             "or leave it empty for the loss's own")
+        if self.aggregation and spec.sequence_level:
+            raise ValueError(f"loss {self.loss!r} averages one term per sequence and takes no aggregation (it would "
+                             "be ignored): leave aggregation empty, or use grpo, dr_grpo or dapo")
         if self.kernel_mode not in ("invariant", "standard"):
             raise ValueError(f"kernel_mode must be 'invariant' or 'standard', got {self.kernel_mode!r}")
         if self.sampler_kernels not in ("trainer", "engine"):
@@ -196,8 +214,11 @@ class TrainConfig:
             raise ValueError(f"kl_coef must be a finite number >= 0, got {self.kl_coef!r}")
         if self.kl_to not in ("reference", "sampler"):
             raise ValueError(f"kl_to must be 'reference' or 'sampler', got {self.kl_to!r}")
-        if self.kl_estimator not in ("k1", "k2", "k3"):
-            raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; choose k1, k2 or k3")
+        if self.kl_estimator not in ("auto", *KL_ESTIMATORS):
+            raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; choose auto, k1, k2 or k3")
+        if self.kl_estimator == "k1" and self.kl_coef > 0 and not self.kl_in_reward:
+            raise ValueError("kl_estimator='k1' in the loss has a gradient of expectation 0 (it penalises nothing): "
+                             "use k2 (or auto) in the loss, or kl_in_reward=True")
         if self.sync not in ("shared", "copy", "checkpoint"):
             raise ValueError(f"sync must be 'shared', 'copy' or 'checkpoint', got {self.sync!r}")
         if not isinstance(self.policy_lag, int) or isinstance(self.policy_lag, bool) or self.policy_lag < 0:
@@ -236,6 +257,21 @@ class TrainConfig:
             raise ValueError(f"vllm_model must be 'workbench' or 'vllm', got {self.vllm_model!r}")
         if not 0 < self.vllm_memory < 1:
             raise ValueError(f"vllm_memory must lie in (0, 1), got {self.vllm_memory!r}")
+
+    @property
+    def kl_estimator_used(self) -> str:
+        """The KL estimator the run uses: kl_estimator, or with 'auto' k3 in the reward and k2 in the loss."""
+        if self.kl_estimator != "auto":
+            return self.kl_estimator
+        return "k3" if self.kl_in_reward else "k2"
+
+    def loss_config(self) -> LossConfig:
+        """The loss's settings: its published ones (`LossSpec.defaults`) with those this config sets."""
+        spec = get_loss(self.loss)
+        aggregation = self.aggregation or spec.defaults.aggregation
+        return dataclasses.replace(spec.defaults, eps_low=self.clip_low or spec.defaults.eps_low,
+                                   eps_high=self.clip_high or spec.defaults.eps_high, aggregation=aggregation,
+                                   norm=self.max_new_tokens if aggregation == "seq-mean-token-sum-norm" else None)
 
     def lora_config(self) -> LoraConfig | None:
         """The adapters' settings (adapter='lora'), or None (full fine-tuning)."""

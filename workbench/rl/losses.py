@@ -41,7 +41,8 @@ class Totals:
 ADVANTAGE_SCALES = ("group", "batch", "none")
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-6,
+                     penalty: torch.Tensor | None = None) -> torch.Tensor:
     """Per-sequence advantages from rewards [B] laid out group after group (B = groups x group_size).
 
     A = r - mean(group), divided by (`scale`):
@@ -51,12 +52,20 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
       blog's `simple_rl.py` normalises the batch's rewards to mean 0, std 1, then subtracts each group's
       mean: the batch mean cancels, which leaves this);
     - 'none': nothing (Dr.GRPO).
+
+    `penalty` [B] (the KL in the reward: kl_coef x each sequence's KL) is centred per group and subtracted
+    after the scaling: A = (r - mean r) / spread(r) - (penalty - mean penalty). The spread is the task
+    rewards' alone. Were the penalty part of the reward before the scaling, a group whose task rewards are
+    all equal (most groups once a task is solved, or never) would divide KL differences of ~1e-4 by their
+    own ~1e-4 std and hand out advantages of ~1, as large as a success. With scale 'none' both orders agree.
     """
     if group_size < 2:
         raise ValueError(f"group_size must be at least 2 (advantages compare samples of one prompt), got {group_size}")
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
                          f"got shape {tuple(rewards.shape)}")
+    if penalty is not None and penalty.shape != rewards.shape:
+        raise ValueError(f"penalty must have the rewards' shape {tuple(rewards.shape)}, got {tuple(penalty.shape)}")
     if scale not in ADVANTAGE_SCALES:
         raise ValueError(f"advantage scale must be one of {ADVANTAGE_SCALES}, got {scale!r}")
     r = rewards.float().view(-1, group_size)
@@ -66,6 +75,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     elif scale == "batch" and r.numel() > 1:
         std = r.flatten().std()
         adv = torch.where(std > 1e-8, adv / std, adv)
+    if penalty is not None:
+        k = penalty.float().view(-1, group_size)
+        adv = adv - (k - k.mean(dim=1, keepdim=True))
     return adv.view(-1)
 
 
@@ -93,11 +105,23 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: floa
     raise ValueError(f"unknown aggregation {mode!r}; choose one of {AGGREGATIONS}")
 
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1, k2, k3).
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
-    With log r = ref_logp - logp: k1 = -log r (unbiased, can be negative), k2 = (log r)^2 / 2
-    (biased, low variance), k3 = r - 1 - log r (unbiased, never negative).
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (Schulman's k1, k2, k3).
+
+    With log r = ref_logp - logp: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r.
+
+    In the reward only the value counts: k1 and k3 are unbiased (k3 is never negative and has the lower
+    variance: the reward's default), k2 is biased. In the loss the gradient counts, and the gradient of an
+    unbiased estimate of the KL is not an estimate of the KL's gradient. With tokens x ~ pi:
+    - grad k1 = grad log pi, whose expectation is 0: k1 in the loss penalises nothing (`TrainConfig` refuses it);
+    - grad k2 = (log pi - log ref) grad log pi, whose expectation is grad KL(pi || ref): the loss's default;
+    - grad k3 = (1 - r) grad log pi, whose expectation is -E_ref[grad log pi] = grad KL(ref || pi), the reverse
+      KL's gradient (the GRPO paper's KL term).
+    This holds for tokens of the policy being trained: an update's first mini-batch. Later mini-batches and
+    epochs train on tokens of pi_old, which no estimator here reweights.
     """
     log_r = ref_logp - logp
     if estimator == "k1":
@@ -106,7 +130,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
         return 0.5 * log_r**2
     if estimator == "k3":
         return torch.exp(log_r) - 1.0 - log_r
-    raise ValueError(f"unknown KL estimator {estimator!r}; choose k1, k2 or k3")
+    raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
 
 
 def importance_weights(old_logp: torch.Tensor, behavior_logp: torch.Tensor, mask: torch.Tensor, level: str,
@@ -133,9 +157,9 @@ def importance_weights(old_logp: torch.Tensor, behavior_logp: torch.Tensor, mask
 @dataclass(frozen=True)
 class LossConfig:
     eps_low: float = 0.2
-    """Lower clip: the ratio is kept above 1 - eps_low."""
+    """Lower clip edge 1 - eps_low: below it a negative advantage pushes the ratio down no further (no gradient)."""
     eps_high: float = 0.2
-    """Upper clip: the ratio is kept below 1 + eps_high (DAPO's clip-higher raises it)."""
+    """Upper clip edge 1 + eps_high: above it a positive advantage pushes no further (DAPO's clip-higher raises it)."""
     aggregation: str = "seq-mean-token-mean"
     """How the per-token loss becomes a scalar (see `aggregate`)."""
     norm: float | None = None
@@ -162,8 +186,9 @@ def _clipped_pg(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig):
 
 def token_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None, totals: Totals | None = None):
     """PPO-clip on per-token ratios (GRPO, Dr.GRPO, DAPO): returns (loss, stats).
-    `weights` [B, T] (off-policy corrections) multiply the per-token loss. Stats are token means over
-    `totals` (so micro-batches' stats add up to the update's)."""
+    `weights` [B, T] (off-policy corrections) multiply the per-token loss. Stats, means over the tokens of
+    `totals` (so micro-batches' stats add up to the update's): `ratio_mean`, and `clip_low` / `clip_high`, the
+    shares of tokens whose clipped branch is active at the low / high edge."""
     totals = totals or Totals.of(mask)
     ratio = torch.exp(logp - old_logp)
     loss, low, high = _clipped_pg(ratio, adv[:, None].expand_as(ratio), cfg)
@@ -176,11 +201,20 @@ def token_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None, tot
     return aggregate(loss, mask, cfg.aggregation, cfg.norm, totals), stats
 
 
+def _sequence_stats(ratio, low, high, totals: Totals) -> dict[str, torch.Tensor]:
+    """A sequence-level loss's ratio and clip statistics, means over sequences, named apart from the token-level
+    losses' token means (an ON/OFF table pooling both under one name would mix two quantities)."""
+    s = totals.sequences
+    return {"seq_ratio_mean": _mean(ratio.sum(), s), "seq_clip_low": _mean(low.float().sum(), s),
+            "seq_clip_high": _mean(high.float().sum(), s)}
+
+
 def sequence_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None, totals: Totals | None = None):
     """GSPO: one ratio per sequence, exp(mean over its tokens of logp - old_logp), clipped per sequence,
     the sequences' losses averaged over `totals.sequences`. `weights` [B, T] are sequence-level
     (`importance_weights(level='sequence')`, one value per row): each sequence's loss is multiplied by
-    their mean over its real tokens."""
+    their mean over its real tokens. Stats, means over the sequences of `totals`: `seq_ratio_mean`,
+    `seq_clip_low` / `seq_clip_high` (the shares of sequences clipped at each edge)."""
     totals = totals or Totals.of(mask)
     m = mask.to(logp.dtype)
     n = m.sum(1).clamp_min(1.0)
@@ -189,10 +223,7 @@ def sequence_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None, 
     loss, low, high = _clipped_pg(ratio, adv, cfg)
     if weights is not None:
         loss = loss * (weights * m).sum(1) / n
-    s = totals.sequences
-    stats = {"ratio_mean": _mean(ratio.sum(), s), "clip_low": _mean(low.float().sum(), s),
-             "clip_high": _mean(high.float().sum(), s)}
-    return loss.sum() / max(s, 1), stats
+    return loss.sum() / max(totals.sequences, 1), _sequence_stats(ratio, low, high, totals)
 
 
 BLOG_KL_COEF = 0.1
@@ -206,7 +237,7 @@ def blog_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None, totals: 
     `compute_policy_gradient_loss_vllm`), term for term:
 
         ratio = exp(sum_t logp - sum_t old_logp)                  one ratio per sequence, a SUM (GSPO: a mean)
-        pg    = -mean_seq min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)
+        pg    = -mean_seq min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)   (0.2, 0.2)
         kl    = mean_seq (ratio - 1 - log ratio)                  weight BLOG_KL_COEF
         bonus = -mean_tokens(-logp)                               weight BLOG_ENTROPY_COEF (all tokens of the step)
         loss  = pg + 0.1 * kl + 0.01 * bonus
@@ -214,7 +245,9 @@ def blog_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None, totals: 
     The sum makes the ratio's log the whole sequence's mismatch: with old = the sampler's log-probs, a
     sequence whose tokens each differ by 0.01 nats has a ratio of exp(0.01 x length) before any update.
     `weights` [B, T] (sequence-level corrections) multiply each sequence's pg term by their mean over its
-    real tokens. Means are over `totals` (sequences for pg and kl, tokens for the bonus).
+    real tokens. Means are over `totals` (sequences for pg and kl, tokens for the bonus). Stats: those of
+    `sequence_ppo_loss`, `seq_ratio_outside_clip` (the share of sequences whose ratio lies outside the clip range,
+    whatever their advantage's sign) and `seq_kl` (the kl term's value).
     """
     totals = totals or Totals.of(mask)
     m = mask.to(logp.dtype)
@@ -229,8 +262,7 @@ def blog_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None, totals: 
     loss = (_mean(pg.sum(), s) + BLOG_KL_COEF * _mean(kl.sum(), s)
             - BLOG_ENTROPY_COEF * _mean(neg_logp, totals.tokens))
     outside = (ratio < 1.0 - cfg.eps_low) | (ratio > 1.0 + cfg.eps_high)
-    stats = {"ratio_mean": _mean(ratio.sum(), s), "clip_low": _mean(low.float().sum(), s),
-             "clip_high": _mean(high.float().sum(), s), "ratio_outside_clip": _mean(outside.float().sum(), s),
+    stats = {**_sequence_stats(ratio, low, high, totals), "seq_ratio_outside_clip": _mean(outside.float().sum(), s),
              "seq_kl": _mean(kl.detach().sum(), s)}
     return loss, stats
 
@@ -252,7 +284,8 @@ LOSSES: dict[str, LossSpec] = {
     "dr_grpo": LossSpec(token_ppo_loss, "none", LossConfig(0.2, 0.2, "seq-mean-token-sum-norm")),
     "dapo": LossSpec(token_ppo_loss, "group", LossConfig(0.2, 0.28, "token-mean")),
     "gspo": LossSpec(sequence_ppo_loss, "group", LossConfig(3e-4, 4e-4, "seq-mean-token-mean"), True),
-    # The aggregation is that of the entropy bonus; the other terms are means over sequences.
+    # Sequence-level: the loss's own terms are means over sequences (blog's entropy bonus a token mean); the
+    # aggregation is only that of the trainer's KL term in the loss (`kl_coef`), and TrainConfig refuses another.
     "blog": LossSpec(blog_loss, "batch", LossConfig(0.2, 0.2, "token-mean"), True),
 }
 

@@ -359,15 +359,16 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
         kl_target = score(run.reference, batch, budget, cfg.temperature)[0] if run.reference is not None \
             else batch.behavior
 
-    # Advantages (with the KL of the sampling policy subtracted from the reward, when asked).
-    shaped = rewards
+    # Advantages; the KL in the reward, when asked, is a penalty subtracted after the task rewards' scaling (a zero
+    # penalty changes no bit: x - 0 is x).
+    penalty = torch.zeros_like(rewards)
     if kl_target is not None and cfg.kl_in_reward:
-        kl = kl_estimate(recomputed, kl_target, cfg.kl_estimator) * mask
-        shaped = rewards - cfg.kl_coef * kl.sum(1)
-        later["kl"] = dp.ratio_of_sums(kl.sum(), mask.sum())
+        penalty = cfg.kl_coef * (kl_estimate(recomputed, kl_target, cfg.kl_estimator_used) * mask).sum(1)
+        # Logged: the KL's value by k3, as in the loss path (update), whatever estimator the penalty uses.
+        later["kl"] = dp.ratio_of_sums((kl_estimate(recomputed, kl_target, "k3") * mask).sum(), mask.sum())
     # From the whole step's rewards ('batch' scales by all of them), then this rank's rows.
-    rewards_all, shaped_all = dp.gather_rows(rewards, shaped)
-    advantages = group_advantages(shaped_all, cfg.group_size, scale=spec.advantage_scale)[rows]
+    rewards_all, penalty_all = dp.gather_rows(rewards, penalty)
+    advantages = group_advantages(rewards_all, cfg.group_size, scale=spec.advantage_scale, penalty=penalty_all)[rows]
 
     # Update.
     old = recomputed if cfg.old_logprobs == "recompute" else batch.behavior
@@ -408,7 +409,7 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
         log(step, name, value)
     log(step, "reward_mean", rewards_all.mean())
     log(step, "reward_std", rewards_all.std())
-    log(step, "accuracy", (rewards_all > 0).float().mean())
+    log(step, "reward_positive", (rewards_all > 0).float().mean())   # the task's own accuracy: accuracy_<score>
     for name in scores[0]:
         log(step, f"accuracy_{name}", sum(s[name] for s in scores) / len(scores))
     log(step, "entropy", dp.ratio_of_sums((entropy * mask).sum(), mask.sum()))

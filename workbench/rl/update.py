@@ -29,7 +29,7 @@ import torch
 from ..distributed.data_parallel import DataParallel
 from .config import TrainConfig
 from .logprobs import completion_logprobs
-from .losses import AGGREGATIONS, LossConfig, LossSpec, Totals, aggregate, kl_estimate
+from .losses import LossSpec, Totals, aggregate, kl_estimate
 from .rollout import RolloutBatch
 from .weights import TrainWeights
 
@@ -67,9 +67,7 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
     `on_bad_loss(loss)` is called (and must raise) when a micro-batch's loss is not finite, before that
     mini-batch's optimizer step (with `dp`: on every rank, when any rank's loss is not finite).
     """
-    base = spec.defaults
-    norm = cfg.max_new_tokens if base.aggregation == AGGREGATIONS[2] else None
-    loss_cfg = LossConfig(base.eps_low, base.eps_high, base.aggregation, norm)
+    loss_cfg = cfg.loss_config()
     model = weights.module
     sums: dict[str, torch.Tensor | float] = defaultdict(float)
     sq_deltas: dict[str, float] = defaultdict(float)
@@ -104,9 +102,11 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
                 loss, stats = spec.fn(logp, inputs.old[mb.index, cols], inputs.advantages[mb.index], mask,
                                       loss_cfg, w, totals)
                 if inputs.kl_target is not None:
-                    kl = kl_estimate(logp, inputs.kl_target[mb.index, cols], cfg.kl_estimator) * mask
-                    loss = loss + cfg.kl_coef * aggregate(kl, mask, base.aggregation, norm, totals)
-                    sums["kl"] += kl.detach().sum() / max(totals.tokens, 1)
+                    target = inputs.kl_target[mb.index, cols]
+                    kl = kl_estimate(logp, target, cfg.kl_estimator_used) * mask
+                    loss = loss + cfg.kl_coef * aggregate(kl, mask, loss_cfg.aggregation, loss_cfg.norm, totals)
+                    # Logged: the KL's value by k3 (unbiased, never negative), whichever estimator the gradient needs.
+                    sums["kl"] += (kl_estimate(logp.detach(), target, "k3") * mask).sum() / max(totals.tokens, 1)
                 loss.backward()
                 losses.append(loss.detach())
                 for k, v in stats.items():
