@@ -105,7 +105,7 @@ def compare(cfg: CompareConfig) -> pd.DataFrame:
 
         require_vllm()  # before anything else: say what is missing
     device = resolve_device("cuda" if cfg.backend == "vllm" else cfg.device)
-    out = make_folder(cfg.out_dir)
+    folder = make_folder(cfg.out_dir)
     path = _checkpoint(cfg, device)
     model = load_pretrained(path, dtype=torch.bfloat16, device=device)
     prompt = _prompt(cfg, path, model.config.vocab_size)
@@ -131,5 +131,5 @@ def compare(cfg: CompareConfig) -> pd.DataFrame:
         recomputed = trainer_logprobs(model, [prompt], tokens, params if tempered else None)
     table = parity_table([c.sampled_logprobs if tempered else c.logprobs for c in out.completions], recomputed,
                          tokens)
-    table.to_csv(out / "comparison.csv", index=False)
+    table.to_csv(folder / "comparison.csv", index=False)
     return table
