@@ -179,7 +179,8 @@ def _resolve(cls, args, argv: list[str]):
     return cls(**{**base, **explicit})
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str]) -> tuple:
+    """(config, parsed arguments) of a command line, checked; a bad one exits with a one-line error."""
     parser = _Parser(prog="python -m workbench", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     parsers = {}
@@ -197,13 +198,17 @@ def main(argv: list[str] | None = None) -> int:
                                    "name); options given on the command line win over it")
         parsers[name].add_argument("overrides", nargs="*", metavar="key=value",
                                    help=f"settings applied last, by field name, e.g. {example}")
-    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    _, cls, fn = COMMANDS[args.command]
+    _, cls, _ = COMMANDS[args.command]
     try:
-        cfg = _resolve(cls, args, argv) if args.command in CONFIGURABLE else from_namespace(cls, args)
+        return (_resolve(cls, args, argv) if args.command in CONFIGURABLE else from_namespace(cls, args)), args
     except (ValueError, FileNotFoundError) as e:
         parsers[args.command].error(str(e))
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, args = parse(sys.argv[1:] if argv is None else argv)
+    fn = COMMANDS[args.command][2]
     try:
         return fn(cfg, args)
     except KeyboardInterrupt:   # Ctrl-C: what was kept, not the interpreter's traceback
