@@ -25,8 +25,7 @@ def test_train_policy_refuses_a_folder_that_holds_a_policy(tmp_path, capsys):
     out = tmp_path / "policy"
     out.mkdir()
     (out / "config.json").write_text('{"mine": 1}')
-    argv = ["train-policy", "--out", str(out), "--max-steps", "1", "--eval-every", "1", "--eval-problems", "2",
-            "--no-progress"]
+    argv = ["train-policy", "--out", str(out), "--max-steps", "1", "--eval-every", "1", "--eval-problems", "2"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "already holds a policy" in err and len(err.strip().splitlines()) == 1

@@ -41,7 +41,7 @@ def _train_policy(cfg: PolicyConfig, args) -> int:
     from .rl.policy import free_folder, train_policy
 
     free_folder(args.out)   # before minutes of training, not after
-    _, _, table = train_policy(cfg, args.out)
+    _, _, table = train_policy(cfg, args.out, progress=True)
     acc = table[table.metric == "accuracy"]
     print(acc[["step", "value"]].rename(columns={"value": "greedy accuracy"}).to_string(index=False))
     print(f"saved to {args.out}")

@@ -58,8 +58,6 @@ class PolicyConfig:
     """Kernel mode for this supervised run (its numerics need not be invariant)."""
     device: str = "auto"
     """'cpu', 'cuda' or 'auto'."""
-    progress: bool = True
-    """Show a progress bar (loss, last accuracy) while it trains."""
 
     def __post_init__(self):
         if self.size not in POLICY_SIZES:
@@ -114,10 +112,11 @@ def greedy_accuracy(model, tokenizer, task: Arithmetic, problems) -> float:
     return sum(task.reward(t, p) for t, p in zip(texts, problems)) / len(problems)
 
 
-def train_policy(cfg: PolicyConfig, out_dir: str | Path | None = None):
+def train_policy(cfg: PolicyConfig, out_dir: str | Path | None = None, progress: bool = False):
     """Supervised training on arithmetic; returns (model in fp32, tokenizer, metrics table).
 
-    With `out_dir`, the bf16 model and its tokenizer are saved there as a Hugging Face checkpoint.
+    With `out_dir`, the bf16 model and its tokenizer are saved there as a Hugging Face checkpoint. `progress`: a
+    progress bar (loss, the last accuracy) on stderr, for a command line (a minute or more on a CPU).
     """
     device = resolve_device(cfg.device)
     task = Arithmetic(seed=cfg.seed, difficulty=cfg.difficulty)
@@ -130,7 +129,7 @@ def train_policy(cfg: PolicyConfig, out_dir: str | Path | None = None):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     rows, start = [], time.perf_counter()
     # Up to max_steps; it stops earlier once the accuracy lands in target_accuracy.
-    bar = tqdm(total=cfg.max_steps, disable=not cfg.progress, desc=f"train-policy ({cfg.size}, {device})")
+    bar = tqdm(total=cfg.max_steps, disable=not progress, desc=f"train-policy ({cfg.size}, {device})")
     with mode(cfg.kernel_mode), bar:
         for step in range(1, cfg.max_steps + 1):
             ids, lens, mask = _batch(tokenizer, task.problems(cfg.batch_size, start=step * cfg.batch_size), device)

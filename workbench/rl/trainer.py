@@ -89,8 +89,8 @@ def _starting_policy(cfg: TrainConfig, out: Path, device: str, dp: DataParallel,
                          "only knows arithmetic")
     # Rank 0 trains it and saves it; the other ranks load that copy, for its shape and tokenizer (the weights
     # every rank starts from are rank 0's: `DataParallel.replicate`).
-    trained = dp.on_main(lambda: train_policy(PolicyConfig(seed=cfg.seed, difficulty=cfg.difficulty, device=device,
-                                                           progress=cfg.progress), out / "policy")[:2])
+    trained = dp.on_main(lambda: train_policy(PolicyConfig(seed=cfg.seed, difficulty=cfg.difficulty, device=device),
+                                              out / "policy", progress=cfg.progress)[:2])
     return trained or (load_pretrained(out / "policy", dtype=dtype, device=device), load_tokenizer(out / "policy"))
 
 
