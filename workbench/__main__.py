@@ -18,18 +18,18 @@ from .rl.config import TrainConfig
 from .onoff.config import OnOffConfig, preset_base
 from .onoff.runner import RunFailed
 from .rl.policy import PolicyConfig
-from .rl.trainer import ParityError
+from .rl.trainer import ParityError, interrupted
 from .sweep.runner import EXPERIMENTS, SweepConfig, SweepOptions
 
 
 def _demo(cfg: BatchVarianceConfig, args) -> int:
-    from .demo import batch_variance, summarize
+    from .demo import batch_variance, format_table, summarize
     from .env import resolve_device
 
     print(f"workbench demo on {resolve_device(cfg.device)}: row 0 of x[:M] @ W.T vs row 0 at M = 1 "
           f"(K={cfg.k}, N={cfg.n})", flush=True)
     table = batch_variance(cfg)
-    print(table.to_string(index=False))
+    print(format_table(table))
     print(summarize(table))
     if not table["invariant_bitwise_equal"].all():
         print("FAILED: the invariant kernel changed a row with the batch size", file=sys.stderr)
@@ -38,9 +38,10 @@ def _demo(cfg: BatchVarianceConfig, args) -> int:
 
 
 def _train_policy(cfg: PolicyConfig, args) -> int:
-    from .rl.policy import train_policy
+    from .rl.policy import free_folder, train_policy
 
-    _, _, table = train_policy(cfg, args.out)
+    free_folder(args.out)   # before minutes of training, not after
+    _, _, table = train_policy(cfg, args.out, progress=True)
     acc = table[table.metric == "accuracy"]
     print(acc[["step", "value"]].rename(columns={"value": "greedy accuracy"}).to_string(index=False))
     print(f"saved to {args.out}")
@@ -52,7 +53,8 @@ def _train(cfg: TrainConfig, args) -> int:
 
     table = train(cfg)
     if os.environ.get("RANK", "0") == "0":   # under torchrun every rank returns the table: rank 0 prints it
-        print(table[table.step == table.step.max()].set_index("metric")["value"].to_string())
+        final = table[table.step == table.step.max()].set_index("metric")["value"]
+        print(final.map(lambda v: f"{v:.6g}").to_string())
         print(f"metrics: {cfg.out_dir}/metrics.csv")
     return 0
 
@@ -100,8 +102,8 @@ def _compare(cfg: CompareConfig, args) -> int:
     if parity_summary(table)["bitwise_identical"] or cfg.kernel_mode == "standard":
         return 0
     print("NOT bitwise identical although the trainer runs invariant kernels"
-          + (": vLLM's kernels are not the workbench's yet (issue 7)" if cfg.backend == "vllm" else ""),
-          file=sys.stderr)
+          + (" (vLLM's own model, model_impl='vllm', is the mismatched control)"
+             if cfg.backend == "vllm" and cfg.model_impl == "vllm" else ""), file=sys.stderr)
     return 1
 
 
@@ -144,8 +146,19 @@ COMMANDS = {
 }
 
 
-CONFIGURABLE = ("train", "on-off", "nightly")
-"""The commands that take --config FILE and key=value overrides."""
+CONFIGURABLE = {"train": "lr=3e-6 steps=200", "on-off": "seeds=[0,1,2] arms=[on,off]", "nightly": "scale=smoke"}
+"""The commands that take --config FILE and key=value overrides, each with an example of the overrides."""
+
+DESCRIPTION = ("workbench: on-policy RL of language models whose generator and trainer compute the same log-probs "
+               "bit for bit, and the tools to see, measure and teach the mismatch they otherwise have. "
+               "Each command has its own --help.")
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage error in one line and where the options are listed, not the whole usage before it."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the options)\n")
 
 
 def _resolve(cls, args, argv: list[str]):
@@ -166,8 +179,9 @@ def _resolve(cls, args, argv: list[str]):
     return cls(**{**base, **explicit})
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workbench", description=__doc__)
+def parse(argv: list[str]) -> tuple:
+    """(config, parsed arguments) of a command line, checked; a bad one exits with a one-line error."""
+    parser = _Parser(prog="python -m workbench", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     parsers = {}
     for name, (help_, cls, _) in COMMANDS.items():
@@ -179,20 +193,28 @@ def main(argv: list[str] | None = None) -> int:
     parsers["sweep"].add_argument("experiment", choices=list(EXPERIMENTS), help=sweep_docs["experiment"])
     parsers["sweep"].add_argument("grid", nargs="+", metavar="field=v1,v2", help=sweep_docs["grid"])
     parsers["fetch-model"].add_argument("name", nargs="?", help="a registry name (see --list) or an org/name hub id")
-    for name in CONFIGURABLE:
+    for name, example in CONFIGURABLE.items():
         parsers[name].add_argument("--config", help="a YAML or TOML file of settings (the options above, by field "
                                    "name); options given on the command line win over it")
         parsers[name].add_argument("overrides", nargs="*", metavar="key=value",
-                                   help="settings applied last, e.g. lr=1e-5 seeds=[0,1,2]")
-    argv = sys.argv[1:] if argv is None else argv
+                                   help=f"settings applied last, by field name, e.g. {example}")
     args = parser.parse_args(argv)
-    _, cls, fn = COMMANDS[args.command]
+    _, cls, _ = COMMANDS[args.command]
     try:
-        cfg = _resolve(cls, args, argv) if args.command in CONFIGURABLE else from_namespace(cls, args)
+        return (_resolve(cls, args, argv) if args.command in CONFIGURABLE else from_namespace(cls, args)), args
     except (ValueError, FileNotFoundError) as e:
         parsers[args.command].error(str(e))
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, args = parse(sys.argv[1:] if argv is None else argv)
+    fn = COMMANDS[args.command][2]
     try:
         return fn(cfg, args)
+    except KeyboardInterrupt:   # Ctrl-C: what was kept, not the interpreter's traceback
+        kept = interrupted(cfg) if args.command == "train" else "stopped"
+        print(f"python -m workbench {args.command}: interrupted; {kept}", file=sys.stderr)
+        return 130
     except (ValueError, FileNotFoundError, FloatingPointError, ParityError, BackendUnavailable, FetchError,
             RunFailed) as e:
         # Bad checkpoints, missing resume points, NaN losses, parity breaks: a message, not a traceback.

@@ -10,6 +10,7 @@ generator, vLLM running the workbench model): then both score the distribution s
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pandas as pd
 import torch
 
 from .env import resolve_device
+from .files import make_folder
 from .generation import SamplingParams, generate, parity_table, trainer_logprobs
 from .kernels import mode
 from .models import build, encode_prompt, load_pretrained, load_tokenizer, resolve_model, save_pretrained
@@ -64,6 +66,11 @@ class CompareConfig:
             raise ValueError(f"tokens must be >= 1, got {self.tokens}")
 
 
+def _say(message: str) -> None:
+    """Progress on stderr: generation and the trainer's pass are each seconds to minutes of silence otherwise."""
+    print(f"compare: {message}", file=sys.stderr, flush=True)
+
+
 def _checkpoint(cfg: CompareConfig, device: str) -> Path:
     if cfg.checkpoint:
         return resolve_model(cfg.checkpoint)
@@ -98,10 +105,15 @@ def compare(cfg: CompareConfig) -> pd.DataFrame:
 
         require_vllm()  # before anything else: say what is missing
     device = resolve_device("cuda" if cfg.backend == "vllm" else cfg.device)
+    folder = make_folder(cfg.out_dir)
     path = _checkpoint(cfg, device)
     model = load_pretrained(path, dtype=torch.bfloat16, device=device)
     prompt = _prompt(cfg, path, model.config.vocab_size)
     params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.tokens, seed=cfg.seed)
+    slow = device == "cpu" and cfg.kernel_mode == "invariant" and cfg.checkpoint
+    _say(f"generating {cfg.tokens} tokens with the {cfg.backend} generator ({cfg.kernel_mode} kernels, {device})"
+         + (": Triton's interpreter runs a real model's invariant kernels slowly on a CPU (minutes; "
+            "--kernel-mode standard takes seconds)" if slow else "") + " ...")
     if cfg.backend == "vllm":
         from .generation.vllm_backend import VLLMGenerator
 
@@ -114,10 +126,10 @@ def compare(cfg: CompareConfig) -> pd.DataFrame:
             out = generate(model, [prompt], params)
     tokens = [c.tokens for c in out.completions]
     tempered = cfg.temperature not in (0, 1) and (cfg.backend == "embedded" or cfg.model_impl == "workbench")
+    _say("recomputing their log-probs with the trainer's forward ...")
     with mode(cfg.kernel_mode):
         recomputed = trainer_logprobs(model, [prompt], tokens, params if tempered else None)
     table = parity_table([c.sampled_logprobs if tempered else c.logprobs for c in out.completions], recomputed,
                          tokens)
-    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-    table.to_csv(Path(cfg.out_dir) / "comparison.csv", index=False)
+    table.to_csv(folder / "comparison.csv", index=False)
     return table

@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import inspect
 import math
+import re
 import textwrap
 import tomllib
 import typing
@@ -25,6 +26,26 @@ from typing import Any, TypeVar
 import yaml
 
 T = TypeVar("T")
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML with YAML 1.2's booleans (true/false only). YAML 1.1 also reads on/off/yes/no/y/n as booleans, which
+    turns the arm names of `arms=[on, off]` into True/False; here those words stay strings, and a bool field reads
+    them back as booleans (`_BOOL_WORDS`)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+
+_BOOL_WORDS = {"yes": True, "y": True, "on": True, "no": False, "n": False, "off": False}
+"""YAML 1.1's other boolean words, for bool fields (files written for PyYAML's default reading)."""
+
+
+def _load_yaml(text: str):
+    return yaml.load(text, Loader=_Loader)
 
 
 def check_positive(name: str, value) -> None:
@@ -94,6 +115,8 @@ def _typed(where: str, name: str, value, tp):
     if origin is tuple and isinstance(value, (list, tuple)):
         (item, *_) = typing.get_args(tp)
         return tuple(_typed(where, name, v, item) for v in value)
+    if tp is bool and isinstance(value, str) and value.lower() in _BOOL_WORDS:
+        value = _BOOL_WORDS[value.lower()]
     if tp in (int, float) and isinstance(value, str):
         try:  # PyYAML reads 1e-5 (no dot) as a string
             value = tp(value)
@@ -127,7 +150,7 @@ def read_config_file(path: str | Path, cls: type) -> dict:
         raise FileNotFoundError(f"config file {p} does not exist")
     try:
         if p.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(p.read_text())
+            data = _load_yaml(p.read_text())
         elif p.suffix == ".toml":
             data = tomllib.loads(p.read_text())
         else:
@@ -154,7 +177,7 @@ def parse_overrides(items: list[str], cls: type) -> dict:
             values[key] = text
             continue
         try:
-            values[key] = yaml.safe_load(text) if text.strip() else ""
+            values[key] = _load_yaml(text) if text.strip() else ""
         except yaml.YAMLError:
             values[key] = text
     return check_values("override", values, cls)

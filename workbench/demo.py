@@ -68,6 +68,18 @@ def batch_variance(cfg: BatchVarianceConfig) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def format_table(table: pd.DataFrame) -> str:
+    """The table for a terminal (< 100 characters wide): per mode, row 0's max |difference| from M = 1, in ulps,
+    and whether it is the same bits."""
+    short = {"max_abs_diff": "max|d|", "max_ulps": "ulps", "bitwise_equal": "same"}
+    view = table[["dtype", "M"]].copy()
+    for mode_name, tag in (("standard", "std"), ("invariant", "inv")):
+        for col, name in short.items():
+            v = table[f"{mode_name}_{col}"]
+            view[f"{tag} {name}"] = v.map(lambda x: f"{x:.2g}") if col == "max_abs_diff" else v
+    return view.to_string(index=False)
+
+
 def summarize(table: pd.DataFrame) -> str:
     lines = []
     for mode_name in ("standard", "invariant"):

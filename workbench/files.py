@@ -13,3 +13,18 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_folder(path: str | os.PathLike) -> Path:
+    """`path` as a writable folder (made with its parents), or a one-line ValueError the command line prints as is:
+    a read-only place or a file in the way otherwise ends in an OSError traceback."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ValueError(f"cannot create output folder {path}: a file of that name is in the way") from None
+    except OSError as e:
+        raise ValueError(f"cannot create output folder {path}: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot create output folder {path}: it is not writable")
+    return path

@@ -34,6 +34,7 @@ import pandas as pd
 
 from .config import write_config
 from .env import environment_record, git_sha, resolve_device
+from .files import make_folder
 from .models.hub import resolve_model
 from .sweep.grid import finished, mark_finished, parse_grid, point_names, points, swept
 from .tables import load_table
@@ -62,8 +63,9 @@ class NightlyConfig:
     progress: bool = True
     """Show papermill's progress bar per notebook."""
     grid: tuple[str, ...] = ()
-    """Notebook parameters to sweep, param=v1,v2 per item: every combination runs the notebooks once, each into
-    its own folder; a rerun skips the notebooks that finished (see the module's docstring)."""
+    """Notebook parameters to sweep, param=v1,v2 per item (--grid seed=0,1 presets=blog,realistic): every combination
+    runs the chosen notebooks once, into out_root/grid-<swept parameters>_<git sha>/<point>/; a rerun skips those that
+    finished."""
 
     def __post_init__(self):
         if self.scale not in ("smoke", "full", "auto"):
@@ -301,6 +303,7 @@ def run_nightly(cfg: NightlyConfig) -> tuple[Path, pd.DataFrame, bool]:
     if cfg.metrics:
         load_table(cfg.metrics, "on_off")
     smoke = cfg.scale == "smoke" or (cfg.scale == "auto" and resolve_device(cfg.device) == "cpu")
+    make_folder(cfg.out_root)
     if cfg.grid:
         return run_grid(cfg, paths, smoke)
     folder = run_folder(cfg.out_root)

@@ -41,14 +41,18 @@ def audit_heatmap(table: pd.DataFrame) -> Figure:
     values = grid.to_numpy(dtype=float)
     fig = Figure(figsize=(1.0 + 0.7 * grid.shape[1], 0.8 + 0.45 * grid.shape[0]), layout="constrained")
     ax = fig.subplots()
-    image = ax.imshow(values, cmap="Reds", vmin=0, vmax=max(1.0, float(np.nanmax(values))), aspect="auto")
+    vmax = max(1.0, float(np.nanmax(values)))
+    image = ax.imshow(values, cmap="Reds", vmin=0, vmax=vmax, aspect="auto")
     ax.set_xticks(range(grid.shape[1]), [f"{m}\nM={r}" for m, r in grid.columns], fontsize=8)
     ax.set_yticks(range(grid.shape[0]), grid.index, fontsize=9)
     for i, j in zip(*np.nonzero(~np.isnan(values))):
-        ax.text(j, i, f"{int(values[i, j])}", ha="center", va="center", fontsize=8)
+        ax.text(j, i, f"{int(values[i, j])}", ha="center", va="center", fontsize=8,
+                color="white" if values[i, j] > vmax / 2 else "black")
     for i, j in zip(*np.nonzero(np.isnan(values))):
         ax.text(j, i, "n/a", ha="center", va="center", fontsize=7, color="0.5")
-    fig.colorbar(image, ax=ax, label="max ulp distance to the row alone")
+    bar = fig.colorbar(image, ax=ax, label="max ulp distance to the row alone")
+    bar.locator = MaxNLocator(integer=True)   # ulps are whole numbers
+    bar.update_ticks()
     ax.set_title("batch invariance per op (0 everywhere = bitwise)", fontsize=10)
     if np.isnan(values).any():
         fig.supxlabel("n/a: not measured at that batch size (an attention row is a whole sequence, so its batches "
@@ -71,12 +75,18 @@ def logprob_diff_histogram(tables: dict[str, pd.DataFrame], a: str = "decode", b
         else:
             ax.axvline(0, color=COLORS.get(variant), lw=2, label=label)
     if all(((t[a] - t[b]) == 0).all() for t in tables.values()):
+        ax.set_xlim(-1, 1)   # the zero line in the middle, not at the edge of an empty 0..1 axis
         ax.text(0.5, 0.5, "every token's log-prob is exactly equal in every mode:\nno difference to histogram "
                 "(on a CPU the standard kernels match here too)", transform=ax.transAxes, ha="center",
-                va="center", fontsize=8, color="0.35")
+                va="center", fontsize=8, color="0.35", backgroundcolor="white")
     ax.set_xlabel(f"log-prob({a}) - log-prob({b})")
     ax.set_ylabel("tokens")
-    ax.legend(fontsize=8)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))   # counts
+    if not ax.patches:   # only the lines at 0: no count to read off an axis (the legend has them)
+        ax.set_yticks([])
+        ax.set_ylabel("")
+    # Above the axes, so that it covers no bar.
+    fig.legend(loc="outside upper center", fontsize=8, ncols=min(2, len(tables)), frameon=False)
     ax.grid(alpha=0.3)
     return fig
 
@@ -119,6 +129,10 @@ def sweep_comparison(table: pd.DataFrame, fields: list[str], metric: str = "rewa
     title = TITLES.get(metric, metric)
     left.set(xlabel="step", ylabel=title, title=f"{title} per grid point")
     left.xaxis.set_major_locator(MaxNLocator(integer=True))
+    steps = sorted(curves.step.unique())
+    if len(steps) == 1:   # one step: its number, not a fractional axis around it
+        left.set_xticks(steps)
+        left.set_xlim(steps[0] - 1, steps[0] + 1)
     right.set(ylabel=title, title=f"{title} at the last step (dash: mean)")
     for ax in (left, right):
         ax.grid(alpha=0.3)

@@ -194,7 +194,7 @@ class DecodeGraphs:
     """One `generate` call's KV caches, record and captured decode steps, kept for the next call of the same shape.
 
     Without it every call allocates its cache and captures its decode step (one per compaction size) anew; the
-    capture walks every launch of the step on the host, ~125 us a launch, ~50 ms a graph at the 1.7B shape. vLLM
+    capture walks every launch of the step on the host, tens of milliseconds a graph at the 1.7B shape. vLLM
     captures once, at start-up; passed to `generate`, this does the same for the embedded generator. A call whose
     batch size, cache length (rounded up to CACHE_ROUND), sampling parameters, model tensors and kernel modes are
     the previous call's replays that call's graphs; any other call replaces them. The memory (the caches of every

@@ -192,8 +192,8 @@ class VLLMGenerator:
             # FlashAttention's metadata and cache layout are the ones `vllm_model` reads.
             eager = enforce_eager or kernel_mode == "standard"
             # Pages of one K/V tile (vLLM's default is 16 keys): each tile of the decode attention then reads one
-            # block-table entry and contiguous keys, as the static cache's does (1.7B shape, 28 layers, 256
-            # sequences on an H100: 3.39 -> 3.05 ms a step, the same bits; the paging never moves a bit).
+            # block-table entry and contiguous keys, as the static cache's does: a faster decode step with the same
+            # bits (the paging never moves a bit; BENCHMARKS.md, "Numbers behind the code").
             options.update(hf_overrides={"architectures": [vllm_model.ARCHITECTURE]}, logprobs_mode="raw_logits",
                            enforce_eager=eager, attention_config={"backend": "FLASH_ATTN"}, block_size=KV_TILE)
             if not eager:

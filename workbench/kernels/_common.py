@@ -58,9 +58,9 @@ def pdl(enabled: bool = True) -> Iterator[None]:
     programs have all passed `pdl_enter`): its programs are placed on idle SMs and set up during the other's
     tail instead of after it. Each kernel waits in `pdl_enter`, before its first load or store, until the
     kernel before it has finished and its writes are visible, so no value and no bit can change. It pays where
-    small kernels of ours follow each other: the generator's decode step (a 1.7B decode step at batch 64,
-    3.35 -> 3.18 ms on an H100). Not elsewhere: a no-grad forward over 16k tokens measured ~5% slower with it,
-    and between cuBLAS and FlashAttention launches (which do not launch early) a decode step 1.5% slower.
+    small kernels of ours follow each other: the generator's decode step. Not elsewhere: a no-grad forward over
+    16k tokens measured slower with it, and so did a decode step between cuBLAS and FlashAttention launches
+    (which do not launch early) (BENCHMARKS.md, "Numbers behind the code").
     `WORKBENCH_PDL=0` turns it off everywhere (the benchmarks' A/B switch).
     """
     token = _PDL.set(enabled)

@@ -293,8 +293,7 @@ multiple of it reads each tile from one page (`attention_paged`)."""
 def attention_config(head_dim: int) -> dict:
     """One config for training, prefill and decode (a function of the head dim only). The decode kernels take
     their own pipeline depth (`decode_stages`): stages only decide how many K/V tiles are loaded ahead, never the
-    arithmetic (the 1.7B shape's decode attention, 28 layers: 0.900 -> 0.845 ms at batch 64, 2.747 -> 2.583 at
-    256 on an H100, same bits; 4 and 5 stages were slower, `docs/results/2026-11-26_kept-graphs-h100_c158f04`)."""
+    arithmetic (3 stages were the fastest, the same bits: BENCHMARKS.md, "Numbers behind the code")."""
     if interpreting():
         # BLOCK_N 16 keeps the tests' short sequences crossing KV tiles; BLOCK_M 64 makes fewer programs (the
         # interpreter's cost is per program step) and moves no bit: a row's arithmetic does not see its tile.
@@ -306,8 +305,7 @@ def attention_config(head_dim: int) -> dict:
 def attention_bwd_config(head_dim: int) -> dict:
     """The backward's tiles per kernel: dK/dV (one program per key block) and dQ (one per query block).
 
-    GPU: the fastest of `bench/tune_attention.py`'s candidates on an H100 at 16 x 1,024 tokens (dK/dV 4% faster
-    than the forward's tiles at head_dim 128, 10% at 64; dQ: none beat the forward's)."""
+    GPU: the fastest of `bench/tune_attention.py`'s candidates at 16 x 1,024 tokens (BENCHMARKS.md, "Numbers behind the code")."""
     if interpreting():
         # dK/dV sum over query blocks: BLOCK_M fixes that order, so it keeps the 16 its gradients always had.
         return {"dkdv": {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1},

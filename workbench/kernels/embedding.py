@@ -22,11 +22,7 @@ Numerics contract:
 
 Cost: the sort, then one pass over dy. A program takes a block of sorted positions; each that starts a run walks
 it in order, one row a step, the block's runs side by side: a long run (a padding id repeated thousands of
-times) takes time in proportion to its length, not its bytes. On an H100 at 16,384 tokens x 2,048 (bf16 dy,
-into main_grad, the sort included), one position a program: 0.3-0.5 ms for random ids (torch's dense backward
-plus the fp32 add of its result: 2.0 ms), 0.7 ms with a 2,000-token run of one id, 1.6 ms with 6,000, 3.1 ms
-with 12,000 (~0.25 us a position of the run), measured with the run walked UNROLL positions a step (8-64 made
-no difference) before the kernel took blocks of positions for the interpreter's sake.
+times) takes time in proportion to its length, not its bytes (BENCHMARKS.md, "Numbers behind the code").
 """
 
 from __future__ import annotations

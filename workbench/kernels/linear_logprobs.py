@@ -57,9 +57,8 @@ from .mode import get_mode
 
 # Rows per chunk. GPU: enough rows that d(weight) takes few fp32 accumulations, while one chunk of logits stays
 # modest (4096 x 152k bf16 = 1.2 GB). A whole 16k micro-batch's completions in one chunk (12,288 rows, kept from
-# the forward: no recomputed logits) measured no faster on an H100 (48.8k against 48.6k tokens/s at 512 x 1,024,
-# 16k-token micro-batches; 8k ones 36.8k against 44.2k) for 2.4 GiB more. Interpreter: two of its matmul's
-# 32-row tiles.
+# the forward: no recomputed logits) measured no faster for 2.4 GiB more (BENCHMARKS.md, "Numbers behind the code"). Interpreter: two of its
+# matmul's 32-row tiles.
 _CHUNK_ROWS_GPU = 4096
 _CHUNK_ROWS_INTERPRETER = 64
 # d(weight) is accumulated in slices of this many vocabulary rows, so no second fp32 [V, H] product is held; each

@@ -244,9 +244,8 @@ _INTERPRETER = MatmulConfig(32, 256, 64, group_m=4, num_warps=4, num_stages=1)
 # Hopper alone (`matmul_config` reads the device's capability; other GPUs take
 # `_BF16_ONE`); tests/test_gpu.py checks it again for these buckets. The three decode buckets (M <= 512) were
 # re-chosen on an H100 by `tune_matmul.py --decode-tiles` (46 tile configs with BLOCK_K up to 256, every one of
-# them the table's bits), per bucket the best for the 1.7B shape's q+k+v, o and down products together: a decode
-# step's products in 1.77 / 1.82 / 2.84 ms (M 16-32 / 64-128 / 256-512, mean of the bucket's edges) instead of
-# 1.95 / 2.07 / 3.37 with the earlier table (cuBLAS 1.69 / 1.75 / 2.53).
+# them the table's bits), per bucket the best for the 1.7B shape's q+k+v, o and down products together
+# (BENCHMARKS.md, "Numbers behind the code").
 MATMUL_BUCKETS: tuple[tuple[int, MatmulConfig], ...] = (
     (32, MatmulConfig(16, 64, 256, group_m=8, num_warps=4, num_stages=4)),
     (128, MatmulConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=6)),
@@ -254,8 +253,7 @@ MATMUL_BUCKETS: tuple[tuple[int, MatmulConfig], ...] = (
     (1 << 62, MatmulConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, persistent=True)),
 )
 # Hopper, bf16, a decode bucket's products wider than `_WIDE_N` columns (gate+up, the LM head): wider tiles win
-# there (same measurement): at M 64-128 the LM head in 484 us instead of 599 (cuBLAS 485), at M 256-512 in 817
-# instead of 1,048 (cuBLAS 698). Same chain of k-steps, so the same bits (tests/test_gpu.py).
+# there (same measurement, BENCHMARKS.md, "Numbers behind the code"). Same chain of k-steps, so the same bits (tests/test_gpu.py).
 _WIDE_N = 4096
 WIDE_BUCKETS: tuple[tuple[int, MatmulConfig], ...] = (
     (32, MatmulConfig(32, 128, 128, group_m=8, num_warps=4, num_stages=4)),
@@ -267,9 +265,9 @@ WIDE_BUCKETS: tuple[tuple[int, MatmulConfig], ...] = (
 # Same chain of k-steps, so the same bits as the buckets (checked with them in tests/test_gpu.py).
 _FEW_TILES = MatmulConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4)
 # Persistent products with K up to this warp-specialize their tile loop (producer warps issue the TMA loads,
-# consumer warps the MMAs; the chain of k-steps is unchanged): measured on an H100 at 16,384 rows, 3-12%
-# faster at K = 2,048 (the q/k/v/o/gate/up forwards, most input gradients), 2-6% slower at K = 6,144 and
-# 16,384 (the down projection's forward, the weight gradients), which keep the plain loop. Never with
+# consumer warps the MMAs; the chain of k-steps is unchanged): faster at K = 2,048 (the q/k/v/o/gate/up
+# forwards, most input gradients), slower at K = 6,144 and 16,384 (the down projection's forward, the weight
+# gradients), which keep the plain loop (BENCHMARKS.md, "Numbers behind the code"). Never with
 # `accumulate`: the loaded C tile on top of the specialized pipeline's buffers needs 273 KiB of shared
 # memory, more than Hopper's 227 KiB.
 _WARP_SPECIALIZE_MAX_K = 4096
@@ -278,11 +276,9 @@ _WARP_SPECIALIZE_MAX_K = 4096
 # compares the generator's decode, in the small buckets, with the trainer's rows here).
 _NARROW_N = MatmulConfig(128, 32, 64, group_m=8, num_warps=4, num_stages=4)
 # A decode product's programs prefetch this much of K of their weight rows before the PDL wait
-# (`_matmul_tma_kernel`). Measured in the generator's decode step on an H100 (kept graphs, 3 rounds alternating,
-# the same bits at every amount): at the SmolLM2-135M shape, whose products are short, 256 gave 1.222 -> 1.183 ms
-# (batch 64) and 1.952 -> 1.927 (256); at the Qwen3-1.7B shape it is within +-1% (two runs: 3.070 -> 3.048 and
-# 3.008 -> 3.035 ms at 64, 5.961 -> 5.924 and 5.951 -> 5.904 at 256). 1,024 and more were slower there (up to
-# 8% at all of K): the bytes then arrive long before their turn and crowd the L2.
+# (`_matmul_tma_kernel`), the same bits at every amount. It pays where products are short (the SmolLM2-135M
+# shape) and is neutral at the Qwen3-1.7B shape; much more was slower: the bytes then arrive long before their
+# turn and crowd the L2 (BENCHMARKS.md, "Numbers behind the code").
 _PREFETCH_K = 256
 _PREFETCH_MAX_M = 512
 # GPU, bf16, any architecture but Hopper: one config for every M, so a row's chain of k-steps cannot

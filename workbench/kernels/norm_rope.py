@@ -3,7 +3,7 @@ forward and backward.
 
 Unfused, the norm and the rotation each read and write every head of q and k, forward and backward: at the
 Qwen3-1.7B shape, 16k tokens, eight passes over 6 KB a token per layer, and the norm ran one 128-wide row per
-program (18.4 ms of a 338 ms micro-batch on an H100, 8.4 fused). Fused, a program takes all heads of a token: one read
+program (fused, less than half the time: BENCHMARKS.md, "Numbers behind the code"). Fused, a program takes all heads of a token: one read
 and one write forward, two reads and one write backward.
 
 Numerics contract (modes `invariant` for `rms_norm` and `apply_rope`; `Attention` calls this only then):
@@ -113,8 +113,8 @@ def _norm_rope_bwd_kernel(
 
 
 # Elements of a program's block: forward, one token's heads (a 16 x 128 q); backward, a tile as wide, 16 tiles a
-# program (its d(weight) partial is summed in registers). Measured on an H100 at 16k tokens, q and k forward and
-# backward: 0.415 ms, against 0.42-0.44 for blocks of 1,024 or 4,096 and 4 or 8 tiles. The interpreter's cost is
+# program (its d(weight) partial is summed in registers): the fastest of the blocks and tile counts tried
+# (BENCHMARKS.md, "Numbers behind the code"). The interpreter's cost is
 # per program step: 32 tokens a program. Functions of the head count and width only: a row's bits are its own
 # either way.
 _GPU_BLOCK = 2048

@@ -35,11 +35,17 @@ class CheckpointError(ValueError):
 def _family(hf: dict, where: str) -> str:
     model_type = hf.get("model_type")
     archs = hf.get("architectures") or []
-    if model_type in FAMILIES:
+    named = [family for family, arch in _ARCHITECTURES.items() if arch in archs]
+    # model_type decides the family; architectures may stand in only where model_type is absent. A model_type we
+    # do not run beside a class we do is another model under that class's name: its weights would load silently.
+    if model_type in FAMILIES and set(named) <= {model_type}:
         return model_type
-    for family, arch in _ARCHITECTURES.items():
-        if arch in archs:
-            return family
+    if model_type in FAMILIES or (model_type and named):
+        raise CheckpointError(f"{where}: model_type {model_type!r} and architectures {archs} disagree; fix "
+                              "config.json so both name one model (workbench reads "
+                              f"{', '.join(f'{f}/{a}' for f, a in _ARCHITECTURES.items())})")
+    if not model_type and len(named) == 1:
+        return named[0]
     raise CheckpointError(f"{where}: model_type is {model_type!r} (architectures {archs}); workbench reads "
                           f"the model types {', '.join(FAMILIES)} ({', '.join(_ARCHITECTURES.values())})")
 

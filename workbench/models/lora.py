@@ -107,7 +107,7 @@ def adapter_flat(model: torch.nn.Module) -> torch.Tensor | None:
     if flat is None:
         return None
     lo, hi = flat.data_ptr(), flat.data_ptr() + flat.nbytes
-    for m in model.lora_modules:   # attach's list: a walk over every module would cost ~1 ms of host time a sync
+    for m in model.lora_modules:   # attach's list: a walk over every module would cost host time every sync
         if not (m.lora_A is not None and lo <= m.lora_A.data_ptr() < hi and lo <= m.lora_B.data_ptr() < hi):
             return None
     return flat

@@ -34,7 +34,8 @@ class TrainConfig:
     'facts' (the blog's five), 'gsm8k', or 'humaneval' / 'humaneval-partial' (code run in the sandbox: every test
     passed, or the share passed)."""
     task_source: str = ""
-    """GSM8K only: a folder of train/test .jsonl or .parquet, a file, or a hub id; empty: the offline copy."""
+    """GSM8K only: a folder of train/test .jsonl or .parquet, a file, or a hub id (openai/gsm8k, needs the network);
+    empty: the folder $WORKBENCH_GSM8K names, where set."""
     question_field: str = "question"
     """GSM8K only: the data's column holding the question (for your own question/answer files)."""
     answer_field: str = "answer"

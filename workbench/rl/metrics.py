@@ -67,13 +67,16 @@ class MetricsLog:
     def table(self) -> pd.DataFrame:
         return pd.DataFrame(self.rows, columns=COLUMNS)
 
+    def write(self) -> pd.DataFrame:
+        """The table, also into out/metrics.csv (where this rank writes files)."""
+        table = self.table()
+        if self.out is not None:
+            tmp = self.out / ".metrics.csv.tmp"
+            table.to_csv(tmp, index=False)
+            os.replace(tmp, self.out / "metrics.csv")  # a kill while writing keeps the previous table whole
+        return table
+
     def close(self) -> pd.DataFrame:
         if self.writer is not None:
             self.writer.close()
-        table = self.table()
-        if self.out is None:
-            return table
-        tmp = self.out / ".metrics.csv.tmp"
-        table.to_csv(tmp, index=False)
-        os.replace(tmp, self.out / "metrics.csv")  # a kill while writing keeps the previous table whole
-        return table
+        return self.write()

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
 from ..config import check_at_least_one, check_positive
 from ..env import resolve_device
+from ..files import make_folder
 from ..generation import SamplingParams, generate
 from ..kernels import mode
 from ..models import ModelConfig, build, copy_weights, save_pretrained
@@ -110,10 +112,11 @@ def greedy_accuracy(model, tokenizer, task: Arithmetic, problems) -> float:
     return sum(task.reward(t, p) for t, p in zip(texts, problems)) / len(problems)
 
 
-def train_policy(cfg: PolicyConfig, out_dir: str | Path | None = None):
+def train_policy(cfg: PolicyConfig, out_dir: str | Path | None = None, progress: bool = False):
     """Supervised training on arithmetic; returns (model in fp32, tokenizer, metrics table).
 
-    With `out_dir`, the bf16 model and its tokenizer are saved there as a Hugging Face checkpoint.
+    With `out_dir`, the bf16 model and its tokenizer are saved there as a Hugging Face checkpoint. `progress`: a
+    progress bar (loss, the last accuracy) on stderr, for a command line (a minute or more on a CPU).
     """
     device = resolve_device(cfg.device)
     task = Arithmetic(seed=cfg.seed, difficulty=cfg.difficulty)
@@ -125,7 +128,9 @@ def train_policy(cfg: PolicyConfig, out_dir: str | Path | None = None):
     model = build(model_cfg, device=device, dtype=torch.float32, seed=cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     rows, start = [], time.perf_counter()
-    with mode(cfg.kernel_mode):
+    # Up to max_steps; it stops earlier once the accuracy lands in target_accuracy.
+    bar = tqdm(total=cfg.max_steps, disable=not progress, desc=f"train-policy ({cfg.size}, {device})")
+    with mode(cfg.kernel_mode), bar:
         for step in range(1, cfg.max_steps + 1):
             ids, lens, mask = _batch(tokenizer, task.problems(cfg.batch_size, start=step * cfg.batch_size), device)
             logits = model(ids, seq_lens=lens).float()
@@ -138,9 +143,12 @@ def train_policy(cfg: PolicyConfig, out_dir: str | Path | None = None):
             loss.backward()
             opt.step()
             rows.append({"step": step, "metric": "loss", "value": loss.item()})
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
             if step % cfg.eval_every == 0 or step == cfg.max_steps:
                 acc = greedy_accuracy(model, tokenizer, task, held_out)
                 rows.append({"step": step, "metric": "accuracy", "value": acc})
+                bar.set_postfix(loss=f"{loss.item():.3f}", accuracy=f"{acc:.2f}")
                 if cfg.target_accuracy[0] <= acc <= cfg.target_accuracy[1]:
                     break
     rows.append({"step": step, "metric": "seconds", "value": time.perf_counter() - start})
@@ -148,6 +156,16 @@ def train_policy(cfg: PolicyConfig, out_dir: str | Path | None = None):
     if out_dir is not None:
         save_policy(model, tokenizer, out_dir)
     return model, tokenizer, table
+
+
+def free_folder(out_dir: str | Path) -> Path:
+    """`out_dir`, created, if it holds no policy yet; else a ValueError (a second policy would overwrite the first
+    without a trace)."""
+    out = Path(out_dir)
+    taken = [n for n in ("config.json", "model.safetensors") if (out / n).exists()]
+    if taken:
+        raise ValueError(f"{out} already holds a policy ({taken[0]}); give another --out, or delete that folder")
+    return make_folder(out)
 
 
 def save_policy(model, tokenizer, out_dir: str | Path) -> Path:

@@ -99,7 +99,7 @@ class RolloutBatch:
     def _padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """([B, longest] prompt + completion ids right-padded, [B] prompt lengths, [B] completion lengths) on
         the host, built once: the micro-batches are cut from them with tensor ops (a Python loop over the
-        tokens took ~10 ms per micro-batch at 16k tokens, with the GPU idle)."""
+        tokens kept the GPU idle; BENCHMARKS.md, "Numbers behind the code")."""
         plen = torch.tensor([len(p) for p in self.prompts], dtype=torch.long)
         clen = torch.tensor([len(c) for c in self.completions], dtype=torch.long)
         ids = torch.full((len(self), int((plen + clen).max())), self.pad_id, dtype=torch.long)

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -52,6 +54,7 @@ from ..config import write_config
 from ..distributed.data_parallel import DataParallel
 from ..distributed.pipeline import Pipeline
 from ..env import resolve_device
+from ..files import make_folder
 from ..generation import DecodeGraphs, SamplingParams, generate
 from ..kernels import FUSED_ROWWISE, mode
 from ..models import build, copy_weights, encode_prompt, load_pretrained, load_tokenizer, resolve_model, save_pretrained
@@ -87,7 +90,7 @@ def _starting_policy(cfg: TrainConfig, out: Path, device: str, dp: DataParallel,
     # Rank 0 trains it and saves it; the other ranks load that copy, for its shape and tokenizer (the weights
     # every rank starts from are rank 0's: `DataParallel.replicate`).
     trained = dp.on_main(lambda: train_policy(PolicyConfig(seed=cfg.seed, difficulty=cfg.difficulty, device=device),
-                                              out / "policy")[:2])
+                                              out / "policy", progress=cfg.progress)[:2])
     return trained or (load_pretrained(out / "policy", dtype=dtype, device=device), load_tokenizer(out / "policy"))
 
 
@@ -115,7 +118,7 @@ class Run:
         # This rank's prompts of each step (to train on; on a rollout rank, to generate).
         self.share = (self.pipeline or self.dp).shard(cfg.prompts_per_step)
         if self.world.is_main:   # the only rank that writes the run's files
-            self.out.mkdir(parents=True, exist_ok=True)
+            make_folder(self.out)
         if cfg.parallel == "fsdp2" and not self.world.process.distributed:
             raise ValueError("parallel='fsdp2' shards the trainer over torchrun's processes: launch with torchrun "
                              "--nproc-per-node N, or set parallel='replicate' for one process")
@@ -202,7 +205,13 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
 
     With `time_limit_s`, the run may stop early (checkpointed): the table then ends before cfg.steps."""
     start = time.perf_counter()
-    run = Run(cfg)
+    fresh = not Path(cfg.out_dir).exists()
+    try:
+        run = Run(cfg)
+    except BaseException:   # a bad setting found while setting up: leave no folder holding config.yaml alone
+        if fresh and os.environ.get("RANK", "0") == "0":
+            shutil.rmtree(cfg.out_dir, ignore_errors=True)
+        raise
     if run.dp is None:
         return _serve(run)
     bar = tqdm(total=cfg.steps, initial=run.start_step, disable=not cfg.progress or not run.dp.is_main,
@@ -217,6 +226,7 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
                 out_of_time = bool(cfg.time_limit_s) and run.dp.any(time.perf_counter() - start > cfg.time_limit_s)
                 if step % cfg.checkpoint_every == 0 or step == cfg.steps or out_of_time:
                     run.checkpoint(step)
+                run.log.write()   # metrics.csv current after every step, also when the process is killed
                 if out_of_time and step < cfg.steps:
                     if run.dp.is_main:
                         print(f"{cfg.out_dir}: time limit ({cfg.time_limit_s:.0f} s) reached after step {step} of "
@@ -229,6 +239,16 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
         bar.close()
         table = run.log.close()
     return table
+
+
+def interrupted(cfg: TrainConfig) -> str:
+    """What an interrupted run kept, and how to go on: one line for the command line."""
+    out = Path(cfg.out_dir)
+    last = latest_checkpoint(out)
+    if last is None:
+        return f"nothing to resume: no checkpoint was written in {out} yet; run the same command again to start over"
+    return (f"{last_good(out)}, the metrics up to now in {out / 'metrics.csv'}; continue with: python -m workbench "
+            f"train --config {out / 'config.yaml'} --resume")
 
 
 def _serve(run: Run) -> pd.DataFrame:

@@ -25,6 +25,7 @@ from typing import Any
 import pandas as pd
 
 from ..config import write_config
+from ..files import make_folder
 from ..onoff.config import OnOffConfig, preset_base
 from ..onoff.runner import RunFailed, run_on_off
 from ..rl.checkpoint import latest_checkpoint
@@ -116,7 +117,7 @@ def sweep(cfg: SweepConfig) -> pd.DataFrame:
                 for name, run in runs.items()}
     # A finished point is skipped; one finished with other settings is an error, before anything runs.
     status = {name: "skipped" for name in runs if finished(out / name / FINISHED, settings[name])}
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out)
     write_config(cfg, out / "config.yaml")
     failures: list[tuple[str, Exception]] = []
     try:
