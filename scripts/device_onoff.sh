@@ -32,8 +32,10 @@ case "${STEP:?}" in
     done ;;
   wait)
     end=$((SECONDS + ${WAIT_S:-500}))
-    while pgrep -f "probe_mismatch|workbench on-off" > /dev/null && [ $SECONDS -lt $end ]; do sleep 10; done
-    pgrep -f "probe_mismatch|workbench on-off" > /dev/null && echo "still running" || echo "all done"
+    # Anchored: the command line of the shell that started this one may hold the same words.
+    jobs() { pgrep -f "^python3 (bench/probe_mismatch|-m workbench on-off)" > /dev/null; }
+    while jobs && [ $SECONDS -lt $end ]; do sleep 10; done
+    jobs && echo "still running" || echo "all done"
     tail -n 3 "$runs"/*.log; cat "$runs"/probe_*.md 2>/dev/null
     (cd "$runs" && tar czf "$OUT/onoff.tgz" --exclude='checkpoints' --exclude='*.safetensors' --exclude='*.pt' .) ;;
 esac

@@ -167,7 +167,9 @@ def reward_curves(table: pd.DataFrame, metrics=("reward_mean",), smooth: int = 1
 
 
 def _with_clip_fraction(table: pd.DataFrame) -> pd.DataFrame:
-    """The table plus a `clip_fraction` metric (clip_low + clip_high) where both are logged."""
+    """The table plus a `clip_fraction` metric (clip_low + clip_high) where both are logged. A sequence-level loss
+    logs them per sequence (`seq_*`): they are drawn in the same panels, whose level the loss in the title names."""
+    table = table.replace({"metric": {f"seq_{m}": m for m in ("ratio_mean", "clip_low", "clip_high")}})
     clips = table[table.metric.isin(["clip_low", "clip_high"])]
     if set(clips.metric) != {"clip_low", "clip_high"}:
         return table

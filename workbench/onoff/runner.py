@@ -10,7 +10,7 @@ Several runs at once (`workers`) each get a process of their own ('spawn': CUDA 
 process; vLLM's batch-invariant mode, once on, patches torch for the whole process, so vLLM runs always
 get one). Their kernels are the same whatever else shares the GPU, so `invariant` runs keep their bits.
 On a host with several GPUs the `workers` slots are spread evenly over them, and each run takes a free slot's GPU
-(a run stays on one GPU: they are independent).
+as its current device (a run stays on one GPU: they are independent).
 
 out_dir/metrics.csv is the long table of every run in the folder (finished or not), out_dir/runs.csv
 their status, out_dir/invocations.csv each call's wall time.
@@ -129,12 +129,13 @@ def execute(run: TrainConfig, deadline: float, keep_checkpoints: bool, first: bo
 
 
 def _execute_in_worker(run: dict, deadline: float, keep_checkpoints: bool, first: bool, gpus) -> str:
-    """One run in a fresh process; with `gpus` (a queue of free GPU slots) on the slot it takes, set before
-    anything in this process initialises CUDA."""
+    """One run in a fresh process; with `gpus` (a queue of free GPU slots) on the GPU of the slot it takes. As the
+    current device, not CUDA_VISIBLE_DEVICES: importing the kernels has initialised CUDA already (it decides
+    between the GPU and the interpreter), after which that variable is no longer read."""
     if gpus is None:
         return execute(TrainConfig(**run), deadline, keep_checkpoints, first)
     gpu = gpus.get()
-    os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    torch.cuda.set_device(gpu)
     try:
         return execute(TrainConfig(**run), deadline, keep_checkpoints, first)
     finally:
@@ -142,15 +143,14 @@ def _execute_in_worker(run: dict, deadline: float, keep_checkpoints: bool, first
 
 
 def _gpu_slots(stack: contextlib.ExitStack, spawn, workers: int, device: str):
-    """A queue of `workers` GPU slots spread evenly over the visible GPUs; None with fewer than two GPUs."""
+    """A queue of `workers` GPU slots (device indices) spread evenly over the visible GPUs; None with fewer than
+    two GPUs."""
     count = torch.cuda.device_count() if device == "cuda" else 0
     if count < 2:
         return None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",")[:count] if visible else [str(i) for i in range(count)]
     slots = stack.enter_context(spawn.Manager()).Queue()
     for i in range(workers):
-        slots.put(ids[i % count])
+        slots.put(i % count)
     return slots
 
 

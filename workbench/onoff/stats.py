@@ -58,6 +58,12 @@ def _col(run: pd.DataFrame, name: str) -> pd.Series:
     return run[name] if name in run else pd.Series(np.nan, index=run.index)
 
 
+def _ratio_stat(run: pd.DataFrame, name: str) -> pd.Series:
+    """A PPO ratio statistic: per token (`name`) for token-level losses, per sequence (`seq_<name>`) for gspo and
+    blog. An experiment has one loss, so its table holds one of the two."""
+    return run[f"seq_{name}"] if f"seq_{name}" in run else _col(run, name)
+
+
 def _one_run(run: pd.DataFrame, window: int, threshold: float) -> dict:
     """Endpoints of one run: a step-indexed (sorted) frame with one column per metric."""
     n = len(run)
@@ -80,8 +86,8 @@ def _one_run(run: pd.DataFrame, window: int, threshold: float) -> dict:
         "tokens_differing": tokens.sum(min_count=1),
         "steps_with_differing_tokens": float((tokens > 0).sum()) if tokens.notna().any() else np.nan,
         "ess_min": _col(run, "is_ess").min(),
-        "clip_fraction": (_col(run, "clip_low") + _col(run, "clip_high")).mean(),
-        "ratio_mean": _col(run, "ratio_mean").mean(),
+        "clip_fraction": (_ratio_stat(run, "clip_low") + _ratio_stat(run, "clip_high")).mean(),
+        "ratio_mean": _ratio_stat(run, "ratio_mean").mean(),
         "grad_norm_max": _col(run, "grad_norm").max(),
         "seq_logratio_sd": _col(run, "seq_logratio_sd").mean(),
         # The first step includes compilation and warm-up, so it does not stand for a step's time.
