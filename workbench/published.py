@@ -2,8 +2,8 @@
 
 A full-scale nightly published to docs/results (`<date>_nightly-<device>_<sha>/`, with `env.json` and the tables
 the notebooks wrote) is what the CPU run cannot show: the standard kernels' mismatch at real shapes on a GPU.
-`published_nightly` finds the newest such folder holding a given table and labels it "published, GPU, <device>,
-<date>", the label the ON/OFF notebook's `onoff.publish.published_results` gives its folders.
+`published_nightly` finds the newest such folder holding a given table and labels it with `published_label`, as the
+ON/OFF notebook's `onoff.publish.published_results` labels its folders.
 """
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ import pandas as pd
 from .tables import project_path
 
 _NIGHTLY = re.compile(r"(?P<date>\d{4}-\d{2}-\d{2})_nightly-(?P<slug>[a-z0-9]+)_(?P<sha>\w+)")
+
+
+def published_label(device: str, date: str) -> str:
+    """"published, GPU, <device>, <date>" (CPU for a CPU's run): what a reader sees beside published numbers."""
+    return f"published, {'CPU' if device.upper() == 'CPU' else 'GPU'}, {device}, {date}"
 
 
 @dataclass(frozen=True)
@@ -43,8 +48,6 @@ def published_nightly(name: str, figure: str = "", root: str | Path = "docs/resu
         return None
     _, _, folder, match = max(found, key=lambda f: f[:2])
     env = json.loads((folder / "env.json").read_text()) if (folder / "env.json").exists() else {}
-    device = env.get("gpu") or match["slug"].upper()
-    kind = "CPU" if device.upper() == "CPU" else "GPU"
     png = folder / f"{figure}.png"
     return PublishedNightly(folder, pd.read_csv(folder / f"{name}.csv"), png if figure and png.exists() else None,
-                            f"published, {kind}, {device}, {match['date']}")
+                            published_label(env.get("gpu") or match["slug"].upper(), match["date"]))
