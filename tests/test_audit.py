@@ -67,7 +67,7 @@ def test_parity_triangle_is_bitwise_in_invariant_mode(model):
     report = format_report(as_parity_table(tokens))
     assert f"bitwise identical: True, different tokens 0 / {len(tokens)}" in report
     fig = logprob_diff_histogram({"invariant": tokens})
-    assert fig.axes[0].get_legend() is not None
+    assert fig.legends, "a legend names each mode"
 
 
 def test_plots_are_drawn_from_tables_and_saved(tmp_path):
@@ -97,3 +97,18 @@ def test_plots_are_drawn_from_tables_and_saved(tmp_path):
         reward_curves(again, metrics=("nope",))
     with pytest.raises(FileNotFoundError, match="no table at"):
         load_table(tmp_path / "elsewhere")
+
+
+def test_the_cpu_control_is_audited_and_drawn_at_its_own_scale():
+    control = kernel_audit(batch_sizes=(1, 5), ops=["linear", "rms_norm"], dtype=torch.float32, modes=("standard",))
+    assert set(control["mode"]) == {"standard"} and len(control) == 2 * 2 * 3, "one mode, no invariant kernel run"
+    heat = audit_heatmap(control.assign(mode="standard fp32"), note="standard fp32: the CPU's control")
+    assert heat.get_supxlabel() == "standard fp32: the CPU's control"
+    assert [t.get_text() for t in heat.axes[0].get_xticklabels()] == ["standard\nfp32\nM=1", "standard\nfp32\nM=5"]
+    # One fp32 ulp apart on 2 tokens: the bars sit at that difference, not in a unit-wide bin around it.
+    tiny = pd.DataFrame({"decode": [-1.0, -2.0, -3.0], "train": [-1.0, -2.0 - 4.8e-7, -3.0 - 4.8e-7]})
+    same = pd.DataFrame({"decode": [-1.0], "train": [-1.0]})
+    hist = logprob_diff_histogram({"standard": same, "standard fp32": tiny}, title="decode vs train")
+    edges = [(p.get_x(), p.get_x() + p.get_width()) for p in hist.axes[0].patches if p.get_height() > 0]
+    assert edges and all(lo <= 4.8e-7 <= hi and hi - lo < 1e-7 for lo, hi in edges), edges
+    assert hist.legends[0].get_title().get_text() == "decode vs train"

@@ -95,6 +95,14 @@ def test_smoke_nightly_runs_every_notebook(tmp_path):
     assert "| blog | on |" in summary and "| blog-dose | noise=0.01 |" in summary and "| realistic | off |" in summary
     assert summary.count("| pass |") == 4
     assert "Smoke scale" in summary and "not results" in summary, "a smoke run says its figures are no results"
+    # No GPU: a CPU control beside standard, and the published GPU results beside this run's.
+    audit = pd.read_csv(folder / "metrics" / "kernel_audit.csv")
+    assert set(audit["mode"]) == {"invariant", "standard", "standard fp32"}
+    assert "standard fp32: " in summary and "all standard, fp32 (CPU control): " in summary
+    assert set(pd.read_csv(folder / "metrics" / "parity_triangle_pairs.csv").variant) == \
+        {"invariant", "standard", "standard fp32"}
+    for name in ("02_kernel_parity_audit", "03_generator_vs_trainer", "05_on_off_plots"):
+        assert "published, GPU" in (folder / "executed" / f"{name}.ipynb").read_text(), name
     table = pd.read_csv(folder / "metrics" / "on_off.csv")
     std = table.query("metric == 'parity_tokens_differing' and variant == 'off'")
     assert ("ON and OFF are the same run here" in summary) == (std.value.sum() == 0), \
@@ -151,6 +159,7 @@ def test_the_plots_notebook_redraws_any_run(tmp_path):
                                                        progress=False))
     assert passed and (folder / "figures" / "on_off.png").exists()
     assert not (folder / "figures" / "mismatch.png").exists()
+    assert "published, GPU" in (folder / "executed" / "05_on_off_plots.ipynb").read_text()
     assert yaml.safe_load((folder / "params" / "05_on_off_plots.yaml").read_text())["metrics"].endswith("old.csv")
 
 
@@ -185,3 +194,23 @@ def test_the_nightly_hands_tensorboard_to_the_rl_notebook(tmp_path):
 
     assert preset("blog", smoke=True, tensorboard=True).tensorboard
     assert preset("blog", smoke=True).run_config("on", 0).tensorboard is False
+
+
+def test_the_newest_published_nightly_with_the_table_is_shown_labelled(tmp_path):
+    from workbench.published import published_nightly
+
+    for name, gpu in (("2026-11-01_nightly-h100_aaa", "NVIDIA H100"), ("2026-11-05_nightly-h200_bbb", "NVIDIA H200"),
+                      ("2026-11-09_nightly-h100_ccc", "NVIDIA H100 80GB HBM3"), ("2026-11-12_onoff-h100_ddd", "x")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "env.json").write_text(json.dumps({"gpu": gpu}))
+    for name in ("2026-11-01_nightly-h100_aaa", "2026-11-05_nightly-h200_bbb", "2026-11-12_onoff-h100_ddd"):
+        pd.DataFrame({"op": ["linear"], "mode": ["standard"]}).to_csv(tmp_path / name / "kernel_audit.csv")
+    (tmp_path / "2026-11-05_nightly-h200_bbb" / "kernel_audit.png").write_bytes(b"png")
+    found = published_nightly("kernel_audit", figure="kernel_audit", root=tmp_path)
+    assert found.folder.name == "2026-11-05_nightly-h200_bbb", "the newest nightly that has the table"
+    assert found.label == "published, GPU, NVIDIA H200, 2026-11-05" and found.figure.name == "kernel_audit.png"
+    assert list(found.table.op) == ["linear"]
+    assert published_nightly("divergence", root=tmp_path) is None
+    real = published_nightly("parity_triangle_pairs", figure="logprob_differences")
+    assert real is not None and real.label.startswith("published, GPU, NVIDIA H100") and real.figure.exists(), \
+        "docs/results has a full-scale nightly for notebook 03 to show"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -21,9 +23,23 @@ TIMES = ("time_generate", "time_train", "time_sync", "time_step", "tokens_per_s"
 
 
 def _cfg(tmp_path, **kw):
-    base = OnOffConfig(out_dir=str(tmp_path), arms=("off", "off-tis"), seeds=(0, 1), steps=4, prompts_per_step=2,
+    base = OnOffConfig(out_dir=str(tmp_path), arms=("off", "off-tis"), seeds=(0, 1), steps=2, prompts_per_step=2,
                        group_size=3, max_new_tokens=3, policy_steps=30, device="cpu", progress=False)
     return dataclasses.replace(base, **kw)
+
+
+@pytest.fixture(scope="module")
+def starting(tmp_path_factory) -> Path:
+    """The starting policy `_cfg`'s experiments train into out_dir/policy, trained once for the module: `_ready`
+    copies it into each experiment's folder, where the runner reuses it (trained with the same settings). Each
+    training runs the interpreted embedding backward at every step, which the tests need not pay again."""
+    return Path(runner.starting_policy(_cfg(tmp_path_factory.mktemp("onoff"))))
+
+
+def _ready(folder: Path, starting: Path) -> Path:
+    """`folder` with the module's starting policy in it, as a first call of the runner would leave it."""
+    shutil.copytree(starting, folder / "policy")
+    return folder
 
 
 def _without_times(table):
@@ -45,11 +61,11 @@ def test_arms_set_only_where_the_log_probs_come_from():
     assert set(PRESETS["blog"]["arms"]) <= set(ARMS)
 
 
-def test_runs_are_reused_only_with_the_same_settings(tmp_path):
-    table = run_on_off(_cfg(tmp_path, keep_checkpoints=False))
-    assert set(table.seed) == {0, 1} and set(table.variant) == {"off", "off-tis"} and table.step.max() == 4
+def test_runs_are_reused_only_with_the_same_settings(tmp_path, starting):
+    table = run_on_off(_cfg(_ready(tmp_path, starting), keep_checkpoints=False))
+    assert set(table.seed) == {0, 1} and set(table.variant) == {"off", "off-tis"} and table.step.max() == 2
     assert not (tmp_path / "off-seed0" / "checkpoints").exists(), "keep_checkpoints=False deletes them once done"
-    assert json.loads((tmp_path / "off-seed0" / "run.json").read_text())["steps"] == 4
+    assert json.loads((tmp_path / "off-seed0" / "run.json").read_text())["steps"] == 2
     again = run_on_off(_cfg(tmp_path, keep_checkpoints=False))
     assert again.equals(table), "a finished run is read back, not re-run"
     with pytest.raises(ValueError, match=r"other settings .*'lr'"):
@@ -67,20 +83,20 @@ def test_runs_are_reused_only_with_the_same_settings(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_time_limit_cuts_the_experiment_into_pieces_with_the_same_result(tmp_path):
-    whole = run_on_off(_cfg(tmp_path / "whole", seeds=(0,)))
-    cfg = _cfg(tmp_path / "pieces", seeds=(0,), checkpoint_every=1, time_limit_min=1e-6)
+def test_a_time_limit_cuts_the_experiment_into_pieces_with_the_same_result(tmp_path, starting):
+    whole = run_on_off(_cfg(_ready(tmp_path / "whole", starting), seeds=(0,)))
+    cfg = _cfg(_ready(tmp_path / "pieces", starting), seeds=(0,), checkpoint_every=1, time_limit_min=1e-6)
     calls, finished = 0, 0
     while finished < 2 and calls < 12:
         calls += 1
         table = run_on_off(cfg)
         finished = int(pd.read_csv(tmp_path / "pieces" / "runs.csv").finished.sum())
-    assert finished == 2 and calls == 8, "each call goes one step further (the first run always makes progress)"
+    assert finished == 2 and calls == 4, "each call goes one step further (the first run always makes progress)"
     assert _without_times(table).equals(_without_times(whole)), "pieces give the same metrics, bit for bit"
 
 
-def test_a_cut_run_is_drawn_but_left_out_of_the_endpoints(tmp_path, monkeypatch):
-    cfg = _cfg(tmp_path, seeds=(0,), steps=2, checkpoint_every=1, time_limit_min=1e-6)
+def test_a_cut_run_is_drawn_but_left_out_of_the_endpoints(tmp_path, monkeypatch, starting):
+    cfg = _cfg(_ready(tmp_path, starting), seeds=(0,), steps=2, checkpoint_every=1, time_limit_min=1e-6)
     run_on_off(cfg)  # one step a call
     folder = publish.report(tmp_path)
     assert "No run has finished yet" in (folder / "summary.md").read_text()

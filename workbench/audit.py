@@ -27,14 +27,16 @@ def _rows(args: tuple, row_args: tuple[int, ...], index) -> tuple:
 
 
 def kernel_audit(batch_sizes=(1, 5, 37), size: str = "small", device: str = "cpu",
-                 dtype: torch.dtype = torch.bfloat16, seed: int = 0, ops=None) -> pd.DataFrame:
-    """One row per (op, mode, batch size, position): bitwise_equal, max_ulp, err_vs_fp64."""
+                 dtype: torch.dtype = torch.bfloat16, seed: int = 0, ops=None,
+                 modes=("invariant", "standard")) -> pd.DataFrame:
+    """One row per (op, mode, batch size, position): bitwise_equal, max_ulp (in ulps of `dtype`), err_vs_fp64."""
     out = []
     for name in ops or sorted(REGISTRY):
         op = REGISTRY[name]
         sizes = [m for m in batch_sizes if m <= op.max_rows] or [1]
         args = op.make_inputs(max(sizes), size, torch.Generator().manual_seed(seed), device, dtype)
-        for mode_name, fn in (("invariant", op.invariant), ("standard", op.standard)):
+        for mode_name in modes:
+            fn = getattr(op, mode_name)
             for m in sizes:
                 batch = _rows(args, op.row_args, slice(0, m))
                 y = fn(*batch)

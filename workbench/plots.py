@@ -15,9 +15,11 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-# ON = invariant (generator = trainer bitwise), OFF = standard (the usual mismatched kernels).
-COLORS = {"invariant": "#1b7837", "standard": "#c51b7d"}
-LABELS = {"invariant": "invariant (ON)", "standard": "standard (OFF)"}
+# ON = invariant (generator = trainer bitwise), OFF = standard (the usual mismatched kernels); on a CPU the
+# standard kernels in fp32 are the control that shows the mismatch (notebooks 02 and 03).
+COLORS = {"invariant": "#1b7837", "standard": "#c51b7d", "standard fp32": "#e08214"}
+LABELS = {"invariant": "invariant (ON)", "standard": "standard (OFF)",
+          "standard fp32": "standard, fp32 (CPU control)"}
 TITLES = {"reward_mean": "reward", "accuracy": "accuracy", "reward_positive": "share with reward > 0",
           "entropy": "entropy (nats)", "sampler_trainer_kl": "KL(sampler || trainer)",
           "parity_tokens_differing": "tokens differing", "parity_max_abs_diff": "max |Δ log-prob|",
@@ -34,8 +36,10 @@ def save_figure(fig: Figure, folder: str | Path, name: str) -> list[Path]:
     return paths
 
 
-def audit_heatmap(table: pd.DataFrame) -> Figure:
-    """Ops x (mode, batch size): the largest ulp distance of a row in a batch vs the row alone (0 = bitwise)."""
+def audit_heatmap(table: pd.DataFrame, title: str = "batch invariance per op", note: str = "") -> Figure:
+    """Ops x (mode, batch size): the largest ulp distance of a row in a batch vs the row alone (0 = bitwise).
+    `note` goes under the figure: what a control column is (a mode label may name a dtype, in whose ulps it
+    counts)."""
     # An op whose batches stop short of an M (attention rows are whole sequences) leaves that cell blank.
     grid = table.pivot_table(index="op", columns=["mode", "rows"], values="max_ulp", aggfunc="max")
     values = grid.to_numpy(dtype=float)
@@ -43,35 +47,44 @@ def audit_heatmap(table: pd.DataFrame) -> Figure:
     ax = fig.subplots()
     vmax = max(1.0, float(np.nanmax(values)))
     image = ax.imshow(values, cmap="Reds", vmin=0, vmax=vmax, aspect="auto")
-    ax.set_xticks(range(grid.shape[1]), [f"{m}\nM={r}" for m, r in grid.columns], fontsize=8)
+    # A word a line: "standard fp32" is wider than its column.
+    ax.set_xticks(range(grid.shape[1]), ["\n".join([*str(m).split(), f"M={r}"]) for m, r in grid.columns], fontsize=8)
     ax.set_yticks(range(grid.shape[0]), grid.index, fontsize=9)
     for i, j in zip(*np.nonzero(~np.isnan(values))):
         ax.text(j, i, f"{int(values[i, j])}", ha="center", va="center", fontsize=8,
                 color="white" if values[i, j] > vmax / 2 else "black")
     for i, j in zip(*np.nonzero(np.isnan(values))):
         ax.text(j, i, "n/a", ha="center", va="center", fontsize=7, color="0.5")
-    bar = fig.colorbar(image, ax=ax, label="max ulp distance to the row alone")
+    bar = fig.colorbar(image, ax=ax, label="max ulp distance to the row alone\n(in the column's dtype)")
     bar.locator = MaxNLocator(integer=True)   # ulps are whole numbers
     bar.update_ticks()
-    ax.set_title("batch invariance per op (0 everywhere = bitwise)", fontsize=10)
+    ax.set_title(f"{title} (0 everywhere = bitwise)", fontsize=10)
+    notes = [note] if note else []
     if np.isnan(values).any():
-        fig.supxlabel("n/a: not measured at that batch size (an attention row is a whole sequence, so its batches "
-                      "stop at fewer rows)", fontsize=7, color="0.35")
+        notes.append("n/a: not measured at that batch size (an attention row is a whole sequence, so its batches "
+                     "stop at fewer rows)")
+    if notes:
+        fig.supxlabel("\n".join(notes), fontsize=7, color="0.35")
     return fig
 
 
-def logprob_diff_histogram(tables: dict[str, pd.DataFrame], a: str = "decode", b: str = "train") -> Figure:
+def logprob_diff_histogram(tables: dict[str, pd.DataFrame], a: str = "decode", b: str = "train",
+                           title: str = "") -> Figure:
     """Histogram of per-token log-prob differences (generator path a minus trainer path b), one series
     per mode; exact zeros are counted apart (they are the bitwise-equal tokens)."""
-    fig = Figure(figsize=(6.5, 3.2), layout="constrained")
+    fig = Figure(figsize=(6.5, 3.2 + 0.15 * len(tables)), layout="constrained")
     ax = fig.subplots()
-    for variant, t in tables.items():
-        diff = (t[a] - t[b]).to_numpy()
+    diffs = {variant: (t[a] - t[b]).to_numpy() for variant, t in tables.items()}
+    # One set of bins, symmetric about 0, for every series: a series whose differences are all alike (a CPU's fp32
+    # control: a few tokens 1 ulp apart) would otherwise get a bin a unit wide around them.
+    widest = max((float(np.abs(d).max()) for d in diffs.values() if len(d)), default=0.0)
+    bins = np.linspace(-1.05 * widest, 1.05 * widest, 41)
+    for variant, diff in diffs.items():
         zeros = int((diff == 0).sum())
         nonzero = diff[diff != 0]
         label = f"{LABELS.get(variant, variant)}: {zeros}/{len(diff)} tokens exactly equal"
         if len(nonzero):
-            ax.hist(nonzero, bins=40, alpha=0.6, color=COLORS.get(variant), label=label)
+            ax.hist(nonzero, bins=bins, alpha=0.6, color=COLORS.get(variant), label=label)
         else:
             ax.axvline(0, color=COLORS.get(variant), lw=2, label=label)
     if all(((t[a] - t[b]) == 0).all() for t in tables.values()):
@@ -85,8 +98,9 @@ def logprob_diff_histogram(tables: dict[str, pd.DataFrame], a: str = "decode", b
     if not ax.patches:   # only the lines at 0: no count to read off an axis (the legend has them)
         ax.set_yticks([])
         ax.set_ylabel("")
-    # Above the axes, so that it covers no bar.
-    fig.legend(loc="outside upper center", fontsize=8, ncols=min(2, len(tables)), frameon=False)
+    # Above the axes, so that it covers no bar; the title heads it (a suptitle would overlap it).
+    fig.legend(loc="outside upper center", fontsize=8, ncols=2 if len(tables) == 2 else 1, frameon=False,
+               title=title or None, title_fontsize=10)
     ax.grid(alpha=0.3)
     return fig
 

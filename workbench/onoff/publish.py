@@ -17,6 +17,7 @@ import pandas as pd
 
 from ..config import read_config_file
 from ..plots import save_figure
+from ..published import published_label
 from ..tables import project_path
 from .arms import get_arm
 from .config import OnOffConfig
@@ -311,8 +312,7 @@ def published_results(root: str | Path = "docs/results") -> list[Published]:
         calls = folder / "invocations.csv"
         devices = pd.read_csv(calls).device.astype(str) if calls.exists() else pd.Series(dtype=str)
         device = devices.iloc[-1] if len(devices) else match["slug"].upper()
-        kind = "CPU" if device.upper() == "CPU" else "GPU"
-        label = f"published, {kind}, {device}, {match['date']}"
+        label = published_label(device, match["date"])
         text = (folder / "summary.md").read_text()
         text = re.sub(r"\n## Figures\n.*?(?=\n## |\Z)", "\n", text, flags=re.S)
         figures = tuple(folder / f"{n}.png" for n in _FIGURE_ORDER if (folder / f"{n}.png").exists())
