@@ -30,9 +30,10 @@ def trainer_unharmed():
     from workbench.sandbox import cputime
 
     parent = os.getppid()
+    before = set(cputime.tree(os.getpid()))  # a test runner's own helpers (xdist's resource tracker) may be there
     yield
     assert os.getppid() == parent
-    assert cputime.tree(os.getpid()) == [os.getpid()], "a sandboxed process outlived its run"
+    assert set(cputime.tree(os.getpid())) <= before, "a sandboxed process outlived its run"
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +98,13 @@ def test_an_object_equal_to_everything_scores_zero(task):
     assert _scores(task, always + "def add(a, b):\n    return Anything()\n") == [ZERO, ZERO]
     assert _scores(task, always + "def add(a, b):\n    return Int(0)\n") == [ZERO, ZERO]
     assert _scores(task, always + "def add(a, b):\n    return [Anything()]\n") == [ZERO, ZERO]
+
+
+def test_an_int_too_large_to_write_out_scores_zero(task):
+    """Seen on the GPU in a HumanEval run (step 49): a wrong answer of more than 4,300 digits made the grader's
+    message raise ValueError (Python's limit on int-to-text conversion) and stopped the trainer."""
+    assert _scores(task, "def add(a, b):\n    return 10 ** 5000\n") == [ZERO, ZERO]
+    _honest(task)
 
 
 def test_patching_the_interpreter_changes_no_verdict(task):

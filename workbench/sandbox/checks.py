@@ -240,7 +240,16 @@ def _verdict(outcome, op: str, expected) -> str | None:
         return f"returned a {value!r}, which is not plain data"[:300]
     holds = {"==": lambda: value == expected, "is": lambda: value is expected,
              "truthy": lambda: bool(value), "falsy": lambda: not value}[op]()
-    return None if holds else f"returned {value!r:.120}, expected {op} {expected!r:.120}"
+    return None if holds else f"returned {_short(value)}, expected {op} {_short(expected)}"
+
+
+def _short(value) -> str:
+    """repr cut to 120 characters; an int past Python's limit on int-to-text conversion (4,300 digits) cannot be
+    written out at all, and a completion must not crash the trainer by returning one."""
+    try:
+        return f"{value!r:.120}"
+    except ValueError:
+        return f"an {type(value).__name__} too large to write out"
 
 
 def _run_judged(sandbox: Sandbox, solution: str, test: Test, entry_point: str) -> CheckResult:
