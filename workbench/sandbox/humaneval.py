@@ -30,7 +30,7 @@ FIELDS = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
 
 @dataclass(frozen=True)
 class CodeProblem:
-    """A problem of a code task; `prompt` and `answer` as in `workbench.rl.tasks.Problem`."""
+    """A problem of a code task; `prompt` and `answer` as in `workbench.rl.problem.Problem`."""
 
     prompt: str
     """What the model is asked: the instruction, and the signature + docstring in a ```python block."""
