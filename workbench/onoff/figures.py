@@ -24,10 +24,10 @@ from .stats import NOISE_PREFIX, REFERENCE, arm_order, dose_slope, noise_sigma
 
 # Okabe-Ito and PiYG/PRGn shades (colorblind-friendly); a vLLM arm is a lighter shade of the arm it mirrors.
 COLORS = {"on": "#1b7837", "off": "#c51b7d", "off-recompute": "#0072b2", "off-tis": "#e69f00",
-          "off-mis": "#56b4e9", "off-vllm": "#de77ae", "on-vllm": "#7fbf7b"}
-LABELS = {"on": "on (bitwise)", "off": "off (standard kernels, old = sampler)", "off-recompute": "off-recompute",
-          "off-tis": "off-tis (truncated IS)", "off-mis": "off-mis (masked IS)", "off-vllm": "off-vllm",
-          "on-vllm": "on-vllm"}
+          "off-mis": "#56b4e9", "off-shapes": "#666666", "off-vllm": "#de77ae", "on-vllm": "#7fbf7b"}
+LABELS = {"on": "on (bitwise)", "off": "off (engine kernels, old = sampler)", "off-recompute": "off-recompute",
+          "off-tis": "off-tis (truncated IS)", "off-mis": "off-mis (masked IS)",
+          "off-shapes": "off-shapes (same kernels, other shapes)", "off-vllm": "off-vllm", "on-vllm": "on-vllm"}
 # Noise arms run light to dark with sigma; purple is used by no named arm.
 NOISE_COLORMAP, NOISE_SHADES = "Purples", (0.45, 0.95)
 _SPARE = ("#000000", "#d55e00", "#999999", "#a6761d", "#e6ab02")  # arms this module does not know
