@@ -156,11 +156,12 @@ _REALISTIC = {"policy": SMOLLM2, "task": "arithmetic-chat", "difficulty": 1, "ch
               "lr": 1e-5, "max_grad_norm": 1.0, "master_dtype": "float32", "mini_batches": 2, "steps": 100,
               "seeds": (0, 1, 2), "arms": ("on", "off", "off-tis"), "keep_checkpoints": False, "workers": 3}
 # The regime map's cell: counting in steps (`rl.chain`, answers sized to the length), GRPO-family with PPO
-# mini-batches; 6 seeds so that the exact sign-flip test can reach p < 0.05 (2/2^6); lr and clip as `realistic`.
+# mini-batches; 8 seeds: the map's verdicts are Holm-adjusted over its cells, and 3 lengths x 2 losses need
+# 6 x 2/2^n <= 0.05 from the exact sign-flip test (n >= 8); lr and clip as `realistic`.
 # SmolLM2-135M-Instruct starts below 1% on this task at T = 1 (docs/results/2026-11-27_offarm-probe-h100_8217c92):
 # a run from it has nothing to learn; give it a policy warm-started on the task (policy=...).
 _REGIME = {**_REALISTIC, "task": "counting", "difficulty": 2, "prompts_per_step": 8, "max_new_tokens": 2048,
-           "steps": 300, "seeds": (0, 1, 2, 3, 4, 5), "arms": ("on", "off"), "workers": 2}
+           "steps": 300, "seeds": tuple(range(8)), "arms": ("on", "off"), "workers": 2}
 PRESETS: dict[str, dict] = {
     # The self-trained 6-layer digit policy on bare arithmetic (the first ON/OFF experiment, docs/results).
     "digits": {"policy_size": "small", "difficulty": 1, "policy_steps": 2000, "policy_accuracy": (0.2, 0.5),
