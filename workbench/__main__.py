@@ -19,6 +19,7 @@ from .onoff.config import OnOffConfig, preset_base
 from .onoff.runner import RunFailed
 from .rl.policy import PolicyConfig
 from .rl.trainer import ParityError, interrupted
+from .rl.warmstart import WarmStartConfig
 from .sweep.runner import EXPERIMENTS, SweepConfig, SweepOptions
 
 
@@ -45,6 +46,16 @@ def _train_policy(cfg: PolicyConfig, args) -> int:
     acc = table[table.metric == "accuracy"]
     print(acc[["step", "value"]].rename(columns={"value": "greedy accuracy"}).to_string(index=False))
     print(f"saved to {args.out}")
+    return 0
+
+
+def _warm_start(cfg: WarmStartConfig, args) -> int:
+    from .rl.warmstart import warm_start
+
+    table = warm_start(cfg, args.out, progress=True)
+    rates = table[table.metric == "sampled_reward"][["step", "value"]].rename(columns={"value": "sampled reward"})
+    print(rates.to_string(index=False))
+    print(f"saved to {args.out}; start RL from it with policy={args.out}")
     return 0
 
 
@@ -134,6 +145,8 @@ COMMANDS = {
                 CompareConfig, _compare),
     "demo": ("batch variance of a matmul: standard vs invariant, on this machine", BatchVarianceConfig, _demo),
     "train-policy": ("train the small starting policy on arithmetic and save it", PolicyConfig, _train_policy),
+    "warm-start": ("fine-tune a pretrained policy on a task's right answers until its sampled reward leaves room "
+                   "for RL, and save it", WarmStartConfig, _warm_start),
     "train": ("GRPO-family training with a parity check every step", TrainConfig, _train),
     "on-off": ("the ON/OFF experiment: arms x seeds of one RL run (presets: blog, blog-dose, realistic, long, "
                "digits), resumable, and its report", OnOffConfig, _on_off),
@@ -189,6 +202,8 @@ def parse(argv: list[str]) -> tuple:
         add_arguments(parsers[name], cls)
     parsers["train-policy"].add_argument("--out", default="runs/policy",
                                          help="checkpoint folder (default: runs/policy)")
+    parsers["warm-start"].add_argument("--out", default="runs/warm-start",
+                                       help="checkpoint folder (default: runs/warm-start)")
     sweep_docs = field_docs(SweepConfig)
     parsers["sweep"].add_argument("experiment", choices=list(EXPERIMENTS), help=sweep_docs["experiment"])
     parsers["sweep"].add_argument("grid", nargs="+", metavar="field=v1,v2", help=sweep_docs["grid"])

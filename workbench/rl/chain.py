@@ -77,6 +77,12 @@ class CountingChain:
         return CountingChain(self.seed + 10_000, self.difficulty, self.max_new_tokens).problems(n)
 
     @staticmethod
+    def answer_text(problem: Problem) -> str:
+        """The right answer, as the prompt asks for it: the n numbers, separated by commas."""
+        start, step, n = _parse(problem)
+        return ", ".join(str(start + k * step) for k in range(n))
+
+    @staticmethod
     def steps_right(completion: str, problem: Problem) -> list[bool]:
         """For each of the n steps: whether it is right (the first number is a; each later one is the completion's
         previous number plus b). Numbers past the n-th are ignored; missing ones are wrong."""
