@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import random
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -191,11 +192,25 @@ def roles(world_size: int, rollout_ranks: int) -> Roles:
     return Roles(trainer=everyone[:split], rollout=everyone[split:])
 
 
+_PORTS = range(20000, 32768)
+"""Where `free_port` draws from: below Linux's ephemeral range (32768-60999), from which the kernel hands out the
+ports of every outgoing connection, gloo's among them. A port the kernel picked (bind to port 0) is an ephemeral
+one, which another test's connections could take before the rendezvous binds it; one drawn here is not."""
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (another process may take it before the rendezvous binds it: tests only)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now, drawn at random below the ephemeral range (another process may still take
+    it before the rendezvous binds it: tests and benchmarks only)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.choice(_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"free_port: no free port in {_PORTS.start}-{_PORTS.stop - 1} after 200 tries")
 
 
 def _spawned(local_rank: int, fn: Callable[..., None], world_size: int, port: int, args: tuple) -> None:
