@@ -84,22 +84,40 @@ def train_tokenizer(task: Arithmetic):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token="<unk>")
 
 
-def _batch(tokenizer, problems, device):
-    """(ids [B, T], lens [B], loss mask [B, T] on the positions that predict answer + eos)."""
-    seqs, masks = [], []
-    for p in problems:
-        prompt = tokenizer(p.prompt)["input_ids"]
-        answer = tokenizer(p.answer)["input_ids"] + [tokenizer.eos_token_id]
-        seqs.append(prompt + answer)
-        masks.append([0] * (len(prompt) - 1) + [1] * len(answer) + [0])
+def answer_batch(pairs: list[tuple[list[int], list[int]]], pad_id: int, device):
+    """(ids [B, T], lens [B], loss mask [B, T] on the positions that predict each answer) from (prompt ids, answer
+    ids) pairs, right-padded: the layout of a supervised step (`supervised_step`)."""
+    seqs = [prompt + answer for prompt, answer in pairs]
+    masks = [[0] * (len(prompt) - 1) + [1] * len(answer) + [0] for prompt, answer in pairs]
     t = max(map(len, seqs))
-    ids = torch.full((len(seqs), t), tokenizer.pad_token_id, dtype=torch.long)
+    ids = torch.full((len(seqs), t), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), t))
     for i, (s, m) in enumerate(zip(seqs, masks)):
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
     lens = torch.tensor([len(s) for s in seqs], dtype=torch.int32)
     return ids.to(device), lens.to(device), mask.to(device)
+
+
+def supervised_step(model, opt, ids, lens, mask, step: int) -> float:
+    """One AdamW step on the mean cross-entropy of the masked (answer) tokens; returns that loss."""
+    logits = model(ids, seq_lens=lens).float()
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
+                                            reduction="none").view(ids.shape[0], -1)
+    loss = (nll * mask[:, :-1]).sum() / mask.sum()
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"supervised loss is {loss.item()} at step {step}; lower the learning rate")
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def _batch(tokenizer, problems, device):
+    """The answer batch of arithmetic problems: the answer and the end of sequence after each prompt."""
+    pairs = [(tokenizer(p.prompt)["input_ids"], tokenizer(p.answer)["input_ids"] + [tokenizer.eos_token_id])
+             for p in problems]
+    return answer_batch(pairs, tokenizer.pad_token_id, device)
 
 
 @torch.no_grad()
@@ -132,23 +150,15 @@ def train_policy(cfg: PolicyConfig, out_dir: str | Path | None = None, progress:
     bar = tqdm(total=cfg.max_steps, disable=not progress, desc=f"train-policy ({cfg.size}, {device})")
     with mode(cfg.kernel_mode), bar:
         for step in range(1, cfg.max_steps + 1):
-            ids, lens, mask = _batch(tokenizer, task.problems(cfg.batch_size, start=step * cfg.batch_size), device)
-            logits = model(ids, seq_lens=lens).float()
-            nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
-                                                    reduction="none").view(ids.shape[0], -1)
-            loss = (nll * mask[:, :-1]).sum() / mask.sum()
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"supervised loss is {loss.item()} at step {step}; lower the learning rate")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            rows.append({"step": step, "metric": "loss", "value": loss.item()})
+            batch = _batch(tokenizer, task.problems(cfg.batch_size, start=step * cfg.batch_size), device)
+            loss = supervised_step(model, opt, *batch, step)
+            rows.append({"step": step, "metric": "loss", "value": loss})
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
             if step % cfg.eval_every == 0 or step == cfg.max_steps:
                 acc = greedy_accuracy(model, tokenizer, task, held_out)
                 rows.append({"step": step, "metric": "accuracy", "value": acc})
-                bar.set_postfix(loss=f"{loss.item():.3f}", accuracy=f"{acc:.2f}")
+                bar.set_postfix(loss=f"{loss:.3f}", accuracy=f"{acc:.2f}")
                 if cfg.target_accuracy[0] <= acc <= cfg.target_accuracy[1]:
                     break
     rows.append({"step": step, "metric": "seconds", "value": time.perf_counter() - start})

@@ -27,7 +27,7 @@ from ..env import resolve_device
 from ..generation import SamplingParams, generate
 from ..kernels import mode
 from ..models import encode_prompt, load_pretrained, load_tokenizer, resolve_model
-from .policy import free_folder, save_policy
+from .policy import answer_batch, free_folder, save_policy, supervised_step
 from .tasks import make_task
 
 
@@ -72,20 +72,11 @@ class WarmStartConfig:
 
 
 def _batch(tok, problems, task, chat_template: bool, device):
-    """(ids [B, T], lens [B], loss mask [B, T] on the positions that predict the answer and the end of turn)."""
-    seqs, masks = [], []
-    for p in problems:
-        prompt = encode_prompt(tok, p.prompt, chat_template)
-        answer = list(tok(task.answer_text(p), add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
-        seqs.append(prompt + answer)
-        masks.append([0] * (len(prompt) - 1) + [1] * len(answer) + [0])
-    t = max(map(len, seqs))
-    ids = torch.full((len(seqs), t), tok.pad_token_id or 0, dtype=torch.long)
-    mask = torch.zeros((len(seqs), t))
-    for i, (s, m) in enumerate(zip(seqs, masks)):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
-    return ids.to(device), torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=device), mask.to(device)
+    """The answer batch: each prompt as the RL runs encode it, then its right answer and the end of the turn."""
+    pairs = [(encode_prompt(tok, p.prompt, chat_template),
+              list(tok(task.answer_text(p), add_special_tokens=False)["input_ids"]) + [tok.eos_token_id])
+             for p in problems]
+    return answer_batch(pairs, tok.pad_token_id or 0, device)
 
 
 @torch.no_grad()
@@ -131,23 +122,15 @@ def _warm_start(cfg: WarmStartConfig, out: Path, progress: bool) -> pd.DataFrame
         for step in range(1, cfg.steps + 1):
             if cfg.target_reward[0] <= reward <= cfg.target_reward[1]:
                 break
-            ids, lens, mask = _batch(tok, task.problems(cfg.batch_size, start=step * cfg.batch_size), task,
-                                     cfg.chat_template, device)
-            logits = model(ids, seq_lens=lens).float()
-            nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
-                                                    reduction="none").view(ids.shape[0], -1)
-            loss = (nll * mask[:, :-1]).sum() / mask.sum()
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"warm-start: the supervised loss is {loss.item()} at step {step}; lower lr")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            rows.append({"step": step, "metric": "loss", "value": loss.item()})
+            batch = _batch(tok, task.problems(cfg.batch_size, start=step * cfg.batch_size), task,
+                           cfg.chat_template, device)
+            loss = supervised_step(model, opt, *batch, step)
+            rows.append({"step": step, "metric": "loss", "value": loss})
             bar.update(1)
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 reward = sampled_reward(model, tok, task, held_out, cfg, seed=cfg.seed + step)
                 rows.append({"step": step, "metric": "sampled_reward", "value": reward})
-                bar.set_postfix(loss=f"{loss.item():.3f}", reward=f"{reward:.3f}")
+                bar.set_postfix(loss=f"{loss:.3f}", reward=f"{reward:.3f}")
     rows.append({"step": rows[-1]["step"], "metric": "seconds", "value": time.perf_counter() - start})
     table = pd.DataFrame(rows).assign(variant=f"warm-start-{cfg.task}", seed=cfg.seed)
     save_policy(model, tok, out)
