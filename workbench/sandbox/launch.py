@@ -160,8 +160,9 @@ SHM_FREE_BYTES = 1 << 30
 
 
 def temp_root() -> str | None:
-    """Where run folders go: /dev/shm (a memory file system: making and removing a folder on this project's
-    ext4 /tmp took ~5 ms a run) where it has room, else the system's temporary folder."""
+    """Where run folders go: /dev/shm (a memory file system: making and removing a folder there costs far less than
+    on a disk's /tmp, a share of every run's start; BENCHMARKS.md, "Numbers behind the code") where it has room,
+    else the system's temporary folder."""
     try:
         room = os.statvfs("/dev/shm")
     except OSError:
