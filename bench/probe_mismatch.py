@@ -70,4 +70,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:   # a bad preset, arm or setting: the one line that says which
+        raise SystemExit(f"probe_mismatch: {e}") from None

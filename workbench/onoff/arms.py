@@ -18,8 +18,8 @@ framework differ in two ways, and the `off` arms have both:
 - the shapes: the engine's products and attention run decode-shaped (one token per sequence against its cache),
   the trainer's prefill-shaped, so cuBLAS and FlashAttention pick other tiles and splits. Alone (`off-shapes`)
   this depends on the shapes and on the decode path: with few, short sequences both sides can sum in nearly the
-  same order (on the blog preset it has measured from almost nothing to a third of vLLM's mismatch:
-  docs/results/2026-11-27_offarm-probe-h100_8217c92).
+  same order, so at small presets this alone can be far below an engine's mismatch
+  (docs/results/2026-11-27_offarm-probe-h100_8217c92).
 - the formulas: the engine fuses RMSNorm, SiLU x up and RoPE into kernels that compute in fp32 and round once
   (vLLM's `fused_add_rms_norm`, `silu_and_mul`, `rotary_embedding`), where the trainer runs Hugging Face's
   (TRL's, most trainers') formulas with their bf16 round trips and bf16 cos/sin. That difference is in every

@@ -158,7 +158,7 @@ _REALISTIC = {"policy": SMOLLM2, "task": "arithmetic-chat", "difficulty": 1, "ch
 # The regime map's cell: counting in steps (`rl.chain`, answers sized to the length), GRPO-family with PPO
 # mini-batches; 8 seeds: the map's verdicts are Holm-adjusted over its cells, and 3 lengths x 2 losses need
 # 6 x 2/2^n <= 0.05 from the exact sign-flip test (n >= 8); lr and clip as `realistic`.
-# SmolLM2-135M-Instruct starts below 1% on this task at T = 1 (docs/results/2026-11-27_offarm-probe-h100_8217c92):
+# SmolLM2-135M-Instruct starts near 0 on this task at T = 1 (docs/results/2026-11-27_offarm-probe-h100_8217c92):
 # a run from it has nothing to learn; give it a policy warm-started on the task (`python -m workbench warm-start`,
 # then policy=<its folder>).
 _REGIME = {**_REALISTIC, "task": "counting", "difficulty": 2, "prompts_per_step": 8, "max_new_tokens": 2048,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..tables import project_path
 from .config import OnOffConfig
 from .runner import run_on_off
 
@@ -47,9 +48,9 @@ def probe_table(metrics: pd.DataFrame, cfg: OnOffConfig) -> pd.DataFrame:
 
 
 def published_metrics(root: str | Path, preset: str, arm: str) -> pd.DataFrame:
-    """The long metrics table of `arm` in the newest published experiment of `preset` under root (docs/results) that
-    ran it; an empty table where none did."""
-    for folder in sorted(Path(root).glob(f"*_onoff-{preset}-*"), reverse=True):
+    """The long metrics table of `arm` in the newest published experiment of `preset` under root (docs/results; a
+    relative root is the project's) that ran it; an empty table where none did."""
+    for folder in sorted(project_path(root).glob(f"*_onoff-{preset}-*"), reverse=True):
         path = folder / "metrics.csv.gz"
         if path.exists():
             table = pd.read_csv(path)

@@ -2,8 +2,8 @@
 leaves room for RL, and save it as the starting policy of RL runs.
 
 Why: an RL run learns from the spread of rewards within a group. A policy that starts near 0 (SmolLM2-135M-Instruct
-on the counting task: below 1% at T = 1, docs/results/2026-11-27_offarm-probe-h100_8217c92) gives every group the
-same reward, so nothing is learned, in either arm of an ON/OFF comparison. A cold start on the task's own format
+on the counting task, as measured in docs/results/2026-11-27_offarm-probe-h100_8217c92) gives every group the same
+reward, so nothing is learned, in either arm of an ON/OFF comparison. A cold start on the task's own format
 (as DeepSeek-R1's and most RL recipes have) moves the start rate into the range where RL can act. It measures that
 rate the way the RL runs will meet it: sampled at their temperature, scored by the task's reward, on problems the
 fine-tune did not see.
