@@ -34,8 +34,19 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..kernels import apply_rope, attention, embedding, get_mode, linear, norm_rope, rms_norm, rms_norm_add, \
-    rope_cos_sin, rope_inv_freq, silu_mul
+from ..kernels import (
+    apply_rope,
+    attention,
+    embedding,
+    get_mode,
+    linear,
+    norm_rope,
+    rms_norm,
+    rms_norm_add,
+    rope_cos_sin,
+    rope_inv_freq,
+    silu_mul,
+)
 from ..models import RECOMPUTE, ModelConfig, build
 from ..models.transformer import _same_mode
 from .weights import to_titan
@@ -95,14 +106,11 @@ def _titan_class(cfg: ModelConfig) -> type[nn.Module]:
     return Transformer
 
 
-def build_titan_model(cfg: ModelConfig, device, dtype: torch.dtype = torch.bfloat16,
-                      seed: int | None = 0) -> nn.Module:
-    """torchtitan's own model for `cfg` (`titan_args`), allocated in `dtype` on `device`, routed (`exact`).
-
-    seed: the workbench's random weights of that seed (`models.build`: the same draws, mapped by
-    `weights.to_titan`); None: torchtitan's own `init_weights`. A tied head in a Llama config is tied as torchtitan
-    ties Qwen3's (`output.weight` is the embedding's tensor): torchtitan's Llama 3 has no flag for it.
-    """
+def titan_model(cfg: ModelConfig, device, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """torchtitan's own model for `cfg` (`titan_args`), not routed: built on the meta device, allocated in `dtype` on
+    `device`, initialised by its own `init_weights`. A tied head in a Llama config is tied as torchtitan ties
+    Qwen3's (`output.weight` is the embedding's tensor; its Llama 3 has no flag for it): tie it again after a
+    `to_empty`, which allocates the two names apart."""
     with torch.device("meta"):
         model = _titan_class(cfg)(titan_args(cfg)).to(dtype)
     model = model.to_empty(device=device)
@@ -110,6 +118,17 @@ def build_titan_model(cfg: ModelConfig, device, dtype: torch.dtype = torch.bfloa
         model.init_weights(buffer_device=torch.device(device))
     if cfg.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+def build_titan_model(cfg: ModelConfig, device, dtype: torch.dtype = torch.bfloat16,
+                      seed: int | None = 0) -> nn.Module:
+    """torchtitan's own model for `cfg` (`titan_model`), routed (`exact`).
+
+    seed: the workbench's random weights of that seed (`models.build`: the same draws, mapped by
+    `weights.to_titan`); None: torchtitan's own `init_weights`.
+    """
+    model = titan_model(cfg, device, dtype)
     if seed is not None:
         model.load_state_dict(to_titan(build(cfg, device=device, dtype=dtype, seed=seed).state_dict(), cfg))
     return exact(model, cfg)
