@@ -70,6 +70,28 @@ def test_training_forward_is_the_generators_bits_and_gradients_the_trainers(fami
         assert torch.equal(p.grad, grads[name]), f"seed {seed}: {name}"
 
 
+def test_routed_on_the_meta_device_then_allocated_as_torchtitans_trainer_does():
+    """torchtitan's trainer builds on meta, parallelizes, then allocates (`to_empty`, which unties the Llama head)
+    and loads: routed first, the model still gives the workbench's log-probs and the tied head's gradient."""
+    cfg, seed = LLAMA, _seed()
+    with torch.device("meta"):
+        titan = exact(titan_model(cfg, "meta"), cfg)
+    titan = titan.to_empty(device="cpu")
+    ours = build(cfg, seed=seed)
+    titan.load_state_dict(to_titan(ours.state_dict(), cfg))
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (4, 7)]
+    comps = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (3, 5)]
+    batch = RolloutBatch(prompts, comps, torch.zeros(2, 5), torch.tensor([[1.0] * 3 + [0.0] * 2, [1.0] * 5]), 0)
+    mb = batch.micro_batches(None, 1 << 20)[0]
+    with mode("invariant"):
+        got, want = completion_logprobs(titan, mb, 1.0)[0], completion_logprobs(ours, mb, 1.0)[0]
+    assert torch.equal(got, want), f"seed {seed}"
+    got.sum().backward()
+    want.sum().backward()
+    assert torch.equal(titan.tok_embeddings.weight.grad, ours.model.embed_tokens.weight.grad), f"seed {seed}"
+
+
 def test_recompute_keeps_the_gradient_bits():
     cfg, seed = LLAMA, _seed()
     titan = build_titan_model(dataclasses.replace(cfg, num_hidden_layers=1), "cpu", seed=seed)
@@ -85,19 +107,26 @@ def test_recompute_keeps_the_gradient_bits():
         assert all(map(torch.equal, grads["none"], grads[recompute])), f"seed {seed}: {recompute}"
 
 
-@pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_torchtitans_own_forward_is_the_control(family):
-    """torchtitan's own forward on the same weights computes the same function (fp32: to 1e-5, which checks the
-    name and layout mapping) but not the generator's bits (bf16: tokens differ); `exact` on that very model, built
-    by torchtitan's own code, gives them."""
-    cfg, seed = CONFIGS[family], _seed()
-    ours = build(cfg, seed=seed)
+@pytest.mark.parametrize("cfg", [
+    TINY, LLAMA, dataclasses.replace(LLAMA, model_type="mistral", tie_word_embeddings=False),
+    dataclasses.replace(LLAMA, rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 16)),
+], ids=["qwen3", "llama", "mistral-untied", "llama3-rope-scaling"])
+def test_torchtitans_own_forward_computes_the_same_function(cfg):
+    """In fp32, to 1e-5: the names, the Llama q/k row layout, the tie, the MLP width and the RoPE scaling map."""
+    seed = _seed()
     ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
-        fp32 = build(cfg, dtype=torch.float32, seed=seed)
-        ref, own = fp32(ids), _titan_own(cfg, fp32.state_dict())(ids)
+        ours = build(cfg, dtype=torch.float32, seed=seed)
+        ref, own = ours(ids), _titan_own(cfg, ours.state_dict())(ids)
     assert ((own - ref).norm() / ref.norm()).item() < 1e-5, f"seed {seed}"
 
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_torchtitans_own_forward_is_the_control(family):
+    """torchtitan's own forward on the same weights does not give the generator's bits (bf16: tokens differ, by
+    little); `exact` on that very model, built by torchtitan's own code, gives them."""
+    cfg, seed = CONFIGS[family], _seed()
+    ours = build(cfg, seed=seed)
     mb, behavior, mask = _rollouts(ours, seed)
     titan = _titan_own(cfg, ours.state_dict())
     with torch.no_grad():

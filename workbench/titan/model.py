@@ -18,8 +18,11 @@ Where torchtitan's layout differs from the workbench's, only exact moves of data
 - The workbench's vLLM-style merged gate_up is, column for column, the gate and up products: w1 and w3 separately
   give the same elements (the trainer's own model runs them separately too).
 - torchtitan adds each sub-layer's output to the stream in the block (`h = x + attn(norm(x))`); the routed block
-  hands (x, residual) on instead, as the workbench's layer does, because the fused add-and-norm's backward adds the
-  two gradients of the sum in fp32 inside its kernel, which autograd's bf16 sum would round differently.
+  hands (x, residual) on instead, as the workbench's layer does: the fused add-and-norm (`kernels.rms_norm_add`,
+  whose backward also adds the sum's two gradients inside its kernel) does not give the bits of a separate add
+  and norm (in the CPU interpreter neither the sum, the norm nor the gradient does).
+- torchtitan's own activation checkpointing recomputes a block under the kernel mode in force in the backward
+  (on autograd's device thread, the default: invariant); `hidden_states(recompute=...)` carries the forward's.
 - RoPE's frequencies come from `cfg` by `kernels.rope_inv_freq`, never from torchtitan's cached tables.
 
 Apply `exact` before torchtitan's `parallelize` (its activation checkpointing wraps the blocks it finds), and
@@ -48,7 +51,7 @@ from ..kernels import (
     silu_mul,
 )
 from ..models import RECOMPUTE, ModelConfig, build
-from ..models.transformer import _same_mode
+from ..models.transformer import _same_mode  # checkpoint's context_fn: recompute under the forward's mode
 from .weights import to_titan
 
 
@@ -202,7 +205,9 @@ class _Model:
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.output.weight
+        """The embedding where cfg ties the head, as the workbench's model: a `to_empty` (torchtitan's trainer
+        allocates after `parallelize`) unties torchtitan's Llama 3, whose `init_weights` does not tie again."""
+        return self.tok_embeddings.weight if self.config.tie_word_embeddings else self.output.weight
 
     def hidden_states(self, input_ids, seq_lens=None, recompute: str = "none"):
         """Final-norm hidden states [B, T, H] of a right-padded batch (row b has seq_lens[b] real tokens, default
