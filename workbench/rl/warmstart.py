@@ -47,6 +47,9 @@ class WarmStartConfig:
     """Supervised steps at most."""
     batch_size: int = 16
     """Problems per step."""
+    # 16 answers of ~1,500 tokens ran an H100 out of memory: the standard attention keeps [T, T] a head for backward.
+    micro_batch: int = 4
+    """Problems per forward and backward; the step's gradient is accumulated over them."""
     lr: float = 1e-5
     """AdamW learning rate."""
     eval_every: int = 25
@@ -63,7 +66,8 @@ class WarmStartConfig:
     """'cpu', 'cuda' or 'auto'."""
 
     def __post_init__(self):
-        check_at_least_one(self, "steps", "batch_size", "eval_every", "eval_problems", "max_new_tokens", "difficulty")
+        check_at_least_one(self, "steps", "batch_size", "micro_batch", "eval_every", "eval_problems", "max_new_tokens",
+                           "difficulty")
         check_positive("lr", self.lr)
         check_positive("temperature", self.temperature)
         low, high = self.target_reward
@@ -126,7 +130,7 @@ def _warm_start(cfg: WarmStartConfig, out: Path, progress: bool) -> pd.DataFrame
                 break
             batch = _batch(tok, task.problems(cfg.batch_size, start=step * cfg.batch_size), task,
                            cfg.chat_template, device)
-            loss = supervised_step(model, opt, *batch, step)
+            loss = supervised_step(model, opt, *batch, step, micro_rows=cfg.micro_batch)
             rows.append({"step": step, "metric": "loss", "value": loss})
             bar.update(1)
             if step % cfg.eval_every == 0 or step == cfg.steps:
