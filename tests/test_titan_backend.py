@@ -1,0 +1,192 @@
+"""The torchtitan trainer backend (`trainer_backend='torchtitan'`, workbench/titan/backend.py) on CPU: the RL update
+on torchtitan's model, AdamW and LR-scheduler builders and clip_grad_norm_ equals the workbench's own bit for bit
+(Qwen3 and Llama 3 layouts, fp32 masters and bf16 weights, with clipping and weight decay); the trainer with it on
+the session's small arithmetic policy, parity 0 every step, the same run as the workbench trainer; FSDP2 through
+torchtitan's recipe in 2 gloo processes against one process; the config errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import same_bits
+
+pytest.importorskip("torchtitan")
+
+TIMES = ("time_", "tokens_per_s", "sync_bytes")
+"""Metrics that measure the run rather than the training (prefixes)."""
+
+
+def _tiny(family: str):
+    from workbench.models import ModelConfig
+
+    qwen = family == "qwen3"
+    return ModelConfig(model_type=family, vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=32,
+                       qk_norm=qwen, tie_word_embeddings=qwen)
+
+
+@pytest.mark.parametrize("family,master_dtype", [("qwen3", "float32"), ("llama", "float32"), ("qwen3", "bfloat16")])
+def test_update_equals_the_workbench_trainer(family, master_dtype):
+    """Two GRPO updates of 2 mini-batches each, clipped (norm 0.05 < the gradients') with weight decay: the masters
+    and the generator's bf16 model are the workbench trainer's bits, and the titan model's log-probs (the parity
+    check's trainer side) the generator model's, before each update."""
+    from workbench.kernels import mode
+    from workbench.models import build
+    from workbench.rl.config import TrainConfig
+    from workbench.rl.logprobs import score
+    from workbench.rl.losses import get_loss
+    from workbench.rl.rollout import RolloutBatch
+    from workbench.rl.update import UpdateInputs, update
+    from workbench.rl.weights import TrainWeights
+    from workbench.titan.backend import TitanWeights
+    from workbench.titan.weights import from_titan
+
+    mc = _tiny(family)
+    cfg = TrainConfig(lr=1e-2, max_grad_norm=0.05, weight_decay=0.1, master_dtype=master_dtype, mini_batches=2,
+                      group_size=2, prompts_per_step=2, max_new_tokens=4, trainer_backend="torchtitan")
+    seed = 3
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, mc.vocab_size, (4, 7), generator=g)
+    mask = torch.ones(4, 4)
+    mask[1, 2:] = 0
+    batch = RolloutBatch(ids[:, :3].tolist(), ids[:, 3:].tolist(), torch.zeros_like(mask), mask, pad_id=0)
+    dtype = torch.float32 if master_dtype == "float32" else torch.bfloat16
+    ends, norms = {}, {}
+    for backend in ("workbench", "torchtitan"):
+        start = build(mc, dtype=dtype, seed=1)
+        w = TitanWeights(start, cfg, "cpu") if backend == "torchtitan" else \
+            TrainWeights(start, master_dtype, cfg.lr, "cpu", cfg.weight_decay, cfg.max_grad_norm)
+        norms[backend] = []
+        with mode("invariant"):
+            for step in (1, 2):
+                old, _ = score(w.scorer, batch, 64, 1.0)
+                assert same_bits(old, score(w.model, batch, 64, 1.0)[0]), f"seed {seed}, step {step}"
+                adv = torch.randn(4, generator=torch.Generator().manual_seed(seed + step))
+                out = update(cfg, get_loss("grpo"), w, batch, UpdateInputs(adv, old, None, None), step,
+                             lambda loss: pytest.fail(f"loss {loss}"))
+                norms[backend].append(out["grad_norm"])
+        masters = {k: v.detach().clone() for k, v in w.masters.items()}
+        ends[backend] = (from_titan(masters, mc) if backend == "torchtitan" else masters,
+                         {k: v.clone() for k, v in w.model.state_dict().items()})
+    assert min(norms["workbench"]) > 0.05, "the clipping must be active"
+    assert norms["torchtitan"] == norms["workbench"]
+    assert same_bits(ends["torchtitan"], ends["workbench"]), f"seed {seed}"
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\(\)` before")
+def test_titan_weights_use_torchtitans_builders():
+    """The optimizer and scheduler are torchtitan's containers around a fused torch AdamW with the workbench's
+    settings, the lr factor stays 1.0 to the run's last step, and the one-process titan model computes on the
+    generator's memory (no third copy of the weights)."""
+    from torchtitan.components.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer import OptimizersContainer
+
+    from workbench.models import build
+    from workbench.rl.config import TrainConfig
+    from workbench.titan.backend import TitanWeights
+
+    cfg = TrainConfig(lr=3e-3, weight_decay=0.01, steps=2, mini_batches=2, group_size=2, prompts_per_step=2,
+                      trainer_backend="torchtitan")
+    w = TitanWeights(build(_tiny("qwen3"), dtype=torch.float32, seed=0), cfg, "cpu")
+    assert isinstance(w.optimizers, OptimizersContainer) and isinstance(w.lr_schedulers, LRSchedulersContainer)
+    group = w.opt.param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"], group["fused"]) == \
+        (3e-3, (0.9, 0.999), 1e-8, 0.01, True)
+    for _ in range(cfg.steps * cfg.mini_batches):
+        w.lr_schedulers.step()
+        assert w.opt.param_groups[0]["lr"] == 3e-3
+    assert w.titan.tok_embeddings.weight.data_ptr() == w.model.model.embed_tokens.weight.data_ptr()
+    assert w.titan.output.weight is w.titan.tok_embeddings.weight
+    assert all(m.dtype == torch.float32 for m in w.masters.values()) and "output.weight" not in w.masters
+
+
+def _cfg(policy: str, out, **kw):
+    from workbench.rl.config import TrainConfig
+
+    base = TrainConfig(policy=policy, out_dir=str(out), steps=2, prompts_per_step=2, group_size=2, max_new_tokens=3,
+                       kernel_mode="invariant", checkpoint_every=2, lr=3e-3, progress=False, mini_batches=2,
+                       max_grad_norm=1e-3, trainer_backend="torchtitan")
+    return dataclasses.replace(base, **kw)
+
+
+def _masters(folder) -> dict[str, torch.Tensor]:
+    """A run's last checkpoint's masters (workbench: its names; torchtitan: its names, read back into the
+    workbench's; FSDP2: the DCP shards loaded whole into a plain fp32 titan model)."""
+    from safetensors.torch import load_file
+
+    from workbench.rl.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(folder)
+    return load_file(last / "masters.safetensors")
+
+
+def test_trainer_with_torchtitan_is_the_workbench_run(policy, tmp_path):
+    """train() with trainer_backend='torchtitan' for 2 steps (2 clipped mini-batches each): 0 differing tokens every
+    step, and every metric and the final masters the workbench trainer's, bit for bit."""
+    from workbench.models import load_pretrained
+    from workbench.rl.trainer import train
+    from workbench.titan.weights import from_titan
+
+    runs = {b: train(_cfg(policy, tmp_path / b, trainer_backend=b)) for b in ("workbench", "torchtitan")}
+    tables = {b: t.pivot(index="step", columns="metric", values="value") for b, t in runs.items()}
+    titan, ref = tables["torchtitan"], tables["workbench"]
+    assert list(titan.index) == [1, 2] and (titan["parity_tokens_differing"] == 0).all()
+    assert (ref["grad_norm"] > 1e-3).all() and (titan["weight_delta_l2"] > 0).all()
+    kept = [c for c in ref.columns if not c.startswith(TIMES)]
+    assert sorted(kept) == sorted(c for c in titan.columns if not c.startswith(TIMES))
+    import pandas as pd
+
+    pd.testing.assert_frame_equal(titan[kept], ref[kept])
+    mc = load_pretrained(policy).config
+    assert same_bits(from_titan(_masters(tmp_path / "torchtitan"), mc), _masters(tmp_path / "workbench"))
+
+
+def _fsdp_worker(policy: str, root: str) -> None:
+    from pathlib import Path
+
+    from workbench.distributed import launch
+    from workbench.rl.trainer import train
+
+    launch.init("cpu")
+    train(_cfg(policy, Path(root) / "two", parallel="fsdp2"))
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_fsdp2_through_torchtitans_recipe_matches_one_process(policy, tmp_path):
+    """2 gloo processes, FSDP2 by the backend's `shard` (torchtitan's per-block units, bf16 compute, fp32 reduce):
+    parity 0 every step, the one-process torchtitan run's metrics, and its masters up to the order of the 2-rank
+    gradient sum (the fp32 reduce-scatter adds the ranks' sums; one process adds every micro-batch into one buffer)."""
+    import pandas as pd
+
+    from workbench.distributed import launch
+    from workbench.distributed.checkpoint import load
+    from workbench.models import load_pretrained
+    from workbench.rl.checkpoint import latest_checkpoint
+    from workbench.rl.trainer import train
+    from workbench.titan.model import build_titan_model
+
+    launch.spawn(_fsdp_worker, 2, policy, str(tmp_path))
+    one = train(_cfg(policy, tmp_path / "one")).pivot(index="step", columns="metric", values="value")
+    two = pd.read_csv(tmp_path / "two" / "metrics.csv").pivot(index="step", columns="metric", values="value")
+    assert (two["parity_tokens_differing"] == 0).all() and list(two.index) == [1, 2]
+    assert (two["response_length"] == one["response_length"]).all()
+    for m in ("loss", "grad_norm", "weight_delta_l2"):
+        assert two[m].to_numpy() == pytest.approx(one[m].to_numpy(), rel=1e-5, abs=1e-6), m
+    model = build_titan_model(load_pretrained(policy).config, "cpu", torch.float32, seed=None)
+    load(latest_checkpoint(tmp_path / "two"), model)
+    ones = _masters(tmp_path / "one")
+    whole = dict(model.named_parameters())
+    assert max(float((ones[k] - whole[k].detach()).abs().max()) for k in ones) < 1e-6
+
+
+def test_config_errors():
+    from workbench.rl.config import TrainConfig
+
+    with pytest.raises(ValueError, match=r"^trainer_backend must be 'workbench' or 'torchtitan', got 'foo'$"):
+        TrainConfig(trainer_backend="foo")
+    with pytest.raises(ValueError, match="trainer_backend='torchtitan' trains every weight .*adapter='lora'") as e:
+        TrainConfig(trainer_backend="torchtitan", adapter="lora")
+    assert "\n" not in str(e.value)
