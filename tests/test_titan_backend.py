@@ -76,7 +76,7 @@ def test_update_equals_the_workbench_trainer(family, master_dtype):
     assert same_bits(ends["torchtitan"], ends["workbench"]), f"seed {seed}"
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\(\)` before")
+@pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)` before")
 def test_titan_weights_use_torchtitans_builders():
     """The optimizer and scheduler are torchtitan's containers around a fused torch AdamW with the workbench's
     settings, the lr factor stays 1.0 to the run's last step, and the one-process titan model computes on the
@@ -134,7 +134,8 @@ def test_trainer_with_torchtitan_is_the_workbench_run(policy, tmp_path):
     tables = {b: t.pivot(index="step", columns="metric", values="value") for b, t in runs.items()}
     titan, ref = tables["torchtitan"], tables["workbench"]
     assert list(titan.index) == [1, 2] and (titan["parity_tokens_differing"] == 0).all()
-    assert (ref["grad_norm"] > 1e-3).all() and (titan["weight_delta_l2"] > 0).all()
+    # Step 1's gradient is clipped (its norm > 1e-3); step 2's groups tie (no gradient) and AdamW's momentum moves on.
+    assert ref.loc[1, "grad_norm"] > 1e-3 and (titan["weight_delta_l2"] > 0).all()
     kept = [c for c in ref.columns if not c.startswith(TIMES)]
     assert sorted(kept) == sorted(c for c in titan.columns if not c.startswith(TIMES))
     import pandas as pd
