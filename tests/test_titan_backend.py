@@ -192,6 +192,21 @@ def test_fsdp2_through_torchtitans_recipe_matches_one_process(policy, tmp_path):
         assert max(float((ref[k].detach() - titan[k]).abs().max()) for k in ref) < 1e-6
 
 
+def test_bench_runs_on_a_tiny_shape():
+    """bench/titan_update.py's measurement on the CPU (--tiny): both backends, positive rates, rank 0's table."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    import titan_update
+
+    from workbench.distributed.data_parallel import DataParallel
+
+    results = titan_update.measure(titan_update.TINY, 8, 16, 64, "cpu", DataParallel.join("cpu"))
+    assert sorted(results) == ["torchtitan", "workbench"] and all(r[0] > 0 for r in results.values())
+    assert "| torchtitan / workbench |" in "\n".join(titan_update.table(results, "tiny", 8, 16, 64, 1))
+
+
 def test_config_errors():
     from workbench.rl.config import TrainConfig
 
