@@ -89,7 +89,7 @@ def table(results: dict[str, tuple], shape: str, n: int, t: int, budget: int, wo
 
     ratio = "-" if wb_mem is None else f"{tt_mem / wb_mem:.2f}"
     return [f"{shape}, random weights, fp32 masters, invariant kernels, {n} x {t} tokens, {budget}-token "
-            f"micro-batches, {world} GPU(s){' (FSDP2)' if world > 1 else ''}:", "",
+            f"micro-batches, {world} rank(s){' (FSDP2)' if world > 1 else ''}:", "",
             "| trainer | update tokens/s | peak GiB (rank 0) |", "|---|---|---|",
             f"| workbench | {wb_tps:,.0f} | {gib(wb_mem)} |", f"| torchtitan | {tt_tps:,.0f} | {gib(tt_mem)} |",
             f"| torchtitan / workbench | {tt_tps / wb_tps:.3f} | {ratio} |"]
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per sequence")
     ap.add_argument("--budget", type=int, default=16384, help="tokens per micro-batch")
     ap.add_argument("--world-size", type=int, default=1, help="ranks under torchrun (FSDP2 over them)")
-    ap.add_argument("--tiny", action="store_true", help="a one-layer shape, 8 x 16 tokens, on the CPU")
+    ap.add_argument("--tiny", action="store_true", help="a one-layer shape, 8 x 16 tokens per rank, on the CPU")
     ap.add_argument("--out", help="also write the table (markdown) to this file")
     a = ap.parse_args()
     device = "cpu" if a.tiny else "cuda"
@@ -112,7 +112,7 @@ def main() -> None:
     if dp.world_size != a.world_size:
         raise SystemExit(f"--world-size {a.world_size} but {dp.world_size} process(es): launch with torchrun "
                          f"--nproc-per-node {a.world_size}")
-    shape, n, t, budget = (TINY, 8, 16, 64) if a.tiny else (config(a.shape), a.sequences, a.tokens, a.budget)
+    shape, n, t, budget = (TINY, 8 * a.world_size, 16, 64) if a.tiny else (config(a.shape), a.sequences, a.tokens, a.budget)
     if n % (8 * dp.world_size):
         raise SystemExit(f"--sequences {n} must be a multiple of 8 x world size (GRPO groups of 8 on every rank)")
     lines = table(measure(shape, n, t, budget, device, dp), "tiny" if a.tiny else a.shape, n, t, budget,

@@ -124,7 +124,7 @@ def _masters(folder) -> dict[str, torch.Tensor]:
 
 def test_trainer_with_torchtitan_is_the_workbench_run(policy, tmp_path):
     """train() with trainer_backend='torchtitan' for 2 steps (2 clipped mini-batches each): 0 differing tokens every
-    step, and every metric and the final masters the workbench trainer's, bit for bit."""
+    step, and every metric and the final masters the workbench trainer's, bit for bit; a resumed run the same."""
     from workbench.models import load_pretrained
     from workbench.rl.trainer import train
     from workbench.titan.weights import from_titan
@@ -142,6 +142,11 @@ def test_trainer_with_torchtitan_is_the_workbench_run(policy, tmp_path):
     pd.testing.assert_frame_equal(titan[kept], ref[kept])
     mc = load_pretrained(policy).config
     assert same_bits(from_titan(_masters(tmp_path / "torchtitan"), mc), _masters(tmp_path / "workbench"))
+    # Stopped after step 1 and resumed (the workbench's checkpoint, torchtitan's AdamW state; the LR scheduler's
+    # factor is 1.0 at every step, so it restarts without changing a bit): the uninterrupted run's masters.
+    train(_cfg(policy, tmp_path / "resumed", steps=1))
+    train(_cfg(policy, tmp_path / "resumed", resume=True))
+    assert same_bits(_masters(tmp_path / "resumed"), _masters(tmp_path / "torchtitan"))
 
 
 def _fsdp_worker(policy: str, root: str) -> None:
