@@ -112,7 +112,8 @@ def main() -> None:
     if dp.world_size != a.world_size:
         raise SystemExit(f"--world-size {a.world_size} but {dp.world_size} process(es): launch with torchrun "
                          f"--nproc-per-node {a.world_size}")
-    shape, n, t, budget = (TINY, 8 * a.world_size, 16, 64) if a.tiny else (config(a.shape), a.sequences, a.tokens, a.budget)
+    shape, n, t, budget = (TINY, 8 * a.world_size, 16, 64) if a.tiny else \
+        (config(a.shape), a.sequences, a.tokens, a.budget)
     if n % (8 * dp.world_size):
         raise SystemExit(f"--sequences {n} must be a multiple of 8 x world size (GRPO groups of 8 on every rank)")
     lines = table(measure(shape, n, t, budget, device, dp), "tiny" if a.tiny else a.shape, n, t, budget,

@@ -23,14 +23,17 @@ the Triton kernels) a bf16 titan model computes, its parameters the memory of th
 cast after each step serves both) and its gradients added into the fp32 masters' (`main_grad`, as TrainWeights).
 master_dtype 'bfloat16' is torchtitan's `training.dtype='bfloat16'`: AdamW on the bf16 weights.
 
-The weights are named as the workbench names them (`masters`, the checkpoints, the metrics' layer groups): the
-update is TrainWeights' step in the same order over the same tensors, so it is the workbench trainer's bit for bit
-on one process and with replicated data parallelism (tests/test_titan_backend.py); with FSDP2 the gradient norm is
-DTensor's reduction of the shards' norms (torchtitan's) where the workbench sums the shards' squares itself.
+`masters` hold torchtitan's names and layouts (Llama 3's interleaved q/k rows); TrainWeights' step runs over them
+in the order of their workbench names, the order the workbench's own trainer uses, so on one process the update is
+the workbench trainer's bit for bit, fp32 or bf16, clipped or not (tests/test_titan_backend.py; replicated data
+parallelism sums the same flat fp32 gradient buffer). With FSDP2 the gradient norm is torchtitan's, the norm of the
+DTensor gradients (DTensor's reduction over the ranks), where the workbench sums each rank's squared local total: the
+norm's last bits differ, so the clipped step and the masters differ from the workbench's FSDP2 run by up to ~1e-7.
 
 Checkpoints are the workbench's (rl/checkpoint.py: safetensors, and DCP with FSDP2), with the optimizer torchtitan
 built: torchtitan's CheckpointManager owns its folder layout, step numbering and dataloader state and knows nothing
 of the run's metrics, lagged generator weights and config, which the workbench's atomic step folders keep together.
+The LR scheduler's state is not saved: its factor is 1.0 at every step, so a resumed run restarts it bit for bit.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from .model import build_titan_model
 from .weights import from_titan, to_titan
 
 ADAMW_BETAS = (0.9, 0.999)
-"""The workbench's AdamW betas (torch's defaults), set in torchtitan's Optimizer config (whose default beta2 is 0.95)."""
+"""The workbench's AdamW betas (torch's defaults), set in torchtitan's Optimizer config (its default beta2: 0.95)."""
 ADAMW_EPS = 1e-8
 """The workbench's AdamW eps (torch's default and torchtitan's)."""
 
@@ -100,11 +103,11 @@ def shard(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
     losses are normalised by the whole mini-batch). Two departures from torchtitan 0.2.2's `apply_fsdp`:
 
     - the embeddings, final norm and LM head are the root's one unit, not the units `tok_embeddings` and
-      [norm, output]: with tied embeddings (Qwen3-0.6B/1.7B, SmolLM2) two units would hold the one weight, which
-      torch 2.13 refuses at the first forward and torch 2.11 silently unties (torchtitan issue #2252); and the fused
-      log-prob kernel reads the LM head's weight after `hidden_states` (never `output.forward`), which the root's
-      unit keeps gathered until the backward;
-    - `cast_forward_inputs=False`: floating-point block inputs (the fp32 RoPE table) stay fp32, as the kernels and
+      [norm, output]: the exact forward reads their weights into its kernels (the embedding, the fused add and norm,
+      the fused log-prob head) without calling those modules' forwards, which is what gathers a unit; and with tied
+      embeddings (Qwen3-0.6B/1.7B, SmolLM2) two units would hold one weight, which torch 2.13 refuses at the first
+      forward and torch 2.11 silently unties (torchtitan issue #2252);
+    - `cast_forward_inputs=False`: floating-point block inputs (the fp32 RoPE cos/sin) stay fp32, as the kernels and
       the generator take them, where torchtitan's policy would round them to bf16.
 
     Its `ParallelDims.build_mesh` is not used either: it takes the device type torchtitan found at import ('cuda'
