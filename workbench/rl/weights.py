@@ -82,11 +82,7 @@ class TrainWeights:
                 copy_adapters(init, self.model)
                 self.masters = init if self.has_masters else adapter_state(self.model)
         if self.has_masters and self.sharded is None:
-            named = dict(self.model.named_parameters())
-            self._bf16 = [named[k] for k in self.masters]
-            for k, m in self.masters.items():
-                m.requires_grad_(True)
-                named[k].register_post_accumulate_grad_hook(self._into_master(m))
+            self._pair(dict(self.model.named_parameters()))
         self.params = [self.masters[k] for k in sorted(self.masters)]
         # fused: one kernel per step for all tensors (the foreach default takes ~2x the time, several passes).
         self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, fused=True)
@@ -111,6 +107,13 @@ class TrainWeights:
         """FSDP2: whether the coming backward is the mini-batch's last, which reduce-scatters the gradients."""
         if self.sharded is not None:
             fsdp.reduce_on_next_backward(self.sharded, last)
+
+    def _pair(self, compute: dict[str, torch.Tensor]) -> None:
+        """Each master's bf16 parameter (in `compute`, by the masters' names) adds its gradients into the master's."""
+        self._bf16 = [compute[k] for k in self.masters]
+        for k, m in self.masters.items():
+            m.requires_grad_(True)
+            compute[k].register_post_accumulate_grad_hook(self._into_master(m))
 
     def _into_master(self, master: torch.Tensor):
         def hook(p: torch.Tensor) -> None:

@@ -177,11 +177,7 @@ class TitanWeights(TrainWeights):
         named = dict(master_module.named_parameters())
         self.masters = {k: named[k] for k in workbench_order(named)}
         if self.has_masters and self.sharded is None:
-            compute = dict(self._view.named_parameters())
-            self._bf16 = [compute[k] for k in self.masters]
-            for k, m in self.masters.items():
-                m.requires_grad_(True)
-                compute[k].register_post_accumulate_grad_hook(self._into_master(m))
+            self._pair(dict(self._view.named_parameters()))
         self.params = list(self.masters.values())
         self.groups: dict[str, list] = {}
         for k, hf in zip(self.masters, sorted(titan_to_hf({k: k for k in self.masters}))):
