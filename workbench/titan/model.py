@@ -18,8 +18,11 @@ Where torchtitan's layout differs from the workbench's, only exact moves of data
 - The workbench's vLLM-style merged gate_up is, column for column, the gate and up products: w1 and w3 separately
   give the same elements (the trainer's own model runs them separately too).
 - torchtitan adds each sub-layer's output to the stream in the block (`h = x + attn(norm(x))`); the routed block
-  hands (x, residual) on instead, as the workbench's layer does, because the fused add-and-norm's backward adds the
-  two gradients of the sum in fp32 inside its kernel, which autograd's bf16 sum would round differently.
+  hands (x, residual) on instead, as the workbench's layer does: the fused add-and-norm (`kernels.rms_norm_add`,
+  whose backward also adds the sum's two gradients inside its kernel) does not give the bits of a separate add
+  and norm (in the CPU interpreter neither the sum, the norm nor the gradient does).
+- torchtitan's own activation checkpointing recomputes a block under the kernel mode in force in the backward
+  (on autograd's device thread, the default: invariant); `hidden_states(recompute=...)` carries the forward's.
 - RoPE's frequencies come from `cfg` by `kernels.rope_inv_freq`, never from torchtitan's cached tables.
 
 Apply `exact` before torchtitan's `parallelize` (its activation checkpointing wraps the blocks it finds), and
@@ -34,10 +37,21 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..kernels import apply_rope, attention, embedding, get_mode, linear, norm_rope, rms_norm, rms_norm_add, \
-    rope_cos_sin, rope_inv_freq, silu_mul
+from ..kernels import (
+    apply_rope,
+    attention,
+    embedding,
+    get_mode,
+    linear,
+    norm_rope,
+    rms_norm,
+    rms_norm_add,
+    rope_cos_sin,
+    rope_inv_freq,
+    silu_mul,
+)
 from ..models import RECOMPUTE, ModelConfig, build
-from ..models.transformer import _same_mode
+from ..models.transformer import _same_mode  # checkpoint's context_fn: recompute under the forward's mode
 from .weights import to_titan
 
 
@@ -95,14 +109,11 @@ def _titan_class(cfg: ModelConfig) -> type[nn.Module]:
     return Transformer
 
 
-def build_titan_model(cfg: ModelConfig, device, dtype: torch.dtype = torch.bfloat16,
-                      seed: int | None = 0) -> nn.Module:
-    """torchtitan's own model for `cfg` (`titan_args`), allocated in `dtype` on `device`, routed (`exact`).
-
-    seed: the workbench's random weights of that seed (`models.build`: the same draws, mapped by
-    `weights.to_titan`); None: torchtitan's own `init_weights`. A tied head in a Llama config is tied as torchtitan
-    ties Qwen3's (`output.weight` is the embedding's tensor): torchtitan's Llama 3 has no flag for it.
-    """
+def titan_model(cfg: ModelConfig, device, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """torchtitan's own model for `cfg` (`titan_args`), not routed: built on the meta device, allocated in `dtype` on
+    `device`, initialised by its own `init_weights`. A tied head in a Llama config is tied as torchtitan ties
+    Qwen3's (`output.weight` is the embedding's tensor; its Llama 3 has no flag for it): tie it again after a
+    `to_empty`, which allocates the two names apart."""
     with torch.device("meta"):
         model = _titan_class(cfg)(titan_args(cfg)).to(dtype)
     model = model.to_empty(device=device)
@@ -110,6 +121,17 @@ def build_titan_model(cfg: ModelConfig, device, dtype: torch.dtype = torch.bfloa
         model.init_weights(buffer_device=torch.device(device))
     if cfg.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+def build_titan_model(cfg: ModelConfig, device, dtype: torch.dtype = torch.bfloat16,
+                      seed: int | None = 0) -> nn.Module:
+    """torchtitan's own model for `cfg` (`titan_model`), routed (`exact`).
+
+    seed: the workbench's random weights of that seed (`models.build`: the same draws, mapped by
+    `weights.to_titan`); None: torchtitan's own `init_weights`.
+    """
+    model = titan_model(cfg, device, dtype)
     if seed is not None:
         model.load_state_dict(to_titan(build(cfg, device=device, dtype=dtype, seed=seed).state_dict(), cfg))
     return exact(model, cfg)
@@ -183,7 +205,9 @@ class _Model:
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.output.weight
+        """The embedding where cfg ties the head, as the workbench's model: a `to_empty` (torchtitan's trainer
+        allocates after `parallelize`) unties torchtitan's Llama 3, whose `init_weights` does not tie again."""
+        return self.tok_embeddings.weight if self.config.tie_word_embeddings else self.output.weight
 
     def hidden_states(self, input_ids, seq_lens=None, recompute: str = "none"):
         """Final-norm hidden states [B, T, H] of a right-padded batch (row b has seq_lens[b] real tokens, default
