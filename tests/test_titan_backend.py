@@ -220,3 +220,22 @@ def test_config_errors():
     with pytest.raises(ValueError, match="trainer_backend='torchtitan' trains every weight .*adapter='lora'") as e:
         TrainConfig(trainer_backend="torchtitan", adapter="lora")
     assert "\n" not in str(e.value)
+
+
+def test_unsupported_models_and_a_missing_torchtitan_are_one_line(monkeypatch):
+    import sys
+
+    from workbench.models import build
+    from workbench.rl.config import TrainConfig
+    from workbench.titan.backend import TitanWeights
+
+    cfg = TrainConfig(trainer_backend="torchtitan")
+    qwen2 = dataclasses.replace(_tiny("qwen3"), model_type="qwen2", qk_norm=False, attention_bias=True)
+    with pytest.raises(ValueError, match="torchtitan 0.2.2 has no model with q/k/v biases") as e:
+        TitanWeights(build(qwen2, dtype=torch.float32, seed=0), cfg, "cpu")
+    assert "\n" not in str(e.value)
+    monkeypatch.setitem(sys.modules, "torchtitan.components.optimizer", None)
+    with pytest.raises(ImportError, match=r"trainer_backend='torchtitan' needs torchtitan .*pip install") as e:
+        TitanWeights(build(_tiny("qwen3"), dtype=torch.float32, seed=0), cfg, "cpu")
+    assert "\n" not in str(e.value)
+

@@ -52,7 +52,7 @@ from ..models.checkpoint import titan_to_hf
 from ..rl.config import TrainConfig
 from ..rl.metrics import layer_group
 from ..rl.weights import TrainWeights
-from .model import build_titan_model
+from .model import build_titan_model, titan_args
 from .weights import from_titan, to_titan
 
 ADAMW_BETAS = (0.9, 0.999)
@@ -153,6 +153,7 @@ class TitanWeights(TrainWeights):
         self.sharded = None
         self._bf16: list[torch.Tensor] = []
         mc = start.config
+        titan_args(mc)   # first: a one-line error where torchtitan 0.2.2 has no model for this config
         # The generator's bf16 model, and the same weights under torchtitan's names and layouts on its memory (a
         # weight whose layout differs, Llama 3's q/k, has its own: `_apart`, copied over after each step).
         self.model = start if start.lm_head_weight.dtype == torch.bfloat16 else \
