@@ -127,6 +127,10 @@ def shard(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for m in units:   # a plain sum on every backend (gloo has no pre-multiplied sum), as workbench.distributed.fsdp
         m.set_force_sum_reduction_for_comms(True)
+    # The fp32 gradient path writes into FSDP2's accumulation buffer (internals `fsdp.shard` checks the same way).
+    if not all(hasattr(p, "unsharded_accumulated_grad") for p in fsdp._params(model)):
+        raise RuntimeError(f"torch {torch.__version__}'s FSDP2 lacks the accumulated-gradient buffer the fp32 gradient "
+                           "path writes into; use the torch of constraints.txt, or parallel='replicate'")
     for m in units:   # the unsharded parameter objects, so `fsdp.accumulate` can give them main_grads
         m.unshard()
         m.reshard()
