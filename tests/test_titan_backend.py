@@ -149,21 +149,48 @@ def test_trainer_with_torchtitan_is_the_workbench_run(policy, tmp_path):
     assert same_bits(_masters(tmp_path / "resumed"), _masters(tmp_path / "torchtitan"))
 
 
+def _sharded_forward_is_the_generators(weights) -> None:
+    """The FSDP2 titan module's training forward gives the generator's bf16 model's log-probs bit for bit (the parity
+    check scores with the latter under FSDP2; the update's ratio needs the former to match it)."""
+    from workbench.kernels import mode
+    from workbench.rl.logprobs import completion_logprobs
+    from workbench.rl.rollout import RolloutBatch
+
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    mb = RolloutBatch([[1, 5, 7, 9], [1, 4]], [[3, 8], [6, 2, 2]], torch.zeros(2, 3), mask, 0).micro_batches(None, 64)
+    with mode("invariant"):
+        weights.zero_grad()
+        weights.before_backward(last=True)
+        sharded, _ = completion_logprobs(weights.module, mb[0], 1.0)
+        sharded.sum().backward()   # an FSDP2 forward is followed by its backward (the root reshards there)
+        with torch.no_grad():
+            plain, _ = completion_logprobs(weights.model, mb[0], 1.0)
+    assert same_bits(sharded.detach(), plain)
+
+
 def _fsdp_worker(policy: str, root: str) -> None:
     from pathlib import Path
 
     from workbench.distributed import launch
-    from workbench.rl.trainer import train
+    from workbench.rl import trainer
 
     launch.init("cpu")
+    runs, init = [], trainer.Run.__init__
+
+    def keep(self, cfg):
+        init(self, cfg)
+        runs.append(self)
+
+    trainer.Run.__init__ = keep
     for backend in ("torchtitan", "workbench"):
-        train(_cfg(policy, Path(root) / backend, parallel="fsdp2", trainer_backend=backend))
+        trainer.train(_cfg(policy, Path(root) / backend, parallel="fsdp2", trainer_backend=backend))
+    _sharded_forward_is_the_generators(runs[0].weights)
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 def test_fsdp2_through_torchtitans_recipe_matches_one_process(policy, tmp_path):
     """2 gloo processes, FSDP2 by the backend's `shard` (torchtitan's per-block units, bf16 compute, fp32 reduce):
-    parity 0 every step; against the one-process torchtitan run, its masters up to the order of the 2-rank gradient
+    parity 0 every step, the sharded titan forward the generator's bits; against the one-process torchtitan run, its masters up to the order of the 2-rank gradient
     sum (the fp32 reduce-scatter adds the ranks' sums; one process adds every micro-batch into one buffer); against the
     workbench's own FSDP2 run, up to the gradient norm's last bits (torchtitan's clip_grad_norm_ reduces each
     DTensor's norm over the ranks, the workbench sums each rank's squared total: 2.3347994 vs 2.3347993 at step 1)."""
