@@ -224,12 +224,11 @@ def test_fsdp2_through_torchtitans_recipe_matches_one_process(policy, tmp_path):
         assert max(float((ref[k].detach() - titan[k]).abs().max()) for k in ref) < 1e-6
 
 
-def test_bench_runs_on_a_tiny_shape():
+def test_bench_runs_on_a_tiny_shape(monkeypatch):
     """bench/titan_update.py's measurement on the CPU (--tiny): both backends, positive rates, rank 0's table."""
-    import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
     import titan_update
 
     from workbench.distributed.data_parallel import DataParallel
