@@ -35,31 +35,39 @@ from workbench.rl.update import UpdateInputs, update  # noqa: E402
 from workbench.rl.weights import TrainWeights  # noqa: E402
 
 
-def make_weights(shape: str) -> TrainWeights:
-    start = build(shape, device="meta", dtype=torch.float32, seed=None).to_empty(device="cuda")
-    with torch.no_grad():  # random weights drawn on the GPU (the CPU draw of `build` takes minutes at this size)
+def random_start(shape, device: str = "cuda"):
+    """An fp32 model of `shape` (a name or a ModelConfig) with random weights drawn on `device`, seeded (the CPU
+    draw of `build` takes minutes at the 1.7B shape)."""
+    start = build(shape, device="meta", dtype=torch.float32, seed=None).to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
         for name, p in start.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
-                p.normal_(0.0, 0.02)
-    return TrainWeights(start, "float32", 1e-6, "cuda")
+                p.normal_(0.0, 0.02, generator=g)
+    return start
 
 
-def make_batch(n: int, t: int, vocab: int, seed: int) -> RolloutBatch:
+def make_weights(shape: str) -> TrainWeights:
+    return TrainWeights(random_start(shape), "float32", 1e-6, "cuda")
+
+
+def make_batch(n: int, t: int, vocab: int, seed: int, device: str = "cuda") -> RolloutBatch:
     """n sequences of t tokens: a quarter prompt, the rest completion, random ids."""
     g = torch.Generator().manual_seed(seed)
     p = t // 4
     ids = torch.randint(0, vocab, (n, t), generator=g)
-    mask = torch.ones(n, t - p, device="cuda")
+    mask = torch.ones(n, t - p, device=device)
     return RolloutBatch(ids[:, :p].tolist(), ids[:, p:].tolist(), torch.zeros_like(mask), mask, pad_id=0)
 
 
 def _timed(fn):
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
     t = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    sync()
     return out, time.perf_counter() - t
 
 

@@ -133,6 +133,9 @@ class TrainConfig:
     """Under torchrun: the last this-many ranks only generate, the others only train (0: every rank does both)."""
     parallel: str = "replicate"
     """Trainer ranks under torchrun: 'replicate' (each holds all fp32 masters and AdamW state) or 'fsdp2' (sharded)."""
+    trainer_backend: str = "workbench"
+    """The update's forward, backward and optimizer step: 'workbench' (its own) or 'torchtitan' (torchtitan's model,
+    optimizer and LR-scheduler builders and FSDP2 recipe, on the workbench's kernels: workbench/titan/backend.py)."""
     checkpoint_every: int = 5
     """Write a resumable checkpoint every this many steps (and at the end)."""
     resume: bool = False
@@ -246,6 +249,11 @@ class TrainConfig:
             raise ValueError(f"parallel='fsdp2' shards the fp32 masters of full fine-tuning; master_dtype="
                              f"{self.master_dtype!r} with adapter={self.adapter!r} has none to shard: set "
                              "master_dtype='float32' and adapter='none', or parallel='replicate'")
+        if self.trainer_backend not in ("workbench", "torchtitan"):
+            raise ValueError(f"trainer_backend must be 'workbench' or 'torchtitan', got {self.trainer_backend!r}")
+        if self.trainer_backend == "torchtitan" and self.adapter != "none":
+            raise ValueError(f"trainer_backend='torchtitan' trains every weight (torchtitan has no adapters); "
+                             f"adapter={self.adapter!r} needs trainer_backend='workbench', or set adapter='none'")
         if self.generator not in ("embedded", "vllm"):
             raise ValueError(f"generator must be 'embedded' or 'vllm', got {self.generator!r}")
         if self.generator == "vllm" and self.sync == "shared":

@@ -163,9 +163,14 @@ class Run:
         fsdp2 = cfg.parallel == "fsdp2"
         if fsdp2:   # every rank cuts its shards from rank 0's fp32 start
             self.dp.broadcast_model(start)
-        self.weights = TrainWeights(start, cfg.master_dtype, cfg.lr, self.device, cfg.weight_decay,
-                                    cfg.max_grad_norm, cfg.lora_config(), cfg.seed,
-                                    self.dp.process_group if fsdp2 else None)
+        group = self.dp.process_group if fsdp2 else None
+        if cfg.trainer_backend == "torchtitan":   # an optional extra: imported only when asked for
+            from ..titan.backend import TitanWeights
+
+            self.weights = TitanWeights(start, cfg, self.device, group)
+        else:
+            self.weights = TrainWeights(start, cfg.master_dtype, cfg.lr, self.device, cfg.weight_decay,
+                                        cfg.max_grad_norm, cfg.lora_config(), cfg.seed, group)
         del start
         self.dp.replicate(self.weights)
         self.reference = None
@@ -348,8 +353,8 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
         first = sum(tokens[: rows.start])
         recomputed, entropy = (batch.spread(t[first: first + sum(tokens[rows])]) for t in received.scored)
     else:
-        recomputed, entropy = score(sync.generator if gen_version != version else model, batch, budget,
-                                    cfg.temperature, with_entropy=True)
+        scorer = sync.generator if gen_version != version else run.weights.scorer
+        recomputed, entropy = score(scorer, batch, budget, cfg.temperature, with_entropy=True)
     # Over the whole step: a break on any rank stops every rank, each raising the same error.
     behavior_all, recomputed_all, mask_all = dp.gather_rows(batch.behavior, recomputed, batch.mask)
     parity = parity_stats(behavior_all, recomputed_all, mask_all)

@@ -82,11 +82,7 @@ class TrainWeights:
                 copy_adapters(init, self.model)
                 self.masters = init if self.has_masters else adapter_state(self.model)
         if self.has_masters and self.sharded is None:
-            named = dict(self.model.named_parameters())
-            self._bf16 = [named[k] for k in self.masters]
-            for k, m in self.masters.items():
-                m.requires_grad_(True)
-                named[k].register_post_accumulate_grad_hook(self._into_master(m))
+            self._pair(dict(self.model.named_parameters()))
         self.params = [self.masters[k] for k in sorted(self.masters)]
         # fused: one kernel per step for all tensors (the foreach default takes ~2x the time, several passes).
         self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, fused=True)
@@ -102,10 +98,22 @@ class TrainWeights:
         """What the update's forward and backward run: the bf16 model, or the FSDP2 module (bf16 compute)."""
         return self.model if self.sharded is None else self.sharded
 
+    @property
+    def scorer(self):
+        """The trainer's no-grad forward (the parity check's side, the old log-probs): the bf16 model, whole here."""
+        return self.model
+
     def before_backward(self, last: bool) -> None:
         """FSDP2: whether the coming backward is the mini-batch's last, which reduce-scatters the gradients."""
         if self.sharded is not None:
             fsdp.reduce_on_next_backward(self.sharded, last)
+
+    def _pair(self, compute: dict[str, torch.Tensor]) -> None:
+        """Each master's bf16 parameter (in `compute`, by the masters' names) adds its gradients into the master's."""
+        self._bf16 = [compute[k] for k in self.masters]
+        for k, m in self.masters.items():
+            m.requires_grad_(True)
+            compute[k].register_post_accumulate_grad_hook(self._into_master(m))
 
     def _into_master(self, master: torch.Tensor):
         def hook(p: torch.Tensor) -> None:
@@ -126,19 +134,7 @@ class TrainWeights:
         if missing:
             raise RuntimeError(f"no gradient reached {missing[:3]}: the update's backward did not run")
         self._release_main_grads()
-        if self.sharded is None:
-            total = torch.nn.utils.get_total_norm(list(grads.values()))
-        else:   # the shards' sums of squares, summed over the ranks
-            total = self._sum_over_ranks(torch.nn.utils.get_total_norm([_local(g) for g in grads.values()])
-                                         .square()).sqrt()
-        grad_norm = total.item()
-        if self.max_grad_norm and self.sharded is None:
-            # torch's clip_grad_norm_ rule: scale by max_norm / (norm + 1e-6) when that is below 1.
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.max_grad_norm, total)
-        elif self.max_grad_norm:   # the same rule on each shard
-            scale = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
-            for g in grads.values():
-                _local(g).mul_(scale)
+        grad_norm = self._clip(list(grads.values())).item()
         # The metrics' sums of squares stay on the device until one transfer at the end: a host sync per
         # tensor (hundreds per step) would stall the GPU between the groups' optimizer steps.
         sq_delta, sq_before = {}, {}
@@ -164,12 +160,27 @@ class TrainWeights:
         self.sync_model()
         return {"grad_norm": grad_norm, **weight_delta_metrics(sq_delta, sq_before)}
 
+    def _clip(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The gradients' global norm; with max_grad_norm, the gradients scaled down to it where it is larger."""
+        if self.sharded is None:
+            total = torch.nn.utils.get_total_norm(grads)
+        else:   # the shards' sums of squares, summed over the ranks
+            total = self._sum_over_ranks(torch.nn.utils.get_total_norm([_local(g) for g in grads]).square()).sqrt()
+        if self.max_grad_norm and self.sharded is None:
+            # torch's clip_grad_norm_ rule: scale by max_norm / (norm + 1e-6) when that is below 1.
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.max_grad_norm, total)
+        elif self.max_grad_norm:   # the same rule on each shard
+            scale = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+            for g in grads:
+                _local(g).mul_(scale)
+        return total
+
     def zero_grad(self) -> None:
         """Before a mini-batch: with masters, their fp32 gradients as zeros, each bf16 parameter's `main_grad`."""
         if self.sharded is not None:
             fsdp.accumulate(self.sharded)
             return
-        for p in self.model.parameters():
+        for p in self.module.parameters():
             p.grad = None
         if not self.has_masters:
             for p in self.params:

@@ -1,0 +1,237 @@
+"""torchtitan as the RL update's trainer (`TrainConfig.trainer_backend='torchtitan'`): `TitanWeights`, the
+`TrainWeights` interface (`module`, `zero_grad`, `before_backward`, `step`, `sync_model`, `sharded`, the bf16 `model`
+the generator runs) on torchtitan's components. Rollouts, rewards, advantages, losses and the parity check stay the
+workbench's; what the update runs is torchtitan's:
+
+- the model: torchtitan's Qwen3/Llama3 (`build_titan_model`, its ops on the workbench's kernels), which the update's
+  forward and backward and the parity check's forward (`scorer`) run;
+- the optimizer: `torchtitan.components.optimizer.build_optimizers` from its `Optimizer` config (AdamW, 'fused',
+  the workbench's betas (0.9, 0.999) and eps 1e-8 instead of torchtitan's defaults 0.95 and weight decay 0.1);
+- the learning rate: `build_lr_schedulers` from its `LRScheduler` config, with no warmup and no decay (every
+  step's factor is 1.0, so the lr is cfg.lr's bits, the workbench's constant rate);
+- clipping: torchtitan's `clip_grad_norm_` (torch's `get_total_norm` and `clip_grads_with_norm_`, DTensor-aware);
+  without max_grad_norm it runs with max_norm inf (scale 1.0: no bit changes) for the norm the metrics log;
+- FSDP2 (`parallel='fsdp2'`): torchtitan's recipe (`fully_shard` per TransformerBlock, bf16 params and fp32
+  reduce, its `disable_fsdp_gradient_division`) over the trainer ranks' group; see `shard` for the two places it
+  departs from `parallelize_qwen3` and why.
+
+Precision (how torchtitan's mixed precision maps): torchtitan keeps fp32 parameters and computes in bf16 through
+FSDP2's `MixedPrecisionPolicy` (or autocast on one device). Here master_dtype 'float32' is that: the fp32 titan model
+holds the parameters the optimizer steps; with FSDP2 it is the sharded module and FSDP2 casts for compute, on one
+process (no FSDP2: a one-rank FSDP2 would need a process group the run does not have, and autocast does not reach
+the Triton kernels) a bf16 titan model computes, its parameters the memory of the generator's bf16 model (so the
+cast after each step serves both) and its gradients added into the fp32 masters' (`main_grad`, as TrainWeights).
+master_dtype 'bfloat16' is torchtitan's `training.dtype='bfloat16'`: AdamW on the bf16 weights.
+
+`masters` hold torchtitan's names and layouts (Llama 3's interleaved q/k rows); TrainWeights' step runs over them
+in the order of their workbench names, the order the workbench's own trainer uses, so on one process the update is
+the workbench trainer's bit for bit, fp32 or bf16, clipped or not (tests/test_titan_backend.py; replicated data
+parallelism sums the same flat fp32 gradient buffer). With FSDP2 the gradient norm is torchtitan's, the norm of the
+DTensor gradients (DTensor's reduction over the ranks), where the workbench sums each rank's squared local total: the
+norm's last bits differ, so the clipped step and the masters differ from the workbench's FSDP2 run by up to ~1e-7.
+
+Checkpoints are the workbench's (rl/checkpoint.py: safetensors, and DCP with FSDP2), with the optimizer torchtitan
+built: torchtitan's CheckpointManager owns its folder layout, step numbering and dataloader state and knows nothing
+of the run's metrics, lagged generator weights and config, which the workbench's atomic step folders keep together.
+The LR scheduler's state is not saved: its factor is 1.0 at every step, so a resumed run restarts it bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+from ..distributed import fsdp
+from ..models import CausalLM, build, copy_weights
+from ..models.checkpoint import titan_to_hf
+from ..rl.config import TrainConfig
+from ..rl.metrics import layer_group
+from ..rl.weights import TrainWeights
+from .model import build_titan_model, titan_args
+from .weights import from_titan, to_titan
+
+ADAMW_BETAS = (0.9, 0.999)
+"""The workbench's AdamW betas (torch's defaults), set in torchtitan's Optimizer config (its default beta2: 0.95)."""
+ADAMW_EPS = 1e-8
+"""The workbench's AdamW eps (torch's default and torchtitan's)."""
+
+
+def _titan():
+    """torchtitan's builders, imported here: torchtitan is the `titan` extra."""
+    try:
+        from torchtitan.components.lr_scheduler import build_lr_schedulers
+        from torchtitan.components.optimizer import build_optimizers
+        from torchtitan.config import LRScheduler, Optimizer
+        from torchtitan.distributed import ParallelDims
+        from torchtitan.distributed.utils import clip_grad_norm_
+        from torchtitan.models.llama3.infra.parallelize import disable_fsdp_gradient_division
+    except ImportError as e:
+        raise ImportError(f"trainer_backend='torchtitan' needs torchtitan ({e}): pip install -e '.[titan]' "
+                          "(the version constraints.txt pins), or use trainer_backend='workbench'") from None
+    return (build_lr_schedulers, build_optimizers, LRScheduler, Optimizer, ParallelDims, clip_grad_norm_,
+            disable_fsdp_gradient_division)
+
+
+def workbench_order(names) -> list[str]:
+    """torchtitan parameter names in the order of their workbench names (the order TrainWeights steps and sums)."""
+    renamed = titan_to_hf({k: k for k in names})
+    return [renamed[k] for k in sorted(renamed)]
+
+
+@torch.no_grad()
+def share_memory(module: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """Every parameter of the titan `module` becomes a parameter over the memory of `tensors`' (torchtitan names)
+    same weight, in its dtype; tied parameters stay one. No copy: the module and `tensors` are one set of weights."""
+    first = {id(p): k for k, p in module.named_parameters()}
+    new: dict[int, nn.Parameter] = {}
+    for name, p in list(module.named_parameters(remove_duplicate=False)):
+        if id(p) not in new:
+            new[id(p)] = nn.Parameter(tensors[first[id(p)]].detach(), requires_grad=p.requires_grad)
+        owner, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(owner), attr, new[id(p)])
+    return module
+
+
+def shard(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+    """torchtitan's FSDP2 recipe on the fp32 titan `model` over `group`: `fully_shard` per TransformerBlock with bf16
+    params and fp32 reduce, then the root, gradient division off (`disable_fsdp_gradient_division`: the update's
+    losses are normalised by the whole mini-batch). Two departures from torchtitan 0.2.2's `apply_fsdp`:
+
+    - the embeddings, final norm and LM head are the root's one unit, not the units `tok_embeddings` and
+      [norm, output]: the exact forward reads their weights into its kernels (the embedding, the fused add and norm,
+      the fused log-prob head) without calling those modules' forwards, which is what gathers a unit; and with tied
+      embeddings (Qwen3-0.6B/1.7B, SmolLM2) two units would hold one weight, which torch 2.13 refuses at the first
+      forward and torch 2.11 silently unties (torchtitan issue #2252);
+    - `cast_forward_inputs=False`: floating-point block inputs (the fp32 RoPE cos/sin) stay fp32, as the kernels and
+      the generator take them, where torchtitan's policy would round them to bf16.
+
+    Its `ParallelDims.build_mesh` is not used either: it takes the device type torchtitan found at import ('cuda'
+    on a machine without one) and the whole job's ranks; the mesh here is the trainer ranks' group on the weights'
+    device. The gradient path (fp32 `main_grad` into FSDP2's accumulation buffer) is `workbench.distributed.fsdp`'s.
+    """
+    *_, disable_division = _titan()
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        raise ValueError("FSDP2 shards the fp32 masters: build the titan model in float32 (master_dtype='float32')")
+    mesh = DeviceMesh.from_group(group, next(model.parameters()).device.type)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    register_fsdp_forward_method(model, "hidden_states")
+    disable_division(model)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in units:   # a plain sum on every backend (gloo has no pre-multiplied sum), as workbench.distributed.fsdp
+        m.set_force_sum_reduction_for_comms(True)
+    # The fp32 gradient path writes into FSDP2's accumulation buffer (internals `fsdp.shard` checks the same way).
+    if not all(hasattr(p, "unsharded_accumulated_grad") for p in fsdp._params(model)):
+        raise RuntimeError(f"torch {torch.__version__}'s FSDP2 lacks the accumulated-gradient buffer the fp32 gradient "
+                           "path writes into; use the torch of constraints.txt, or parallel='replicate'")
+    for m in units:   # the unsharded parameter objects, so `fsdp.accumulate` can give them main_grads
+        m.unshard()
+        m.reshard()
+    return model
+
+
+class TitanWeights(TrainWeights):
+    """TrainWeights on torchtitan's model, optimizer, LR scheduler, clipping and FSDP2 recipe (module docstring).
+    `masters` are keyed by torchtitan's names and hold its layouts (Llama 3's interleaved q/k rows)."""
+
+    def __init__(self, start: CausalLM, cfg: TrainConfig, device: str, shard_group: dist.ProcessGroup | None = None):
+        """`start`: the starting policy (fp32 with master_dtype='float32'); `shard_group`: the FSDP2 trainer ranks."""
+        (build_lr_schedulers, build_optimizers, LRScheduler, Optimizer, ParallelDims, self._clip_grad_norm,
+         _) = _titan()
+        if cfg.adapter != "none":
+            raise ValueError("trainer_backend='torchtitan' trains every weight: set adapter='none'")
+        if shard_group is not None and cfg.master_dtype != "float32":
+            raise ValueError("FSDP2 shards the fp32 masters: master_dtype='float32'")
+        self.max_grad_norm = cfg.max_grad_norm
+        self.has_masters = cfg.master_dtype == "float32"
+        self.lora = None
+        self._base_checksum = None
+        self.grad_buffer = None
+        self.sharded = None
+        self._bf16: list[torch.Tensor] = []
+        mc = start.config
+        titan_args(mc)   # first: a one-line error where torchtitan 0.2.2 has no model for this config
+        # The generator's bf16 model, and the same weights under torchtitan's names and layouts on its memory (a
+        # weight whose layout differs, Llama 3's q/k, has its own: `_apart`, copied over after each step).
+        self.model = start if start.lm_head_weight.dtype == torch.bfloat16 else \
+            build(mc, device=device, dtype=torch.bfloat16, seed=None)
+        if self.model is not start:
+            copy_weights({k: v.detach() for k, v in start.state_dict().items()}, self.model)
+        own = {id(p) for p in self.model.parameters()}
+        generator = to_titan(dict(self.model.named_parameters()), mc)
+        self._view = share_memory(build_titan_model(mc, device, seed=None), generator)
+        self._apart = sorted(k for k, _ in self._view.named_parameters() if id(generator[k]) not in own)
+        # The parameters the optimizer steps, in a titan model for torchtitan's builders (which take modules): fp32
+        # on the start's own tensors (no second copy), sharded by FSDP2, or the bf16 view itself.
+        if self.has_masters:
+            fp32 = to_titan({k: v.detach().float() for k, v in start.state_dict().items()}, mc)
+            master_module = share_memory(build_titan_model(mc, device, torch.float32, seed=None), fp32)
+            del fp32
+        else:
+            master_module = self._view
+        if shard_group is not None:
+            self.sharded = shard(master_module, shard_group)
+        self.titan = self.sharded if self.sharded is not None else self._view
+        named = dict(master_module.named_parameters())
+        self.masters = {k: named[k] for k in workbench_order(named)}
+        if self.has_masters and self.sharded is None:
+            self._pair(dict(self._view.named_parameters()))
+        self.params = list(self.masters.values())
+        self.groups: dict[str, list] = {}
+        for k, hf in zip(self.masters, sorted(titan_to_hf({k: k for k in self.masters}))):
+            self.groups.setdefault(layer_group(hf), []).append(self.masters[k])
+        world = 1 if shard_group is None else dist.get_world_size(shard_group)
+        dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world)
+        self.optimizers = build_optimizers(
+            [master_module], Optimizer(name="AdamW", lr=cfg.lr, beta1=ADAMW_BETAS[0], beta2=ADAMW_BETAS[1],
+                                       eps=ADAMW_EPS, weight_decay=cfg.weight_decay, implementation="fused"), dims)
+        # The torch AdamW torchtitan built (one model part): TrainWeights steps it one layer group at a time, and the
+        # workbench's checkpoints save its state as they save their own.
+        self.opt = self.optimizers.optimizers[0]
+        self.lr_schedulers = build_lr_schedulers(self.optimizers, LRScheduler(warmup_steps=0, decay_ratio=0.0),
+                                                 cfg.steps * cfg.epochs * cfg.mini_batches)
+        self.sync_model()
+
+    @property
+    def module(self):
+        """What the update's forward and backward run: the titan model (bf16), or the FSDP2 titan module."""
+        return self.titan
+
+    @property
+    def scorer(self):
+        """The parity check's trainer forward: the titan model; with FSDP2 the generator's bf16 model (a sharded
+        forward is a collective, and each rank scores its own rows)."""
+        return self.titan if self.sharded is None else self.model
+
+    def _clip(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        # torchtitan's clip over the masters in the workbench's order (the norm of the per-tensor norms is a sum
+        # whose order sets its last bits); max_norm inf scales by exactly 1.0 where the run does not clip.
+        return self._clip_grad_norm(self.params, self.max_grad_norm or math.inf)
+
+    def step(self) -> dict[str, float]:
+        """TrainWeights' step on torchtitan's optimizer, then its LR scheduler's step."""
+        out = super().step()
+        self.lr_schedulers.step()
+        return out
+
+    @torch.no_grad()
+    def sync_model(self) -> None:
+        """The bf16 weights from the masters, into the titan view and so the generator's model: their cast, or with
+        FSDP2 each shard's cast, gathered and checked; then the weights laid out apart, back in the workbench's."""
+        view = dict(self._view.named_parameters())
+        if self.sharded is not None:
+            fsdp.gather_bf16(self.sharded, self._view)
+            fsdp.check_gathered(self.sharded, self._view)
+        elif self.has_masters:
+            for k, m in self.masters.items():
+                view[k].copy_(m)
+        target = dict(self.model.named_parameters())
+        for k, t in from_titan({k: view[k] for k in self._apart}, self.model.config).items():
+            target[k].copy_(t)
