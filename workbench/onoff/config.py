@@ -106,6 +106,8 @@ class OnOffConfig:
     """Also copy the report to <publish>/<date>_onoff-<preset>-<device>_<sha>/ (e.g. docs/results)."""
     device: str = "auto"
     """'cpu', 'cuda' or 'auto'."""
+    trainer_backend: str = "workbench"
+    """Every run's update: the workbench's own loop or torchtitan's components (TrainConfig.trainer_backend)."""
     tensorboard: bool = False
     """Also write each run's metrics to TensorBoard (in its folder's tensorboard/)."""
     progress: bool = True
@@ -140,7 +142,7 @@ class OnOffConfig:
             temperature=self.temperature, lr=self.lr, weight_decay=self.weight_decay,
             max_grad_norm=self.max_grad_norm, master_dtype=self.master_dtype, mini_batches=self.mini_batches,
             epochs=self.epochs, max_tokens_per_microbatch=self.max_tokens_per_microbatch, seed=seed,
-            device=self.device, checkpoint_every=self.checkpoint_every or max(1, self.steps // 4),
+            device=self.device, trainer_backend=self.trainer_backend, checkpoint_every=self.checkpoint_every or max(1, self.steps // 4),
             tensorboard=self.tensorboard, progress=self.progress,
             **arm_settings(arm, get_loss(self.loss).sequence_level))
 
