@@ -121,7 +121,8 @@ def _run_config(name: str, args, policy: Path) -> tuple[int, TrainConfig]:
                       steps=1 if name == "parity" else args.steps, prompts_per_step=prompts, group_size=args.group,
                       max_new_tokens=args.new_tokens, lr=1e-6, kernel_mode="invariant",
                       max_tokens_per_microbatch=args.microbatch_tokens, checkpoint_every=10**6, progress=False,
-                      device=args.device, variant=name)
+                      device=args.device, variant=name, keep_graphs=args.keep_graphs,
+                      activation_checkpointing=args.activation_checkpointing)
     if name == "two-fsdp2":
         cfg = dataclasses.replace(cfg, parallel="fsdp2")
     if name.startswith("split"):
@@ -234,6 +235,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures")
     ap.add_argument("--microbatch-tokens", type=int, default=16384)
+    ap.add_argument("--keep-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="keep the generator's KV caches and decode graphs between steps (TrainConfig.keep_graphs)")
+    ap.add_argument("--activation-checkpointing", default="none", choices=["none", "mlp", "layers"],
+                    help="what the update's backward recomputes (TrainConfig.activation_checkpointing)")
     ap.add_argument("--reps", type=int, default=5, help="broadcasts timed")
     ap.add_argument("--link-gbs", type=float, default=450.0,
                     help="the GPUs' link bandwidth one way, GB/s (H100/H200 NVLink 4: 450)")
