@@ -162,6 +162,20 @@ def test_llama_main_grads_are_the_workbench_models_bits(recompute):
         assert name in grads or not torch.equal(p.main_grad, titan_old[name]), f"seed {seed}: {name} got none"
 
 
+def test_a_main_grad_dropped_before_the_backward_is_one_line():
+    """The q/k gradient went into the gathered weight's buffer: with the parameter's main_grad gone it has nowhere
+    to go, and the backward says so instead of dropping it."""
+    cfg = dataclasses.replace(LLAMA, num_hidden_layers=1)
+    titan = build_titan_model(cfg, "cpu", seed=0)
+    for p in titan.parameters():
+        p.main_grad = torch.zeros(p.shape)
+    with mode("invariant"):
+        loss = titan.hidden_states(torch.tensor([[1, 2, 3]])).float().sum()
+    del titan.layers["0"].attention.wq.weight.main_grad
+    with pytest.raises(RuntimeError, match="lost its main_grad between the forward and the backward"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("cfg", [
     TINY, LLAMA, dataclasses.replace(LLAMA, model_type="mistral", tie_word_embeddings=False),
     dataclasses.replace(LLAMA, rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 16)),

@@ -58,7 +58,7 @@ from ..kernels import (
 )
 from ..models import RECOMPUTE, ModelConfig, build
 from ..models.transformer import _same_mode  # checkpoint's context_fn: recompute under the forward's mode
-from .weights import to_titan
+from .weights import qk_rows, to_titan
 
 
 def titan_args(cfg: ModelConfig):
@@ -143,23 +143,8 @@ def build_titan_model(cfg: ModelConfig, device, dtype: torch.dtype = torch.bfloa
     return exact(model, cfg)
 
 
-def _to_halves(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """[heads * D, K] with each head's rotation pairs at rows (2i, 2i + 1) (Llama 3 in torchtitan) -> pairs at rows
-    (i, i + D/2), the workbench's layout: a contiguous copy."""
-    out = torch.empty_like(w, memory_format=torch.contiguous_format)
-    out.view(-1, 2, head_dim // 2, w.shape[1]).copy_(w.view(-1, head_dim // 2, 2, w.shape[1]).transpose(1, 2))
-    return out
-
-
-def _to_interleaved(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """`_to_halves` undone."""
-    out = torch.empty_like(w, memory_format=torch.contiguous_format)
-    out.view(-1, head_dim // 2, 2, w.shape[1]).copy_(w.view(-1, 2, head_dim // 2, w.shape[1]).transpose(1, 2))
-    return out
-
-
 class _HalvesRows(torch.autograd.Function):
-    """A Llama 3 q/k weight in the workbench's halves layout (`_to_halves`), for the product to run on (module
+    """A Llama 3 q/k weight in the workbench's halves layout (`weights.qk_rows`), for the product to run on (module
     docstring). Its gradient goes back to the parameter in torchtitan's rows: a bf16 gradient (no `main_grad`) is
     scattered; where the parameter carries an fp32 `main_grad`, the gathered weight carries its own, a -0.0 buffer
     the linear kernel adds dW into (returning no gradient), and the backward adds that buffer into the parameter's.
@@ -170,7 +155,7 @@ class _HalvesRows(torch.autograd.Function):
     def forward(ctx, weight: torch.Tensor, head_dim: int) -> torch.Tensor:
         ctx.set_materialize_grads(False)
         ctx.param, ctx.head_dim = weight, head_dim
-        out = _to_halves(weight, head_dim)
+        out = qk_rows(weight, head_dim, to_interleaved=False)
         ctx.buffer = None
         if ctx.needs_input_grad[0] and getattr(weight, "main_grad", None) is not None:
             ctx.buffer = out.main_grad = torch.full(out.shape, -0.0, dtype=torch.float32, device=out.device)
@@ -183,8 +168,8 @@ class _HalvesRows(torch.autograd.Function):
             if main_grad is None:
                 raise RuntimeError("the q/k weight lost its main_grad between the forward and the backward; set "
                                    "main_grads before the forward (TrainWeights.zero_grad)")
-            main_grad.add_(_to_interleaved(ctx.buffer, ctx.head_dim))
-        return None if grad is None else _to_interleaved(grad, ctx.head_dim), None
+            main_grad.add_(qk_rows(ctx.buffer, ctx.head_dim, to_interleaved=True))
+        return None if grad is None else qk_rows(grad, ctx.head_dim, to_interleaved=True), None
 
 
 class _Linear:
