@@ -148,8 +148,11 @@ class _HalvesRows(torch.autograd.Function):
     docstring). Its gradient goes back to the parameter in torchtitan's rows: a bf16 gradient (no `main_grad`) is
     scattered; where the parameter carries an fp32 `main_grad`, the gathered weight carries its own, a -0.0 buffer
     the linear kernel adds dW into (returning no gradient), and the backward adds that buffer into the parameter's.
-    The backward runs although the product returns None for the weight (autograd still calls a node whose incoming
-    gradient is undefined; with materialised gradients off it is None here)."""
+    The backward runs although the product returns None for the weight (autograd calls a node whose incoming
+    gradient is undefined; with materialised gradients off it is None here), on the device thread of its forward's
+    output (torch 2.13's engine picks the thread by a node's metadata, not its gradients) and, created after the
+    block's input norm (a thread runs its ready nodes latest-created first), before the norm's backward, so before
+    FSDP2's post-backward reduces the block's gradients (tests/test_titan_backend.py checks them on CPU)."""
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, head_dim: int) -> torch.Tensor:
