@@ -224,6 +224,47 @@ def test_fsdp2_through_torchtitans_recipe_matches_one_process(policy, tmp_path):
         assert max(float((ref[k].detach() - titan[k]).abs().max()) for k in ref) < 1e-6
 
 
+def _llama_gradients(group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+    """One backward of a tiny Llama's logits through TitanWeights (fp32 masters; FSDP2 over `group`, or one
+    process): the masters' fp32 gradients, whole, by torchtitan's names."""
+    from workbench.kernels import mode
+    from workbench.models import build
+    from workbench.rl.config import TrainConfig
+    from workbench.titan.backend import TitanWeights
+
+    cfg = TrainConfig(trainer_backend="torchtitan", master_dtype="float32")
+    w = TitanWeights(build(_tiny("llama"), dtype=torch.float32, seed=1), cfg, "cpu", group)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(3))
+    w.zero_grad()
+    w.before_backward(last=True)
+    with mode("invariant"):
+        w.module(ids).float().square().mean().backward()
+    return {k: (p.grad.full_tensor() if group is not None else p.grad).clone() for k, p in w.masters.items()}
+
+
+def _llama_fsdp_worker(out: str) -> None:
+    from workbench.distributed import launch
+
+    launch.init("cpu")
+    grads = _llama_gradients(dist.group.WORLD)
+    if dist.get_rank() == 0:
+        torch.save(grads, out)
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_fsdp2_llama_qk_gradients_reach_the_reduced_masters(tmp_path):
+    """FSDP2 on 2 gloo ranks, both running the same micro-batch: every master's gradient is twice the one-process
+    one, bit for bit (a + a is exact): Llama's q/k gradients, added from the gathered weights' buffers into the
+    unsharded parameters' main_grads (FSDP2's accumulation buffers), are there before the reduce-scatter."""
+    from workbench.distributed import launch
+
+    launch.spawn(_llama_fsdp_worker, 2, str(tmp_path / "fsdp2.pt"))
+    two, one = torch.load(tmp_path / "fsdp2.pt"), _llama_gradients()
+    assert one.keys() == two.keys() and all(one[k].abs().sum() > 0 for k in one)
+    for k in one:
+        assert torch.equal(two[k], 2 * one[k]), k
+
+
 def test_bench_runs_on_a_tiny_shape(monkeypatch):
     """bench/titan_update.py's measurement on the CPU (--tiny): both backends, positive rates, rank 0's table."""
     from pathlib import Path

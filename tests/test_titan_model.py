@@ -107,6 +107,75 @@ def test_recompute_keeps_the_gradient_bits():
         assert all(map(torch.equal, grads["none"], grads[recompute])), f"seed {seed}: {recompute}"
 
 
+def test_llama_qk_products_run_on_the_workbench_weights(monkeypatch):
+    """Llama's q/k products, forward and backward, multiply by the workbench's q_proj/k_proj (halves rows) bit for
+    bit, not torchtitan's interleaved rows: the backward's dx = dq @ W reduces over the q features, so their order
+    sets dx's bits on the GPU (the CPU interpreter's fixed-order sum hides it; the GPU tests see it)."""
+    from workbench.kernels import matmul as mm
+
+    cfg, seed = dataclasses.replace(LLAMA, num_hidden_layers=1), _seed()
+    ours, titan = build(cfg, seed=seed), build_titan_model(cfg, "cpu", seed=seed)
+    operands, matmul = [], mm.matmul
+    monkeypatch.setattr(mm, "matmul", lambda a, b, *args, **kw: operands.append(b) or matmul(a, b, *args, **kw))
+    ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(seed))
+    with mode("invariant"):
+        titan.hidden_states(ids).float().square().sum().backward()
+    attn, own = ours.model.layers[0].self_attn, titan.layers["0"].attention
+    for want, interleaved in ((attn.q_proj.weight, own.wq.weight), (attn.k_proj.weight, own.wk.weight)):
+        assert not torch.equal(want, interleaved), f"seed {seed}"
+        forward = [b for b in operands if b.t().shape == want.shape and torch.equal(b.t(), want)]
+        backward = [b for b in operands if b.shape == want.shape and torch.equal(b, want)]
+        assert len(forward) == len(backward) == 1, f"seed {seed}: y = x @ W.T, dx = dy @ W"
+        assert not any(torch.equal(b, interleaved) or torch.equal(b.t(), interleaved) for b in operands
+                       if b.numel() == want.numel()), f"seed {seed}"
+
+
+@pytest.mark.parametrize("recompute", ["none", "layers"])
+def test_llama_main_grads_are_the_workbench_models_bits(recompute):
+    """With fp32 `main_grad`s holding earlier micro-batches' sums (the trainer's masters), the backward adds the
+    workbench model's gradients into them bit for bit, also from a recomputed layer: Llama's q/k through the
+    gathered weight's own buffer, added into the parameter's main_grad in torchtitan's rows with the kernel's one
+    fp32 rounding."""
+    cfg, seed = dataclasses.replace(LLAMA, num_hidden_layers=1), _seed()
+    ours, titan = build(cfg, seed=seed), build_titan_model(cfg, "cpu", seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    old = {k: torch.randn(p.shape, generator=g) for k, p in ours.named_parameters()}
+    for k, p in ours.named_parameters():
+        p.main_grad = old[k].clone()
+    titan_old = to_titan(old, cfg)
+    for k, p in titan.named_parameters():
+        p.main_grad = titan_old[k].clone()
+    ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=g)
+    lens = torch.tensor([7, 4], dtype=torch.int32)
+    with mode("invariant"):
+        for model in (ours, titan):
+            model.hidden_states(ids, lens, recompute=recompute)[0, :4].float().square().sum().backward()
+    want = to_titan({k: p.main_grad for k, p in ours.named_parameters()}, cfg)
+    grads = {k: p.grad for k, p in titan.named_parameters() if p.grad is not None}
+    norms = {"norm.weight", "layers.0.attention_norm.weight", "layers.0.ffn_norm.weight"}
+    assert grads.keys() == norms, f"seed {seed}: the norms alone give bf16 gradients"
+    ours_grads = to_titan({k: torch.zeros_like(p) if p.grad is None else p.grad for k, p in ours.named_parameters()},
+                          cfg)
+    assert all(torch.equal(grads[k], ours_grads[k]) for k in norms), f"seed {seed}"
+    for name, p in titan.named_parameters():
+        assert torch.equal(p.main_grad, want[name]), f"seed {seed}: {name}"
+        assert name in grads or not torch.equal(p.main_grad, titan_old[name]), f"seed {seed}: {name} got none"
+
+
+def test_a_main_grad_dropped_before_the_backward_is_one_line():
+    """The q/k gradient went into the gathered weight's buffer: with the parameter's main_grad gone it has nowhere
+    to go, and the backward says so instead of dropping it."""
+    cfg = dataclasses.replace(LLAMA, num_hidden_layers=1)
+    titan = build_titan_model(cfg, "cpu", seed=0)
+    for p in titan.parameters():
+        p.main_grad = torch.zeros(p.shape)
+    with mode("invariant"):
+        loss = titan.hidden_states(torch.tensor([[1, 2, 3]])).float().sum()
+    del titan.layers["0"].attention.wq.weight.main_grad
+    with pytest.raises(RuntimeError, match="lost its main_grad between the forward and the backward"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("cfg", [
     TINY, LLAMA, dataclasses.replace(LLAMA, model_type="mistral", tie_word_embeddings=False),
     dataclasses.replace(LLAMA, rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 16)),

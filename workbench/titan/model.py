@@ -12,9 +12,15 @@ interface, `hidden_states(input_ids, seq_lens, recompute)` and `lm_head_weight`,
 Numerics: the same kernels on the same operands in the same order give the workbench's bits, forward and backward.
 Where torchtitan's layout differs from the workbench's, only exact moves of data stand between them:
 - Llama 3 keeps each head's q/k rows interleaved (pairs (2i, 2i+1) rotate together, complex RoPE; its HF adapter
-  permutes them). An invariant product's output element depends only on its row of x and its row of W, so
-  torchtitan's wq gives the workbench's q elements in that permuted order; a gather puts them back in the halves
-  layout before the norm, RoPE and attention, which then reduce over the head dimension in the workbench's order.
+  permutes them). The routed forward gathers wq's and wk's rows into the workbench's halves layout and multiplies
+  by that (`_HalvesRows`), so q and k come out as the workbench's, and the norm, RoPE and attention reduce over the
+  head dimension in its order. Gathering the product's output instead gives the same forward bits (an output
+  element depends only on its row of x and its row of W) but not the backward's: dx = dq @ W reduces over the q
+  features, and in torchtitan's row order the GPU's tensor cores accumulate them in another order (the CPU
+  interpreter's fixed-order sum hides it). dW = dq^T @ x reduces over the tokens, so each element comes back to its
+  parameter's row by an exact scatter; with an fp32 `main_grad` the kernel adds dW into a -0.0 buffer in the
+  halves order (adding to -0.0 is exact) and the buffer, unpermuted, is added into the parameter's `main_grad`: one
+  fp32 add of the same fp32 product, the rounding of the kernel's own `main_grad + acc` epilogue.
 - The workbench's vLLM-style merged gate_up is, column for column, the gate and up products: w1 and w3 separately
   give the same elements (the trainer's own model runs them separately too).
 - torchtitan adds each sub-layer's output to the stream in the block (`h = x + attn(norm(x))`); the routed block
@@ -52,7 +58,7 @@ from ..kernels import (
 )
 from ..models import RECOMPUTE, ModelConfig, build
 from ..models.transformer import _same_mode  # checkpoint's context_fn: recompute under the forward's mode
-from .weights import to_titan
+from .weights import qk_rows, to_titan
 
 
 def titan_args(cfg: ModelConfig):
@@ -137,9 +143,36 @@ def build_titan_model(cfg: ModelConfig, device, dtype: torch.dtype = torch.bfloa
     return exact(model, cfg)
 
 
-def _interleaved_to_halves(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] with rotation pairs at (2i, 2i + 1) (Llama 3 in torchtitan) -> pairs at (i, i + D/2): a gather."""
-    return x.unflatten(-1, (x.shape[-1] // 2, 2)).transpose(-1, -2).flatten(-2)
+class _HalvesRows(torch.autograd.Function):
+    """A Llama 3 q/k weight in the workbench's halves layout (`weights.qk_rows`), for the product to run on (module
+    docstring). Its gradient goes back to the parameter in torchtitan's rows: a bf16 gradient (no `main_grad`) is
+    scattered; where the parameter carries an fp32 `main_grad`, the gathered weight carries its own, a -0.0 buffer
+    the linear kernel adds dW into (returning no gradient), and the backward adds that buffer into the parameter's.
+    The backward runs although the product returns None for the weight (autograd calls a node whose incoming
+    gradient is undefined; with materialised gradients off it is None here), on the device thread of its forward's
+    output (torch 2.13's engine picks the thread by a node's metadata, not its gradients) and, created after the
+    block's input norm (a thread runs its ready nodes latest-created first), before the norm's backward, so before
+    FSDP2's post-backward reduces the block's gradients (tests/test_titan_backend.py checks them on CPU)."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
+        ctx.param, ctx.head_dim = weight, head_dim
+        out = qk_rows(weight, head_dim, to_interleaved=False)
+        ctx.buffer = None
+        if ctx.needs_input_grad[0] and getattr(weight, "main_grad", None) is not None:
+            ctx.buffer = out.main_grad = torch.full(out.shape, -0.0, dtype=torch.float32, device=out.device)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None):
+        if ctx.buffer is not None:
+            main_grad = getattr(ctx.param, "main_grad", None)
+            if main_grad is None:
+                raise RuntimeError("the q/k weight lost its main_grad between the forward and the backward; set "
+                                   "main_grads before the forward (TrainWeights.zero_grad)")
+            main_grad.add_(qk_rows(ctx.buffer, ctx.head_dim, to_interleaved=True))
+        return None if grad is None else qk_rows(grad, ctx.head_dim, to_interleaved=True), None
 
 
 class _Linear:
@@ -167,11 +200,14 @@ class _Attention:
 
     def forward(self, x, cos, sin, seq_lens):
         b, t, _ = x.shape                                                     # x [B, T, H]
-        q = self.wq(x).view(b, t, -1, self.head_dim)                          # [B, T, Hq, D] (Hq local under TP)
-        k = self.wk(x).view(b, t, -1, self.head_dim)                          # [B, T, Hkv, D]
+        if self.interleaved:   # the workbench's q_proj and k_proj (module docstring)
+            q = linear(x, _HalvesRows.apply(self.wq.weight, self.head_dim))
+            k = linear(x, _HalvesRows.apply(self.wk.weight, self.head_dim))
+        else:
+            q, k = self.wq(x), self.wk(x)
+        q = q.view(b, t, -1, self.head_dim)                                   # [B, T, Hq, D] (Hq local under TP)
+        k = k.view(b, t, -1, self.head_dim)                                   # [B, T, Hkv, D]
         v = self.wv(x).view(b, t, -1, self.head_dim)
-        if self.interleaved:
-            q, k = _interleaved_to_halves(q), _interleaved_to_halves(k)
         qk_norm = getattr(self, "q_norm", None) is not None
         fuses = get_mode("apply_rope") == "invariant" and (not qk_norm or get_mode("rms_norm") == "invariant")
         if qk_norm and torch.is_grad_enabled() and fuses:  # the workbench's training forward: one pass each way

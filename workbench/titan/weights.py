@@ -23,7 +23,7 @@ import torch
 from ..models import ModelConfig, build, hf_to_titan, split_gate_up, titan_to_hf
 
 _GATE_UP = re.compile(r"(.*layers\.\d+\.mlp\.)gate_up_proj\.weight")
-_QK = re.compile(r"layers\.\d+\.attention\.w([qk])\.weight")
+_QK = re.compile(r"layers\.\d+\.attention\.w[qk]\.weight")
 
 
 def _interleaved(cfg: ModelConfig) -> bool:
@@ -31,16 +31,16 @@ def _interleaved(cfg: ModelConfig) -> bool:
     return cfg.model_type != "qwen3"
 
 
+def qk_rows(w: torch.Tensor, head_dim: int, to_interleaved: bool) -> torch.Tensor:
+    """Each head's rows of a q/k weight [heads * D, K] from HF's halves order (pairs i, i + D/2) to interleaved
+    (2i, 2i + 1), or back: a contiguous copy."""
+    order = (2, head_dim // 2) if to_interleaved else (head_dim // 2, 2)
+    return w.reshape(-1, *order, w.shape[-1]).transpose(1, 2).reshape(w.shape)
+
+
 def _permute_qk(state: dict[str, torch.Tensor], cfg: ModelConfig, to_interleaved: bool) -> dict[str, torch.Tensor]:
-    """Each head's q/k rows from HF's halves order (pairs i, i + D/2) to interleaved (2i, 2i + 1), or back."""
-    out = dict(state)
-    for name, w in state.items():
-        m = _QK.fullmatch(name)
-        if m:
-            heads = cfg.num_attention_heads if m.group(1) == "q" else cfg.num_key_value_heads
-            order = (2, cfg.head_dim // 2) if to_interleaved else (cfg.head_dim // 2, 2)
-            out[name] = w.reshape(heads, *order, -1).transpose(1, 2).reshape(w.shape)
-    return out
+    """`qk_rows` on every q/k weight of `state`."""
+    return {k: qk_rows(w, cfg.head_dim, to_interleaved) if _QK.fullmatch(k) else w for k, w in state.items()}
 
 
 def to_titan(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
