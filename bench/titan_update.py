@@ -1,4 +1,4 @@
-"""The RL update on torchtitan's components (`trainer_backend='torchtitan'`, workbench/titan/backend.py) beside the
+"""The RL update on torchtitan's components (`trainer_backend='torchtitan'`, workbench/rl/titan_backend.py) beside the
 workbench's own trainer, measured in the same run: tokens/s of one GRPO update (micro-batched forward, fused chunked
 log-probs, backward, AdamW) and the peak memory, at the Qwen3-1.7B shape (random weights, fp32 masters), 512
 sequences x 1,024 tokens (a quarter prompt) in 16,384-token micro-batches, invariant kernels; and their ratio.
@@ -41,7 +41,7 @@ def make(backend: str, shape: ModelConfig, cfg: TrainConfig, device: str, dp: Da
     start = random_start(shape, device)
     group = dp.process_group if dp.world_size > 1 else None
     if backend == "torchtitan":
-        from workbench.titan.backend import TitanWeights
+        from workbench.rl.titan_backend import TitanWeights
 
         return TitanWeights(start, cfg, device, group)
     return TrainWeights(start, cfg.master_dtype, cfg.lr, device, shard_group=group)

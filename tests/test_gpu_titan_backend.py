@@ -35,7 +35,7 @@ def test_titan_backend_parity_and_the_workbench_update(shape):
     from workbench.rl.losses import get_loss
     from workbench.rl.update import UpdateInputs, update
     from workbench.rl.weights import TrainWeights
-    from workbench.titan.backend import TitanWeights
+    from workbench.rl.titan_backend import TitanWeights
     from workbench.titan.weights import from_titan
 
     cfg = TrainConfig(lr=1e-5, max_grad_norm=0.1, weight_decay=0.01, mini_batches=2, group_size=4,

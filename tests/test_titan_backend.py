@@ -1,4 +1,4 @@
-"""The torchtitan trainer backend (`trainer_backend='torchtitan'`, workbench/titan/backend.py) on CPU: the RL update
+"""The torchtitan trainer backend (`trainer_backend='torchtitan'`, workbench/rl/titan_backend.py) on CPU: the RL update
 on torchtitan's model, AdamW and LR-scheduler builders and clip_grad_norm_ equals the workbench's own bit for bit
 (Qwen3 and Llama 3 layouts, fp32 masters and bf16 weights, with clipping and weight decay); the trainer with it on
 the session's small arithmetic policy, parity 0 every step, the same run as the workbench trainer; FSDP2 through
@@ -41,7 +41,7 @@ def test_update_equals_the_workbench_trainer(family, master_dtype):
     from workbench.rl.rollout import RolloutBatch
     from workbench.rl.update import UpdateInputs, update
     from workbench.rl.weights import TrainWeights
-    from workbench.titan.backend import TitanWeights
+    from workbench.rl.titan_backend import TitanWeights
     from workbench.titan.weights import from_titan
 
     mc = _tiny(family)
@@ -86,7 +86,7 @@ def test_titan_weights_use_torchtitans_builders():
 
     from workbench.models import build
     from workbench.rl.config import TrainConfig
-    from workbench.titan.backend import TitanWeights
+    from workbench.rl.titan_backend import TitanWeights
 
     cfg = TrainConfig(lr=3e-3, weight_decay=0.01, steps=2, mini_batches=2, group_size=2, prompts_per_step=2,
                       trainer_backend="torchtitan")
@@ -230,7 +230,7 @@ def _llama_gradients(group: dist.ProcessGroup | None = None) -> dict[str, torch.
     from workbench.kernels import mode
     from workbench.models import build
     from workbench.rl.config import TrainConfig
-    from workbench.titan.backend import TitanWeights
+    from workbench.rl.titan_backend import TitanWeights
 
     cfg = TrainConfig(trainer_backend="torchtitan", master_dtype="float32")
     w = TitanWeights(build(_tiny("llama"), dtype=torch.float32, seed=1), cfg, "cpu", group)
@@ -294,7 +294,7 @@ def test_unsupported_models_and_a_missing_torchtitan_are_one_line(monkeypatch):
 
     from workbench.models import build
     from workbench.rl.config import TrainConfig
-    from workbench.titan.backend import TitanWeights
+    from workbench.rl.titan_backend import TitanWeights
 
     cfg = TrainConfig(trainer_backend="torchtitan")
     qwen2 = dataclasses.replace(_tiny("qwen3"), model_type="qwen2", qk_norm=False, attention_bias=True)

@@ -135,7 +135,7 @@ class TrainConfig:
     """Trainer ranks under torchrun: 'replicate' (each holds all fp32 masters and AdamW state) or 'fsdp2' (sharded)."""
     trainer_backend: str = "workbench"
     """The update's forward, backward and optimizer step: 'workbench' (its own) or 'torchtitan' (torchtitan's model,
-    optimizer and LR-scheduler builders and FSDP2 recipe, on the workbench's kernels: workbench/titan/backend.py)."""
+    optimizer and LR-scheduler builders and FSDP2 recipe, on the workbench's kernels: workbench/rl/titan_backend.py)."""
     checkpoint_every: int = 5
     """Write a resumable checkpoint every this many steps (and at the end)."""
     resume: bool = False

@@ -165,7 +165,7 @@ class Run:
             self.dp.broadcast_model(start)
         group = self.dp.process_group if fsdp2 else None
         if cfg.trainer_backend == "torchtitan":   # an optional extra: imported only when asked for
-            from ..titan.backend import TitanWeights
+            from .titan_backend import TitanWeights
 
             self.weights = TitanWeights(start, cfg, self.device, group)
         else:

@@ -4,6 +4,6 @@
 `model.exact` routes its ops through the invariant kernels in the workbench's op order, so its training forward
 gives the bits the workbench's generator samples with (`model.build_titan_model`: both, with the workbench's random
 weights); `weights` moves state dicts and DCP checkpoints between torchtitan's names and the workbench's.
-torchtitan is imported only by the modules of this package (the rest of the workbench never does), so import them
-by name: `from workbench.titan.model import build_titan_model, exact`.
+torchtitan is imported only by the modules of this package and by `rl.titan_backend` (the RL update on torchtitan's
+components), so import them by name: `from workbench.titan.model import build_titan_model, exact`.
 """
