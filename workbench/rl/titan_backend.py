@@ -49,11 +49,11 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from ..distributed import fsdp
 from ..models import CausalLM, build, copy_weights
 from ..models.checkpoint import titan_to_hf
+from ..titan.model import build_titan_model, titan_args
+from ..titan.weights import from_titan, to_titan
 from .config import TrainConfig
 from .metrics import layer_group
 from .weights import TrainWeights
-from ..titan.model import build_titan_model, titan_args
-from ..titan.weights import from_titan, to_titan
 
 ADAMW_BETAS = (0.9, 0.999)
 """The workbench's AdamW betas (torch's defaults), set in torchtitan's Optimizer config (its default beta2: 0.95)."""
