@@ -1,0 +1,99 @@
+"""Tensor parallelism for the routed torchtitan model (`model.exact`) whose forward keeps the one-process bits.
+
+`apply_tp(model, mesh)` shards every block's products over the ranks of a 1-D `DeviceMesh` with torch's
+`parallelize_module`, the plan `exact_plan()`; the embedding, the norms (q/k norm included), RoPE and the LM head stay
+replicated. Run it after `exact` and before FSDP2 (as torchtitan's `parallelize` orders TP first).
+
+Numerics. An invariant product's output element depends only on its row of x, its row of W and the K loop, so a
+product sharded by its OUTPUT features (column-parallel: each rank the rows of W for its features, x whole) gives
+each of its elements' one-process bits, and gathering the features back is a move of data. A product sharded by its
+input features (row-parallel: K split, the partial sums all-reduced) adds two roundings and another order; it cannot
+give the bits. So the exact plan is column-parallel everywhere:
+- wq, wk, wv by heads (their outputs stay local: attention runs on this rank's heads, q/k norm and RoPE per head);
+- wo by output features, its input (the heads' outputs) all-gathered first, its output all-gathered after;
+- w1, w3 by hidden features (silu_mul runs on the local features), w2 by output features, its input all-gathered.
+The forward's log-probs are then the one-process model's, bit for bit (tests/test_titan_tp.py).
+The backward is not: a column-parallel product's dx is this rank's partial sum over its output features (rounded to
+the activation dtype), and the ranks' partials are summed by the all-reduce (and by the reduce-scatter that is the
+all-gather's backward), where one process sums all features in one fp32 loop. Every dW is a product over the tokens
+of its own rows, exact given its dy, so the gradients that no partial dx reaches (the head, the final norm, the
+last block's w2) keep their bits and the others differ in their last bits (measured in tests/test_titan_tp.py). The
+parity check compares forward log-probs only, so it still passes every step.
+
+Departures from torchtitan 0.2.2's recipe (`models/qwen3/infra/parallelize.py`, `apply_non_moe_tp`):
+- wo and w2 are column-parallel, not `RowwiseParallel`: row-parallel is the split-K product above (the negative
+  control in the tests); the price is two all-gathers more per block (wo's and w2's inputs) in place of two
+  all-reduces, and w2's gathered input is the MLP width;
+- no sequence parallelism (`SequenceParallel` norms, `Shard(1)` block outputs) and no vocabulary-parallel head
+  (`loss_parallel`): the fused add-and-norm and the fused log-prob head run on whole rows as the generator's do; a
+  vocabulary-sharded log-softmax would combine the ranks' maxima and sums in another order;
+- the styles redistribute synchronously (`_Sync`): torch's wait for the collective only at the next torch op on the
+  tensor, and the Triton kernels read the memory by pointer.
+torchtitan's attention leaves `n_heads` at the model's count and infers the local heads from the shapes (`view(...,
+-1, head_dim)`); the routed attention does the same.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+from ..models import ModelConfig
+from .model import _Model
+
+
+def check_tp(cfg: ModelConfig, degree: int) -> None:
+    """A one-line ValueError unless `degree` ranks can split `cfg`'s heads and features evenly (each rank whole
+    heads, and the same share of every product's output features)."""
+    sizes = {"attention heads": cfg.num_attention_heads, "KV heads": cfg.num_key_value_heads,
+             "hidden size": cfg.hidden_size, "MLP width": cfg.intermediate_size}
+    if degree < 1:
+        raise ValueError(f"the tensor parallel degree must be at least 1, got {degree}")
+    bad = [f"{n} {k}" for k, n in sizes.items() if n % degree]
+    if bad:
+        raise ValueError(f"tensor parallel degree {degree} does not divide the model's {', '.join(bad)}; use a "
+                         "degree that divides the attention and KV heads, the hidden size and the MLP width")
+
+
+class _Sync:
+    """torch's ColwiseParallel hooks with the redistributions waited for where they run (module docstring)."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, device_mesh, input_layouts, run_check=False)
+        return x if x.placements == tuple(desired_input_layouts) else x.redistribute(placements=desired_input_layouts)
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != tuple(output_layouts):
+            outputs = outputs.redistribute(placements=output_layouts)
+        return outputs.to_local() if use_local_output else outputs
+
+
+class Colwise(_Sync, ColwiseParallel):
+    """torch's `ColwiseParallel` (weight rows sharded, input replicated), its collectives waited for."""
+
+
+def exact_plan() -> dict[str, Colwise]:
+    """Every block's `parallelize_module` plan, torchtitan's module names: column-parallel everywhere; the heads'
+    and the MLP's local outputs are all-gathered at wo's and w2's inputs, wo's and w2's outputs after them."""
+    local, gathered = Colwise(), Colwise(input_layouts=Shard(-1), output_layouts=Replicate())
+    return {"attention.wq": local, "attention.wk": local, "attention.wv": local, "attention.wo": gathered,
+            "feed_forward.w1": local, "feed_forward.w3": local, "feed_forward.w2": gathered}
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: dict | None = None) -> nn.Module:
+    """Shard the routed `model`'s blocks over the 1-D `mesh` by `plan` (default `exact_plan()`), in place; returns
+    the model. Every rank must hold the same weights (the shards are cut from rank 0's)."""
+    if not isinstance(model, _Model):
+        raise TypeError("apply_tp shards the routed model: call titan.model.exact(model, cfg) first")
+    if mesh.ndim != 1:
+        raise ValueError(f"apply_tp takes a 1-D mesh of the tensor-parallel ranks, got {mesh.ndim} dimensions")
+    check_tp(model.config, mesh.size())
+    for block in model.layers.values():
+        parallelize_module(block, mesh, exact_plan() if plan is None else plan)
+    return model
