@@ -182,10 +182,20 @@ class _Linear:
     (`_HalvesRows`, module docstring); 0: the rows as stored."""
 
     def forward(self, x):
-        if isinstance(self.weight, DTensor):
-            return _sharded_linear(x, self.weight, self.halves)
-        weight = _HalvesRows.apply(self.weight, self.halves) if self.halves else self.weight
+        weight = _replicated(self.weight)
+        if isinstance(weight, DTensor):
+            return _sharded_linear(x, weight, self.halves)
+        if self.halves:
+            weight = _HalvesRows.apply(weight, self.halves)
         return linear(x, weight, self.bias)
+
+
+def _replicated(weight: torch.Tensor) -> torch.Tensor:
+    """A weight replicated over the tensor-parallel ranks (`titan.tp`: each rank holds it whole and computes its
+    whole gradient, so the gradient is Replicate too) as the plain tensor the kernels take; any other as it is."""
+    if isinstance(weight, DTensor) and all(p.is_replicate() for p in weight.placements):
+        return weight.to_local()
+    return weight
 
 
 def _sharded_linear(x: DTensor, weight: DTensor, halves: int) -> DTensor:
@@ -204,11 +214,11 @@ def _sharded_linear(x: DTensor, weight: DTensor, halves: int) -> DTensor:
 
 class _RMSNorm:
     def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, _replicated(self.weight), self.eps)
 
     def add(self, x, residual):
         """(norm(x + residual), x + residual) in one pass (`kernels.rms_norm_add`)."""
-        return rms_norm_add(x, residual, self.weight, self.eps)
+        return rms_norm_add(x, residual, _replicated(self.weight), self.eps)
 
 
 class _FeedForward:
@@ -241,11 +251,10 @@ class _Attention:
         """q/k norm's weight. Under tensor parallelism (wq sharded, `titan.tp`) each rank norms its own heads with
         the replicated weight, so its gradient here is this rank's partial sum: marked Partial, the ranks' are
         summed in the backward (as torchtitan's SequenceParallel q/k norm sums them)."""
-        mesh = getattr(self.wq.weight, "device_mesh", None)
+        weight, mesh = _replicated(norm.weight), getattr(self.wq.weight, "device_mesh", None)
         if mesh is None:
-            return norm.weight
-        return DTensor.from_local(norm.weight, mesh, [Replicate()], run_check=False).to_local(
-            grad_placements=[Partial()])
+            return weight
+        return DTensor.from_local(weight, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
 class _Block:
@@ -270,7 +279,7 @@ class _Model:
     def lm_head_weight(self) -> torch.Tensor:
         """The embedding where cfg ties the head, as the workbench's model: a `to_empty` (torchtitan's trainer
         allocates after `parallelize`) unties torchtitan's Llama 3, whose `init_weights` does not tie again."""
-        return self.tok_embeddings.weight if self.config.tie_word_embeddings else self.output.weight
+        return _replicated(self.tok_embeddings.weight if self.config.tie_word_embeddings else self.output.weight)
 
     def hidden_states(self, input_ids, seq_lens=None, recompute: str = "none"):
         """Final-norm hidden states [B, T, H] of a right-padded batch (row b has seq_lens[b] real tokens, default
@@ -285,7 +294,7 @@ class _Model:
         scaling = cfg.rope_scaling.to_hf() if cfg.rope_scaling else None
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling, device=dev)
         cos, sin = rope_cos_sin(torch.arange(t, device=dev).expand(b, t), inv_freq)  # [B, T, D/2] fp32
-        x, residual = embedding(input_ids, self.tok_embeddings.weight), None  # [B, T, H]
+        x, residual = embedding(input_ids, _replicated(self.tok_embeddings.weight)), None  # [B, T, H]
         grad = torch.is_grad_enabled()
         for layer in self.layers.values():
             if recompute == "layers" and grad:

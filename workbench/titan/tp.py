@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from ..models import ModelConfig
@@ -96,4 +96,13 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: dict | None = None) -> nn
     check_tp(model.config, mesh.size())
     for block in model.layers.values():
         parallelize_module(block, mesh, exact_plan() if plan is None else plan)
+    # The rest replicated as DTensors, as torchtitan's plan leaves none plain: torch's fused and foreach optimizers
+    # and its gradient norm refuse a mix of DTensors and plain tensors. A tied head stays one parameter.
+    replicated: dict[int, nn.Parameter] = {}
+    for name, p in list(model.named_parameters(remove_duplicate=False)):
+        if not isinstance(p, DTensor):
+            if id(p) not in replicated:
+                replicated[id(p)] = nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()]), p.requires_grad)
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, replicated[id(p)])
     return model
