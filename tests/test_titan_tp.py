@@ -81,8 +81,26 @@ def _worker(family: str, seed: int, mb, upstream, out: str) -> None:
     control = apply_tp(build_titan_model(cfg, "cpu", seed=seed), mesh, control_plan)
     with mode("invariant"):
         lp_control, _ = completion_logprobs(control, mb, TEMPERATURE)
+    fp32 = apply_tp(build_titan_model(cfg, "cpu", seed=seed), mesh)
+    for p in fp32.parameters():
+        p.main_grad = DTensor.from_local(torch.zeros(p.to_local().shape), mesh, p.placements, run_check=False)
+    main_grads = _main_grads(fp32, mb, upstream)
     torch.save({"lp1": lp1, "grads1": grads1, "weights1": weights1, "lp2": lp2, "weights2": _whole(model),
-                "local": local, "control": lp_control.detach()}, f"{out}.{dist.get_rank()}")
+                "local": local, "control": lp_control.detach(), "main_grads": main_grads}, f"{out}.{dist.get_rank()}")
+
+
+def _main_grads(model, mb, upstream) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """One backward into the parameters' fp32 `main_grad`s: (the main_grads, whole; the names with a bf16 .grad)."""
+    from torch.distributed.tensor import DTensor
+
+    from workbench.kernels import mode
+    from workbench.rl.logprobs import completion_logprobs
+
+    with mode("invariant"):
+        lp, _ = completion_logprobs(model, mb, TEMPERATURE)
+    (lp * upstream).sum().backward()
+    return ({k: p.main_grad.full_tensor() if isinstance(p.main_grad, DTensor) else p.main_grad
+             for k, p in model.named_parameters()}, sorted(k for k, p in model.named_parameters() if p.grad is not None))
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -102,7 +120,11 @@ def runs(request, tmp_path_factory):
     opt = torch.optim.AdamW(one.parameters(), lr=LR, fused=True)
     lp1, grads1 = _step(one, mb, upstream, opt)
     lp2, _ = _step(one, mb, upstream, opt)
-    return family, seed, mb, behavior, mask, ranks, {"lp1": lp1, "grads1": grads1, "lp2": lp2, "weights2": _whole(one)}
+    fp32 = build_titan_model(CONFIGS[family], "cpu", seed=seed)
+    for p in fp32.parameters():
+        p.main_grad = torch.zeros(p.shape)
+    return family, seed, mb, behavior, mask, ranks, {"lp1": lp1, "grads1": grads1, "lp2": lp2, "weights2": _whole(one),
+                                                     "main_grads": _main_grads(fp32, mb, upstream)}
 
 
 def test_forward_is_the_one_process_and_the_generators_bits(runs):
@@ -146,6 +168,22 @@ def test_gradients_are_the_one_process_ones_up_to_the_ranks_sum(runs):
     # 50-67% of the weights differ after 2 steps).
     moved = max(float((ranks[0]["weights2"][k].float() - one["weights2"][k].float()).abs().max()) for k in ref)
     assert moved <= 5 * LR, f"seed {seed}: {moved}"
+
+
+def test_fp32_main_grads_under_tp(runs):
+    """With fp32 `main_grad`s (the trainer's masters: DTensors laid out as their parameters), each rank's products
+    and embedding add dW into its part of them in the kernels, as one process does (the same parameters are left
+    with bf16 gradients: the norms, and a tied head's product); the sums are the one-process ones up to the ranks'
+    partial dx, the last block's w2 bit for bit."""
+    family, seed, _, _, _, ranks, one = runs
+    (tp, tp_bf16), (ref, ref_bf16) = ranks[0]["main_grads"], one["main_grads"]
+    assert tp_bf16 == ref_bf16 and all("norm" in k or k == "tok_embeddings.weight" for k in ref_bf16), f"{ref_bf16}"
+    last = f"layers.{CONFIGS[family].num_hidden_layers - 1}.feed_forward.w2.weight"
+    assert ref[last].abs().max() > 0 and same_bits(tp[last], ref[last]), f"seed {seed}"
+    moved = [k for k in ref if ref[k].abs().max() > 0]
+    assert len(moved) == len(ref) - len(ref_bf16), f"seed {seed}: {sorted(set(ref) - set(moved))}"
+    rel = max(float((tp[k] - ref[k]).abs().max() / ref[k].abs().max()) for k in moved)
+    assert 0 < rel <= 2**-5, f"seed {seed}: {rel}"
 
 
 def test_torchtitans_rowwise_wo_and_w2_are_not_the_generators_bits(runs):

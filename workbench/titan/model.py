@@ -32,7 +32,9 @@ Where torchtitan's layout differs from the workbench's, only exact moves of data
 - RoPE's frequencies come from `cfg` by `kernels.rope_inv_freq`, never from torchtitan's cached tables.
 
 Apply `exact` before torchtitan's `parallelize` (its activation checkpointing wraps the blocks it finds), and
-register `hidden_states` as an FSDP2 forward method after `fully_shard` (as `distributed.fsdp.shard` does). The
+register `hidden_states` as an FSDP2 forward method after `fully_shard` (as `distributed.fsdp.shard` does). Tensor
+parallelism is `titan.tp.apply_tp` (not torchtitan's plan, whose row-parallel wo/w2 cannot keep the bits): the routed
+products then run on their DTensor weights' local shards (`_sharded_linear`), the replicated weights' local copies. The
 routed forward is the causal, right-padded batch of the workbench's trainer: torchtitan's document masks
 (flex/varlen `attention_masks`) and explicit `positions` are refused, not ignored.
 """
@@ -194,8 +196,18 @@ def _replicated(weight: torch.Tensor) -> torch.Tensor:
     """A weight replicated over the tensor-parallel ranks (`titan.tp`: each rank holds it whole and computes its
     whole gradient, so the gradient is Replicate too) as the plain tensor the kernels take; any other as it is."""
     if isinstance(weight, DTensor) and all(p.is_replicate() for p in weight.placements):
-        return weight.to_local()
+        return _local(weight)
     return weight
+
+
+def _local(weight: DTensor) -> torch.Tensor:
+    """This rank's part of a tensor-parallel weight, carrying this rank's part of the weight's fp32 `main_grad`
+    (a DTensor laid out as the weight, or its local tensor) for the kernels that add dW into it (linear, embedding)."""
+    local = weight.to_local()
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is not None:
+        local.main_grad = main_grad.to_local() if isinstance(main_grad, DTensor) else main_grad
+    return local
 
 
 def _sharded_linear(x: DTensor, weight: DTensor, halves: int) -> DTensor:
@@ -205,7 +217,7 @@ def _sharded_linear(x: DTensor, weight: DTensor, halves: int) -> DTensor:
     features, marked Partial so that the input hook's backward sums the ranks'. A weight sharded by columns
     (row-parallel: torchtitan's wo/w2, the tests' negative control) gives y as a partial sum over K."""
     colwise = weight.placements[0].is_shard(0)
-    local = weight.to_local()
+    local = _local(weight)
     if halves:   # a shard holds whole heads, so the per-head permutation applies to it as to the whole weight
         local = _HalvesRows.apply(local, halves)
     y = linear(x.to_local(grad_placements=[Partial()] if colwise else None), local)
