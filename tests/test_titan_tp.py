@@ -52,13 +52,12 @@ def _worker(family: str, seed: int, mb, upstream, out: str) -> None:
     gradients' local bits, and the log-probs of the same weights under torchtitan's RowwiseParallel wo/w2."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.parallel import RowwiseParallel
 
     from workbench.distributed import launch
     from workbench.kernels import mode
     from workbench.rl.logprobs import completion_logprobs
     from workbench.titan.model import build_titan_model
-    from workbench.titan.tp import _Sync, apply_tp, exact_plan
+    from workbench.titan.tp import apply_tp, rowwise_plan
 
     launch.init("cpu")
     cfg, mesh = CONFIGS[family], init_device_mesh("cpu", (2,))
@@ -72,24 +71,22 @@ def _worker(family: str, seed: int, mb, upstream, out: str) -> None:
     weights1 = _whole(model)
     lp2, grads2 = _step(model, mb, upstream, opt)
     local = {k: p.grad.to_local() for k, p in model.named_parameters() if p.placements == (Replicate(),)}
-
-    class Rowwise(_Sync, RowwiseParallel):
-        """torchtitan's wo/w2 style (its own hooks waited for, as tp's Colwise)."""
-
-    control_plan = {**exact_plan(), "attention.wo": Rowwise(output_layouts=Replicate()),
-                    "feed_forward.w2": Rowwise(output_layouts=Replicate())}
-    control = apply_tp(build_titan_model(cfg, "cpu", seed=seed), mesh, control_plan)
+    control = apply_tp(build_titan_model(cfg, "cpu", seed=seed), mesh, rowwise_plan())
     with mode("invariant"):
         lp_control, _ = completion_logprobs(control, mb, TEMPERATURE)
     fp32 = apply_tp(build_titan_model(cfg, "cpu", seed=seed), mesh)
     for p in fp32.parameters():
         p.main_grad = DTensor.from_local(torch.zeros(p.to_local().shape), mesh, p.placements, run_check=False)
     main_grads = _main_grads(fp32, mb, upstream)
+    for p in fp32.parameters():   # again with the blocks recomputed in the backward (collectives and all)
+        p.main_grad.zero_()
+        p.grad = None
+    assert same_bits(_main_grads(fp32, mb, upstream, "layers"), main_grads), f"seed {seed}: recompute='layers'"
     torch.save({"lp1": lp1, "grads1": grads1, "weights1": weights1, "lp2": lp2, "weights2": _whole(model),
                 "local": local, "control": lp_control.detach(), "main_grads": main_grads}, f"{out}.{dist.get_rank()}")
 
 
-def _main_grads(model, mb, upstream) -> tuple[dict[str, torch.Tensor], list[str]]:
+def _main_grads(model, mb, upstream, recompute: str = "none") -> tuple[dict[str, torch.Tensor], list[str]]:
     """One backward into the parameters' fp32 `main_grad`s: (the main_grads, whole; the names with a bf16 .grad)."""
     from torch.distributed.tensor import DTensor
 
@@ -97,10 +94,11 @@ def _main_grads(model, mb, upstream) -> tuple[dict[str, torch.Tensor], list[str]
     from workbench.rl.logprobs import completion_logprobs
 
     with mode("invariant"):
-        lp, _ = completion_logprobs(model, mb, TEMPERATURE)
+        lp, _ = completion_logprobs(model, mb, TEMPERATURE, recompute=recompute)
     (lp * upstream).sum().backward()
-    return ({k: p.main_grad.full_tensor() if isinstance(p.main_grad, DTensor) else p.main_grad
-             for k, p in model.named_parameters()}, sorted(k for k, p in model.named_parameters() if p.grad is not None))
+    main = {k: p.main_grad.full_tensor() if isinstance(p.main_grad, DTensor) else p.main_grad
+            for k, p in model.named_parameters()}
+    return main, sorted(k for k, p in model.named_parameters() if p.grad is not None)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -174,7 +172,8 @@ def test_fp32_main_grads_under_tp(runs):
     """With fp32 `main_grad`s (the trainer's masters: DTensors laid out as their parameters), each rank's products
     and embedding add dW into its part of them in the kernels, as one process does (the same parameters are left
     with bf16 gradients: the norms, and a tied head's product); the sums are the one-process ones up to the ranks'
-    partial dx, the last block's w2 bit for bit."""
+    partial dx, the last block's w2 bit for bit; with the blocks recomputed in the backward, the same bits (checked
+    in the worker)."""
     family, seed, _, _, _, ranks, one = runs
     (tp, tp_bf16), (ref, ref_bf16) = ranks[0]["main_grads"], one["main_grads"]
     assert tp_bf16 == ref_bf16 and all("norm" in k or k == "tok_embeddings.weight" for k in ref_bf16), f"{ref_bf16}"

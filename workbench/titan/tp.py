@@ -38,7 +38,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ..models import ModelConfig
 from .model import _Model
@@ -58,7 +58,7 @@ def check_tp(cfg: ModelConfig, degree: int) -> None:
 
 
 class _Sync:
-    """torch's ColwiseParallel hooks with the redistributions waited for where they run (module docstring)."""
+    """torch's Colwise/RowwiseParallel hooks with the redistributions waited for where they run (module docstring)."""
 
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
@@ -86,9 +86,23 @@ def exact_plan() -> dict[str, Colwise]:
             "feed_forward.w1": local, "feed_forward.w3": local, "feed_forward.w2": gathered}
 
 
+class Rowwise(_Sync, RowwiseParallel):
+    """torch's `RowwiseParallel` (weight columns sharded, the partial outputs all-reduced), its collectives waited
+    for: torchtitan's style for wo and w2, which does not keep the bits (`rowwise_plan`)."""
+
+
+def rowwise_plan() -> dict[str, Colwise | Rowwise]:
+    """`exact_plan` with torchtitan's choice for wo and w2, `RowwiseParallel` (outputs replicated here, where it
+    shards them over the sequence): the split-K products that change the forward's bits. The tests' negative
+    control, and the one to measure against where the bits are not needed."""
+    return {**exact_plan(), "attention.wo": Rowwise(output_layouts=Replicate()),
+            "feed_forward.w2": Rowwise(output_layouts=Replicate())}
+
+
 def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: dict | None = None) -> nn.Module:
-    """Shard the routed `model`'s blocks over the 1-D `mesh` by `plan` (default `exact_plan()`), in place; returns
-    the model. Every rank must hold the same weights (the shards are cut from rank 0's)."""
+    """Shard the routed `model`'s blocks over the 1-D `mesh` by `plan` (default `exact_plan()`; `rowwise_plan()` is
+    torchtitan's wo/w2), in place; returns the model. Every rank must hold the same weights (the shards are cut from
+    rank 0's)."""
     if not isinstance(model, _Model):
         raise TypeError("apply_tp shards the routed model: call titan.model.exact(model, cfg) first")
     if mesh.ndim != 1:
