@@ -162,10 +162,10 @@ def test_gradients_are_the_one_process_ones_up_to_the_ranks_sum(runs):
     assert max(rel.values()) > 0, f"seed {seed}: the TP backward was expected to differ in the last bits"
     assert max(rel.values()) <= 2**-5, f"seed {seed}: {sorted(rel.items(), key=lambda kv: -kv[1])[:3]}"
     # Two AdamW steps on those gradients (bf16 weights): each moves a weight by about lr, so a near-zero gradient
-    # whose sign differs puts the two runs up to 2 lr apart a step, plus the bf16 rounding (measured: up to 3.6 lr,
-    # 50-67% of the weights differ after 2 steps).
+    # whose sign differs puts the two runs up to 2 lr apart a step, plus a bf16 rounding a step at the largest
+    # weights' magnitude (the norms' ~1). Measured: up to 3.9 lr; 50-67% of the weights differ after 2 steps.
     moved = max(float((ranks[0]["weights2"][k].float() - one["weights2"][k].float()).abs().max()) for k in ref)
-    assert moved <= 5 * LR, f"seed {seed}: {moved}"
+    assert moved <= 2 * (2 * LR + 2**-7), f"seed {seed}: {moved}"
 
 
 def test_fp32_main_grads_under_tp(runs):

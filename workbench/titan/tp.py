@@ -22,8 +22,11 @@ parity check compares forward log-probs only, so it still passes every step.
 
 Departures from torchtitan 0.2.2's recipe (`models/qwen3/infra/parallelize.py`, `apply_non_moe_tp`):
 - wo and w2 are column-parallel, not `RowwiseParallel`: row-parallel is the split-K product above (the negative
-  control in the tests); the price is two all-gathers more per block (wo's and w2's inputs) in place of two
-  all-reduces, and w2's gathered input is the MLP width;
+  control in the tests). The price, per block: the forward's two all-reduces of [B, T, H] (one without sequence
+  parallelism) become four all-gathers, of wo's input [B, T, heads * D], its output, w2's input [B, T, MLP width]
+  (the largest) and its output; the backward adds two reduce-scatters (those inputs' gradients) to the two
+  all-reduces both plans have (the attention's and the MLP's input gradients), and both sum the q/k norm weights'
+  gradients (torch's CommDebugMode on the tiny model);
 - no sequence parallelism (`SequenceParallel` norms, `Shard(1)` block outputs) and no vocabulary-parallel head
   (`loss_parallel`): the fused add-and-norm and the fused log-prob head run on whole rows as the generator's do; a
   vocabulary-sharded log-softmax would combine the ranks' maxima and sums in another order;
@@ -38,7 +41,8 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
+                                              parallelize_module)
 
 from ..models import ModelConfig
 from .model import _Model
@@ -78,12 +82,21 @@ class Colwise(_Sync, ColwiseParallel):
     """torch's `ColwiseParallel` (weight rows sharded, input replicated), its collectives waited for."""
 
 
-def exact_plan() -> dict[str, Colwise]:
+def exact_plan() -> dict[str, ParallelStyle]:
     """Every block's `parallelize_module` plan, torchtitan's module names: column-parallel everywhere; the heads'
-    and the MLP's local outputs are all-gathered at wo's and w2's inputs, wo's and w2's outputs after them."""
+    and the MLP's local outputs are all-gathered at wo's and w2's inputs, wo's and w2's outputs after them. The
+    attention's and the MLP's input enters as one replicated DTensor (torchtitan's `PrepareModuleInput`), so the
+    partial dx of wq, wk and wv (of w1 and w3) add up on each rank and are all-reduced once."""
     local, gathered = Colwise(), Colwise(input_layouts=Shard(-1), output_layouts=Replicate())
-    return {"attention.wq": local, "attention.wk": local, "attention.wv": local, "attention.wo": gathered,
+    return {"attention": _replicated_input(4), "feed_forward": _replicated_input(1),
+            "attention.wq": local, "attention.wk": local, "attention.wv": local, "attention.wo": gathered,
             "feed_forward.w1": local, "feed_forward.w3": local, "feed_forward.w2": gathered}
+
+
+def _replicated_input(n_args: int) -> PrepareModuleInput:
+    """The first of a module's `n_args` inputs as a replicated DTensor (the rest as they are)."""
+    layouts = (Replicate(),) + (None,) * (n_args - 1)
+    return PrepareModuleInput(input_layouts=layouts, desired_input_layouts=layouts, use_local_output=False)
 
 
 class Rowwise(_Sync, RowwiseParallel):
@@ -91,7 +104,7 @@ class Rowwise(_Sync, RowwiseParallel):
     for: torchtitan's style for wo and w2, which does not keep the bits (`rowwise_plan`)."""
 
 
-def rowwise_plan() -> dict[str, Colwise | Rowwise]:
+def rowwise_plan() -> dict[str, ParallelStyle]:
     """`exact_plan` with torchtitan's choice for wo and w2, `RowwiseParallel` (outputs replicated here, where it
     shards them over the sequence): the split-K products that change the forward's bits. The tests' negative
     control, and the one to measure against where the bits are not needed."""
