@@ -50,13 +50,14 @@ def _whole(model) -> dict[str, torch.Tensor]:
 def _worker(family: str, seed: int, mb, upstream, out: str) -> None:
     """Two AdamW steps of the TP=2 model (log-probs, whole gradients and weights after each), its replicated
     gradients' local bits, and the log-probs of the same weights under torchtitan's RowwiseParallel wo/w2."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from workbench.distributed import launch
     from workbench.kernels import mode
     from workbench.rl.logprobs import completion_logprobs
-    from workbench.titan.model import build_titan_model
+    from workbench.titan.model import build_titan_model, exact, titan_model
     from workbench.titan.tp import apply_tp, rowwise_plan
 
     launch.init("cpu")
@@ -72,8 +73,14 @@ def _worker(family: str, seed: int, mb, upstream, out: str) -> None:
     lp2, grads2 = _step(model, mb, upstream, opt)
     local = {k: p.grad.to_local() for k, p in model.named_parameters() if p.placements == (Replicate(),)}
     control = apply_tp(build_titan_model(cfg, "cpu", seed=seed), mesh, rowwise_plan())
+    # torchtitan's trainer's order: built on meta, routed, sharded, allocated, then loaded from a full state dict.
+    meta = apply_tp(exact(titan_model(cfg, "meta"), cfg), mesh).to_empty(device="cpu")
+    set_model_state_dict(meta, build_titan_model(cfg, "cpu", seed=seed).state_dict(),
+                         options=StateDictOptions(full_state_dict=True))
+    assert (meta.output.weight is meta.tok_embeddings.weight) == cfg.tie_word_embeddings
     with mode("invariant"):
         lp_control, _ = completion_logprobs(control, mb, TEMPERATURE)
+        assert same_bits(completion_logprobs(meta, mb, TEMPERATURE)[0].detach(), lp1), f"seed {seed}: meta-built"
     fp32 = apply_tp(build_titan_model(cfg, "cpu", seed=seed), mesh)
     for p in fp32.parameters():
         p.main_grad = DTensor.from_local(torch.zeros(p.to_local().shape), mesh, p.placements, run_check=False)
@@ -128,7 +135,9 @@ def runs(request, tmp_path_factory):
 def test_forward_is_the_one_process_and_the_generators_bits(runs):
     """Step 1: both ranks' log-probs are the one-process routed model's and the generator's sampled ones, bit for
     bit. Step 2 (after an AdamW step on the TP gradients): the one-process model holding the TP model's weights gives
-    the TP forward's bits, so the parity check passes on the weights TP trains."""
+    the TP forward's bits, so the parity check passes on the weights TP trains. A TP model built on the meta device,
+    sharded, allocated and loaded from the full state dict (torchtitan's trainer's order) gives step 1's bits too
+    (checked in the worker)."""
     from workbench.kernels import mode
     from workbench.rl.logprobs import completion_logprobs, parity_stats
     from workbench.titan.model import build_titan_model
