@@ -2,7 +2,10 @@
 
 `apply_tp(model, mesh)` shards every block's products over the ranks of a 1-D `DeviceMesh` with torch's
 `parallelize_module`, the plan `exact_plan()`; the embedding, the norms (q/k norm included), RoPE and the LM head stay
-replicated. Run it after `exact` and before FSDP2 (as torchtitan's `parallelize` orders TP first).
+replicated, their parameters Replicate DTensors (every parameter is a DTensor, as torchtitan's TP leaves them: torch's
+fused AdamW, its gradient norm and DCP take them). An fp32 `main_grad` on a parameter (a DTensor laid out as it) takes
+the kernels' dW on each rank's shard as on one process. Run it after `exact` and before FSDP2 (as torchtitan's
+`parallelize` orders TP first); on a meta-device model too, then `to_empty` and load (torchtitan's trainer's order).
 
 Numerics. An invariant product's output element depends only on its row of x, its row of W and the K loop, so a
 product sharded by its OUTPUT features (column-parallel: each rank the rows of W for its features, x whole) gives
