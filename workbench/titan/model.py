@@ -32,7 +32,9 @@ Where torchtitan's layout differs from the workbench's, only exact moves of data
 - RoPE's frequencies come from `cfg` by `kernels.rope_inv_freq`, never from torchtitan's cached tables.
 
 Apply `exact` before torchtitan's `parallelize` (its activation checkpointing wraps the blocks it finds), and
-register `hidden_states` as an FSDP2 forward method after `fully_shard` (as `distributed.fsdp.shard` does). The
+register `hidden_states` as an FSDP2 forward method after `fully_shard` (as `distributed.fsdp.shard` does). Tensor
+parallelism is `titan.tp.apply_tp` (not torchtitan's plan, whose row-parallel wo/w2 cannot keep the bits): the routed
+products then run on their DTensor weights' local shards (`_sharded_linear`), the replicated weights' local copies. The
 routed forward is the causal, right-padded batch of the workbench's trainer: torchtitan's document masks
 (flex/varlen `attention_masks`) and explicit `positions` are refused, not ignored.
 """
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels import (
@@ -176,17 +179,58 @@ class _HalvesRows(torch.autograd.Function):
 
 
 class _Linear:
+    halves = 0
+    """Llama 3's wq/wk: the head dim by which the product takes the interleaved rows in the workbench's halves layout
+    (`_HalvesRows`, module docstring); 0: the rows as stored."""
+
     def forward(self, x):
-        return linear(x, self.weight, self.bias)
+        weight = _replicated(self.weight)
+        if isinstance(weight, DTensor):
+            return _sharded_linear(x, weight, self.halves)
+        if self.halves:
+            weight = _HalvesRows.apply(weight, self.halves)
+        return linear(x, weight, self.bias)
+
+
+def _replicated(weight: torch.Tensor) -> torch.Tensor:
+    """A weight replicated over the tensor-parallel ranks (`titan.tp`: each rank holds it whole and computes its
+    whole gradient, so the gradient is Replicate too) as the plain tensor the kernels take; any other as it is."""
+    if isinstance(weight, DTensor) and all(p.is_replicate() for p in weight.placements):
+        return _local(weight)
+    return weight
+
+
+def _local(weight: DTensor) -> torch.Tensor:
+    """This rank's part of a tensor-parallel weight, carrying this rank's part of the weight's fp32 `main_grad`
+    (a DTensor laid out as the weight, or its local tensor) for the kernels that add dW into it (linear, embedding)."""
+    local = weight.to_local()
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is not None:
+        local.main_grad = main_grad.to_local() if isinstance(main_grad, DTensor) else main_grad
+    return local
+
+
+def _sharded_linear(x: DTensor, weight: DTensor, halves: int) -> DTensor:
+    """The product on this rank's shard of a tensor-parallel weight (`titan.tp`), as the DTensor its style's output
+    hook lays out. A weight sharded by rows (column-parallel) gives this rank's output features, each element the
+    one-process product's bits (its row of x, its row of W, the same K loop); dx is this rank's partial sum over its
+    features, marked Partial so that the input hook's backward sums the ranks'. A weight sharded by columns
+    (row-parallel: torchtitan's wo/w2, the tests' negative control) gives y as a partial sum over K."""
+    colwise = weight.placements[0].is_shard(0)
+    local = _local(weight)
+    if halves:   # a shard holds whole heads, so the per-head permutation applies to it as to the whole weight
+        local = _HalvesRows.apply(local, halves)
+    y = linear(x.to_local(grad_placements=[Partial()] if colwise else None), local)
+    return DTensor.from_local(y, x.device_mesh, [Shard(-1) if colwise else Partial()], run_check=False)
 
 
 class _RMSNorm:
     def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, _replicated(self.weight), self.eps)
 
     def add(self, x, residual):
         """(norm(x + residual), x + residual) in one pass (`kernels.rms_norm_add`)."""
-        return rms_norm_add(x, residual, self.weight, self.eps)
+        return rms_norm_add(x, residual, _replicated(self.weight), self.eps)
 
 
 class _FeedForward:
@@ -195,30 +239,34 @@ class _FeedForward:
 
 
 class _Attention:
-    interleaved = False
-    """Whether wq/wk give each head's rotation pairs interleaved (Llama 3's layout)."""
-
     def forward(self, x, cos, sin, seq_lens):
         b, t, _ = x.shape                                                     # x [B, T, H]
-        if self.interleaved:   # the workbench's q_proj and k_proj (module docstring)
-            q = linear(x, _HalvesRows.apply(self.wq.weight, self.head_dim))
-            k = linear(x, _HalvesRows.apply(self.wk.weight, self.head_dim))
-        else:
-            q, k = self.wq(x), self.wk(x)
+        q, k = self.wq(x), self.wk(x)   # Llama 3: the workbench's q_proj and k_proj rows (`_Linear.halves`)
         q = q.view(b, t, -1, self.head_dim)                                   # [B, T, Hq, D] (Hq local under TP)
         k = k.view(b, t, -1, self.head_dim)                                   # [B, T, Hkv, D]
         v = self.wv(x).view(b, t, -1, self.head_dim)
         qk_norm = getattr(self, "q_norm", None) is not None
         fuses = get_mode("apply_rope") == "invariant" and (not qk_norm or get_mode("rms_norm") == "invariant")
+        if qk_norm:
+            qw, kw = self._head_norm_weight(self.q_norm), self._head_norm_weight(self.k_norm)
         if qk_norm and torch.is_grad_enabled() and fuses:  # the workbench's training forward: one pass each way
-            q = norm_rope(q, self.q_norm.weight, cos, sin, self.q_norm.eps)
-            k = norm_rope(k, self.k_norm.weight, cos, sin, self.k_norm.eps)
+            q = norm_rope(q, qw, cos, sin, self.q_norm.eps)
+            k = norm_rope(k, kw, cos, sin, self.k_norm.eps)
         else:
             if qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
+                q, k = rms_norm(q, qw, self.q_norm.eps), rms_norm(k, kw, self.k_norm.eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)          # cos, sin [B, T, D/2]
         o = attention(q, k, v, seq_lens)                                      # [B, T, Hq, D]
         return self.wo(o.reshape(b, t, -1))                                   # [B, T, H]
+
+    def _head_norm_weight(self, norm: nn.Module) -> torch.Tensor:
+        """q/k norm's weight. Under tensor parallelism (wq sharded, `titan.tp`) each rank norms its own heads with
+        the replicated weight, so its gradient here is this rank's partial sum: marked Partial, the ranks' are
+        summed in the backward (as torchtitan's SequenceParallel q/k norm sums them)."""
+        weight, mesh = _replicated(norm.weight), getattr(self.wq.weight, "device_mesh", None)
+        if mesh is None:
+            return weight
+        return DTensor.from_local(weight, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
 class _Block:
@@ -243,7 +291,7 @@ class _Model:
     def lm_head_weight(self) -> torch.Tensor:
         """The embedding where cfg ties the head, as the workbench's model: a `to_empty` (torchtitan's trainer
         allocates after `parallelize`) unties torchtitan's Llama 3, whose `init_weights` does not tie again."""
-        return self.tok_embeddings.weight if self.config.tie_word_embeddings else self.output.weight
+        return _replicated(self.tok_embeddings.weight if self.config.tie_word_embeddings else self.output.weight)
 
     def hidden_states(self, input_ids, seq_lens=None, recompute: str = "none"):
         """Final-norm hidden states [B, T, H] of a right-padded batch (row b has seq_lens[b] real tokens, default
@@ -258,7 +306,7 @@ class _Model:
         scaling = cfg.rope_scaling.to_hf() if cfg.rope_scaling else None
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling, device=dev)
         cos, sin = rope_cos_sin(torch.arange(t, device=dev).expand(b, t), inv_freq)  # [B, T, D/2] fp32
-        x, residual = embedding(input_ids, self.tok_embeddings.weight), None  # [B, T, H]
+        x, residual = embedding(input_ids, _replicated(self.tok_embeddings.weight)), None  # [B, T, H]
         grad = torch.is_grad_enabled()
         for layer in self.layers.values():
             if recompute == "layers" and grad:
@@ -318,7 +366,6 @@ def exact(model: nn.Module, cfg: ModelConfig) -> nn.Module:
     """Route torchtitan `model`'s ops through the workbench's kernels, in place (see the module docstring);
     returns the model. `cfg` is the workbench config it was built from (`titan_args(cfg)`)."""
     _check(model, cfg)
-    interleaved = cfg.model_type != "qwen3"
     for m in model.modules():
         if isinstance(m, nn.Linear):
             _route(m, _Linear)
@@ -326,7 +373,9 @@ def exact(model: nn.Module, cfg: ModelConfig) -> nn.Module:
             _route(m, _RMSNorm)
     for block in model.layers.values():
         _route(block, _Block)
-        _route(block.attention, _Attention, interleaved=interleaved)
+        _route(block.attention, _Attention)
         _route(block.feed_forward, _FeedForward)
+        if cfg.model_type != "qwen3":   # Llama 3's interleaved q/k rows
+            block.attention.wq.halves = block.attention.wk.halves = cfg.head_dim
     _route(model, _Model, config=cfg)
     return model
