@@ -47,20 +47,27 @@ def _whole(model) -> dict[str, torch.Tensor]:
             for k, p in model.named_parameters(remove_duplicate=False)}   # a tied head under both names
 
 
-def _worker(family: str, seed: int, mb, upstream, out: str) -> None:
-    """Two AdamW steps of the TP=2 model (log-probs, whole gradients and weights after each), its replicated
-    gradients' local bits, and the log-probs of the same weights under torchtitan's RowwiseParallel wo/w2."""
+def _worker(inputs: dict, out: str) -> None:
+    """Per family (one spawn for both: the process start and imports are most of a tiny run): two AdamW steps of
+    the TP=2 model (log-probs, whole gradients and weights after each), its replicated gradients' local bits, and
+    the log-probs of the same weights under torchtitan's RowwiseParallel wo/w2."""
+    from workbench.distributed import launch
+
+    launch.init("cpu")
+    for family, (seed, mb, upstream) in inputs.items():
+        _family(family, seed, mb, upstream, f"{out}.{family}")
+
+
+def _family(family: str, seed: int, mb, upstream, out: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from workbench.distributed import launch
     from workbench.kernels import mode
     from workbench.rl.logprobs import completion_logprobs
     from workbench.titan.model import build_titan_model, exact, titan_model
     from workbench.titan.tp import apply_tp, rowwise_plan
 
-    launch.init("cpu")
     cfg, mesh = CONFIGS[family], init_device_mesh("cpu", (2,))
     model = apply_tp(build_titan_model(cfg, "cpu", seed=seed), mesh)
     wq = model.layers["0"].attention.wq.weight
@@ -108,28 +115,42 @@ def _main_grads(model, mb, upstream, recompute: str = "none") -> tuple[dict[str,
     return main, sorted(k for k, p in model.named_parameters() if p.grad is not None)
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def runs(request, tmp_path_factory):
-    """family -> (seed, the generator's micro-batch, behavior, mask, the 2 ranks' results, the one-process run's)."""
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    """family -> (seed, the generator's micro-batch, behavior, mask, the 2 ranks' results, the one-process run's);
+    both families in one spawn of 2 processes (a module fixture per family was set up again each time xdist's
+    scheduling switched families)."""
     from workbench.distributed import launch
     from workbench.models import build
     from workbench.titan.model import build_titan_model
 
-    family, seed = request.param, random.randrange(2**31)
-    mb, behavior, mask = _rollouts(build(CONFIGS[family], seed=seed), seed)
-    upstream = torch.randn(mask.shape, generator=torch.Generator().manual_seed(seed))
+    inputs, rollouts = {}, {}
+    for family in sorted(CONFIGS):
+        seed = random.randrange(2**31)
+        mb, behavior, mask = _rollouts(build(CONFIGS[family], seed=seed), seed)
+        upstream = torch.randn(mask.shape, generator=torch.Generator().manual_seed(seed))
+        inputs[family], rollouts[family] = (seed, mb, upstream), (behavior, mask)
     out = str(tmp_path_factory.mktemp("tp") / "rank")
-    launch.spawn(_worker, 2, family, seed, mb, upstream, out)
-    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
-    one = build_titan_model(CONFIGS[family], "cpu", seed=seed)
-    opt = torch.optim.AdamW(one.parameters(), lr=LR, fused=True)
-    lp1, grads1 = _step(one, mb, upstream, opt)
-    lp2, _ = _step(one, mb, upstream, opt)
-    fp32 = build_titan_model(CONFIGS[family], "cpu", seed=seed)
-    for p in fp32.parameters():
-        p.main_grad = torch.zeros(p.shape)
-    return family, seed, mb, behavior, mask, ranks, {"lp1": lp1, "grads1": grads1, "lp2": lp2, "weights2": _whole(one),
-                                                     "main_grads": _main_grads(fp32, mb, upstream)}
+    launch.spawn(_worker, 2, inputs, out)
+    found = {}
+    for family, (seed, mb, upstream) in inputs.items():
+        ranks = [torch.load(f"{out}.{family}.{r}") for r in range(2)]
+        one = build_titan_model(CONFIGS[family], "cpu", seed=seed)
+        opt = torch.optim.AdamW(one.parameters(), lr=LR, fused=True)
+        lp1, grads1 = _step(one, mb, upstream, opt)
+        lp2, _ = _step(one, mb, upstream, opt)
+        fp32 = build_titan_model(CONFIGS[family], "cpu", seed=seed)
+        for p in fp32.parameters():
+            p.main_grad = torch.zeros(p.shape)
+        found[family] = (family, seed, mb, *rollouts[family], ranks,
+                         {"lp1": lp1, "grads1": grads1, "lp2": lp2, "weights2": _whole(one),
+                          "main_grads": _main_grads(fp32, mb, upstream)})
+    return found
+
+
+@pytest.fixture(params=sorted(CONFIGS))
+def runs(request, both):
+    return both[request.param]
 
 
 def test_forward_is_the_one_process_and_the_generators_bits(runs):
