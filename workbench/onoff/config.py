@@ -142,8 +142,9 @@ class OnOffConfig:
             temperature=self.temperature, lr=self.lr, weight_decay=self.weight_decay,
             max_grad_norm=self.max_grad_norm, master_dtype=self.master_dtype, mini_batches=self.mini_batches,
             epochs=self.epochs, max_tokens_per_microbatch=self.max_tokens_per_microbatch, seed=seed,
-            device=self.device, trainer_backend=self.trainer_backend, checkpoint_every=self.checkpoint_every or max(1, self.steps // 4),
-            tensorboard=self.tensorboard, progress=self.progress,
+            device=self.device, trainer_backend=self.trainer_backend,
+            checkpoint_every=self.checkpoint_every or max(1, self.steps // 4), tensorboard=self.tensorboard,
+            progress=self.progress,
             **arm_settings(arm, get_loss(self.loss).sequence_level))
 
 
