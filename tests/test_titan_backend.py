@@ -190,8 +190,8 @@ def _fsdp_worker(policy: str, root: str) -> None:
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 def test_fsdp2_through_torchtitans_recipe_matches_one_process(policy, tmp_path):
     """2 gloo processes, FSDP2 by the backend's `shard` (torchtitan's per-block units, bf16 compute, fp32 reduce):
-    parity 0 every step, the sharded titan forward the generator's bits; against the one-process torchtitan run, its masters up to the order of the 2-rank gradient
-    sum (the fp32 reduce-scatter adds the ranks' sums; one process adds every micro-batch into one buffer); against the
+    parity 0 every step, the sharded titan forward the generator's bits; against the one-process torchtitan run, its
+    masters up to the order of the 2-rank gradient sum (the fp32 reduce-scatter adds the ranks' sums; one process adds every micro-batch into one buffer); against the
     workbench's own FSDP2 run, up to the gradient norm's last bits (torchtitan's clip_grad_norm_ reduces each
     DTensor's norm over the ranks, the workbench sums each rank's squared total: 2.3347994 vs 2.3347993 at step 1)."""
     import pandas as pd

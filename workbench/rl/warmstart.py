@@ -59,7 +59,7 @@ class WarmStartConfig:
     temperature: float = 1.0
     """Sampling temperature of the start-rate measurement: the RL runs'."""
     target_reward: tuple[float, float] = (0.1, 0.6)
-    """Wanted start rate: training stops at the first measurement >= low; the table's `in_range` says if it is <= high."""
+    """Wanted start rate: training stops at the first measurement >= low; `in_range` says if it is also <= high."""
     seed: int = 0
     """Seed of the problems and the sampling."""
     device: str = "auto"
