@@ -28,8 +28,8 @@ from workbench.models import ModelConfig, config  # noqa: E402
 from workbench.rl.config import TrainConfig  # noqa: E402
 from workbench.rl.logprobs import score  # noqa: E402
 from workbench.rl.losses import get_loss  # noqa: E402
+from workbench.rl.trainer import train_weights  # noqa: E402
 from workbench.rl.update import UpdateInputs, update  # noqa: E402
-from workbench.rl.weights import TrainWeights  # noqa: E402
 
 TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
@@ -38,13 +38,8 @@ TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidd
 
 def make(backend: str, shape: ModelConfig, cfg: TrainConfig, device: str, dp: DataParallel):
     """The backend's weights on a seeded random fp32 start (FSDP2 over every rank when there are several)."""
-    start = random_start(shape, device)
-    group = dp.process_group if dp.world_size > 1 else None
-    if backend == "torchtitan":
-        from workbench.rl.titan_backend import TitanWeights
-
-        return TitanWeights(start, cfg, device, group)
-    return TrainWeights(start, cfg.master_dtype, cfg.lr, device, shard_group=group)
+    return train_weights(random_start(shape, device), dataclasses.replace(cfg, trainer_backend=backend), device,
+                         dp.process_group if dp.world_size > 1 else None)
 
 
 def seconds(weights, cfg: TrainConfig, n: int, t: int, dp: DataParallel, device: str) -> float:

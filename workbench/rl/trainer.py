@@ -104,6 +104,17 @@ def _vllm_engine(cfg: TrainConfig, model, out: Path):
                          kernel_mode=cfg.kernel_mode)
 
 
+def train_weights(start, cfg: TrainConfig, device: str, shard_group=None) -> TrainWeights:
+    """The weights the update trains, from the fp32 (or bf16) `start`, on cfg.trainer_backend; `shard_group`: the
+    FSDP2 trainer ranks."""
+    if cfg.trainer_backend == "torchtitan":   # an optional extra: imported only when asked for
+        from .titan_backend import TitanWeights
+
+        return TitanWeights(start, cfg, device, shard_group)
+    return TrainWeights(start, cfg.master_dtype, cfg.lr, device, cfg.weight_decay, cfg.max_grad_norm,
+                        cfg.lora_config(), cfg.seed, shard_group)
+
+
 class Run:
     """A training run's state: the weights, the generator's sync, the task, the metrics, this rank's place."""
 
@@ -163,14 +174,7 @@ class Run:
         fsdp2 = cfg.parallel == "fsdp2"
         if fsdp2:   # every rank cuts its shards from rank 0's fp32 start
             self.dp.broadcast_model(start)
-        group = self.dp.process_group if fsdp2 else None
-        if cfg.trainer_backend == "torchtitan":   # an optional extra: imported only when asked for
-            from .titan_backend import TitanWeights
-
-            self.weights = TitanWeights(start, cfg, self.device, group)
-        else:
-            self.weights = TrainWeights(start, cfg.master_dtype, cfg.lr, self.device, cfg.weight_decay,
-                                        cfg.max_grad_norm, cfg.lora_config(), cfg.seed, group)
+        self.weights = train_weights(start, cfg, self.device, self.dp.process_group if fsdp2 else None)
         del start
         self.dp.replicate(self.weights)
         self.reference = None
