@@ -1,7 +1,7 @@
 """Figures of the calibrated comparison, drawn from `stats`' summary tables: the dose-response over the `noise=`
 arms (`stats.dose_response`) and the regime map over lengths and losses (`stats.regime_table`), each effect with its
-95% paired t-interval (`paired`). The per-step figures of the long table are `figures`', whose arm colours and
-labels these share.
+95% paired t-interval (`paired`). The long table's per-step figures are in `figures`, with the arm colours and
+labels that these share.
 """
 
 from __future__ import annotations
