@@ -34,8 +34,8 @@ published = "docs/results"
 from IPython.display import Image, Markdown, display
 
 from workbench.env import resolve_device
-from workbench.onoff.figures import (MISMATCH_PANELS, dose_response_figure, mismatch_panels, regime_map,
-                                     reward_curves)
+from workbench.onoff.comparison_figures import dose_response_figure, regime_map
+from workbench.onoff.figures import MISMATCH_PANELS, mismatch_panels, reward_curves
 from workbench.onoff.publish import published_results
 from workbench.onoff.stats import CELL, dose_response, dose_sentence, dose_slope, regime_table, summarize, verdict
 from workbench.plots import save_figure

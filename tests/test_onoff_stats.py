@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 from matplotlib.figure import Figure
 
-from workbench.onoff.figures import (bootstrap_band, delta_histogram, dose_response_figure, mismatch_panels,
-                                     regime_map, reward_curves)
+from workbench.onoff.comparison_figures import dose_response_figure, regime_map
+from workbench.onoff.figures import bootstrap_band, delta_histogram, mismatch_panels, reward_curves
 from workbench.onoff.paired import compare_paired, holm, sign_flip_p, t_interval
 from workbench.config import write_config
 from workbench.onoff.config import OnOffConfig

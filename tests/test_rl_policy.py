@@ -18,7 +18,8 @@ def test_digit_level_tokenizer():
 
 def test_train_policy_learns_and_saves(tmp_path):
     cfg = PolicyConfig(max_steps=60, eval_every=30, eval_problems=16, target_accuracy=(0.99, 1.0))
-    model, tok, table = train_policy(cfg, tmp_path / "policy")
+    with pytest.warns(UserWarning, match="raise max_steps"):  # the range is out of reach: it trains to the end
+        model, tok, table = train_policy(cfg, tmp_path / "policy")
     assert set(table.columns) == {"step", "metric", "value", "variant", "seed"}
     loss = table[table.metric == "loss"].value
     assert loss.iloc[-5:].mean() < 0.7 * loss.iloc[:5].mean()
@@ -69,3 +70,29 @@ def test_micro_batched_supervised_step_is_the_batch_step():
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert losses[1] == pytest.approx(losses[0], rel=1e-5), f"seed {seed}"
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")
+
+
+@pytest.mark.parametrize("accuracies, stop, in_range, warned", [
+    ((0.0, 0.8, 0.3, 0.3), 2, 0.0, "lower lr"),    # overshoot: stop there, more training would only raise it
+    ((0.0, 0.3, 0.9, 0.9), 2, 1.0, None),          # the first measurement at the low end is in range
+    ((0.0, 0.05, 0.05, 0.05), 4, 0.0, "raise max_steps"),   # the budget ends below the range
+])
+def test_training_stops_at_the_first_accuracy_at_the_targets_low_end(monkeypatch, recwarn, accuracies, stop,
+                                                                     in_range, warned):
+    """Scripted accuracies (the stop rule, not the learning): the run stops at the first measurement >= low,
+    says whether it lies in the range, and warns in one line when it does not."""
+    import workbench.rl.policy as policy
+
+    scripted = iter(accuracies)
+    monkeypatch.setattr(policy, "greedy_accuracy", lambda *a: next(scripted))
+    cfg = PolicyConfig(max_steps=4, eval_every=1, batch_size=4, eval_problems=2, target_accuracy=(0.1, 0.6),
+                       device="cpu")
+    _, _, table = train_policy(cfg)
+    acc = table[table.metric == "accuracy"]
+    assert acc.step.tolist() == list(range(1, stop + 1)) and acc.value.tolist() == list(accuracies[:stop])
+    assert table[table.metric == "in_range"].value.tolist() == [in_range]
+    messages = [str(w.message) for w in recwarn if "target_accuracy" in str(w.message)]
+    if warned:
+        assert len(messages) == 1 and warned in messages[0] and "\n" not in messages[0], messages
+    else:
+        assert not messages, messages

@@ -5,5 +5,6 @@ the rewards compared with confidence intervals, and the results published as a f
 - `arms`: the named variants of a run; `config`: `OnOffConfig` and the presets (blog, realistic, ...);
 - `runner`: runs resumable, in pieces, several at once; `stats`: endpoints, the verdict, the dose-response slope,
   the regime table; `paired`: the calibrated paired comparison (t-interval, exact sign-flip p, Holm);
-- `figures`: plots as functions of the long table; `publish`: the results folder, and the published ones.
+- `figures`: plots as functions of the long table; `comparison_figures`: the dose-response and the regime map;
+  `publish`: the results folder, and the published ones.
 """

@@ -51,7 +51,7 @@ class OnOffConfig:
     policy_steps: int = 400
     """Supervised steps at most for the self-trained starting policy."""
     policy_accuracy: tuple[float, float] = (0.1, 0.6)
-    """The self-trained policy's supervised run stops once its greedy accuracy lies in this range."""
+    """The self-trained policy's supervised run stops at its first greedy accuracy >= low (a warning if > high)."""
     out_dir: str = "runs/on-off"
     """One folder per run (<arm>-seed<seed>) below this, and the combined metrics.csv."""
     arms: tuple[str, ...] = ("on", "off")

@@ -20,8 +20,9 @@ from ..plots import save_figure
 from ..published import published_label
 from ..tables import project_path
 from .arms import get_arm
+from .comparison_figures import dose_response_figure, regime_map
 from .config import OnOffConfig
-from .figures import delta_histogram, dose_response_figure, mismatch_panels, regime_map, reward_curves
+from .figures import delta_histogram, mismatch_panels, reward_curves
 from .runner import collect, finished_runs, total_wall_s
 from .stats import CELL, dose_response, dose_sentence, dose_slope, regime_table, summarize, verdict
 

@@ -1,0 +1,145 @@
+"""Figures of the calibrated comparison, drawn from `stats`' summary tables: the dose-response over the `noise=`
+arms (`stats.dose_response`) and the regime map over lengths and losses (`stats.regime_table`), each effect with its
+95% paired t-interval (`paired`). The long table's per-step figures are in `figures`, with the arm colours and
+labels that these share.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import FixedFormatter, FixedLocator, LogLocator, NullLocator
+
+from .figures import NOTE_STYLE, arm_colors, arm_label
+from .paired import ALPHA, t_interval
+from .stats import REFERENCE, dose_slope
+
+_SERIES = ("#c51b7d", "#0072b2", "#e69f00", "#009e73", "#56b4e9", "#d55e00")  # the regime map's (arm, loss) lines
+
+
+def _zero_axis(ax, zero_at: float, smallest: float, largest: float) -> None:
+    """Log x ticks with KL 0 drawn at `zero_at`, left of a dotted break before the smallest positive KL.
+
+    At most about six labels, none closer to "0 (on)" than a tenth of the axis: decades (every second one past six
+    decades), 1-2-5 steps only within a decade or two.
+    """
+    cut = np.sqrt(zero_at * smallest)
+    ax.axvline(cut, color="0.6", lw=0.8, ls=":")
+    left, right = zero_at / 1.6, largest * 1.6
+    ax.set_xlim(left, right)
+    decades = np.log10(largest / smallest)
+    subs = (1.0, 2.0, 5.0) if decades < 1 else (1.0,)
+    ticks = [t for t in LogLocator(subs=subs).tick_values(smallest, right) if cut < t <= right]
+    if len(ticks) > 6:
+        ticks = ticks[len(ticks) % 2::2]
+    gap = 0.1 * np.log10(right / left)
+    ticks = [t for t in ticks if np.log10(t / zero_at) >= gap]
+    ax.xaxis.set_major_locator(FixedLocator([zero_at, *ticks]))
+    ax.xaxis.set_major_formatter(FixedFormatter(["0 (on)", *(f"{t:.0e}".replace("e-0", "e-") for t in ticks)]))
+    ax.xaxis.set_minor_locator(NullLocator())  # minor ticks would suggest a scale across the break
+
+
+def dose_response_figure(dose: pd.DataFrame) -> Figure:
+    """Final reward (and AUC) vs the measured KL(sampler || trainer) of the `noise=` arms and `on`.
+
+    A point per run; per arm its mean with the 95% t-interval over seeds; and one OLS line of the endpoint on
+    log10 KL over the noise arms' runs (`stats.dose_slope`, its slope and CI in the panel). `on`'s KL is 0, which a
+    log axis cannot show: it is drawn left of a break, labelled "0 (on)", and is not in the fit.
+    """
+    if dose.empty:
+        raise ValueError("the dose-response table is empty")
+    kl = dose.kl_mean.to_numpy(dtype=float)
+    positive = kl[np.isfinite(kl) & (kl > 0)]
+    # "0 (on)" sits a quarter of the positive KLs' span (at least half a decade) left of the smallest.
+    zero_at = positive.min() / 10 ** max(0.5, 0.25 * np.log10(positive.max() / positive.min())) \
+        if positive.size else None
+
+    def place(x):
+        x = np.asarray(x, dtype=float)
+        return x if zero_at is None else np.where(np.isfinite(x) & (x <= 0), zero_at, x)
+
+    window = dose.attrs.get("window")
+    ylabels = {"final_reward": f"final reward (last {window} steps)" if window else "final reward",
+               "auc": "AUC (mean reward over all steps)"}
+    colors = arm_colors(dose.variant)
+    fig = Figure(figsize=(9.0, 3.8), layout="constrained")
+    axes = fig.subplots(1, 2)
+    for ax, y in zip(axes, ylabels):
+        for variant, arm in dose.groupby("variant", sort=False):
+            ax.scatter(place(arm.kl_mean), arm[y], s=12, alpha=0.4, color=colors[variant], lw=0)
+            y_mean = arm[y].mean()
+            y_lo, y_hi = (float(v[0]) for v in t_interval(arm[y].to_numpy(dtype=float)[None, :]))
+            yerr = None if np.isnan([y_lo, y_hi]).any() else [[y_mean - y_lo], [y_hi - y_mean]]
+            ax.errorbar(place(arm.kl_mean.mean()), y_mean, yerr=yerr, fmt="D" if variant == REFERENCE else "o",
+                        ms=6, capsize=2, color=colors[variant], label=arm_label(variant))
+        fit = dose_slope(dose, y)
+        if np.isfinite(fit["slope"]):
+            xs = np.geomspace(fit["kl_lo"], fit["kl_hi"], 50)
+            ax.plot(xs, fit["intercept"] + fit["slope"] * np.log10(xs), color="0.3", lw=1, ls="--",
+                    label="OLS fit on log10 KL (noise arms)")
+            ax.set_title(f"OLS slope {fit['slope']:.2g} per decade of KL [{fit['lo']:.2g}, {fit['hi']:.2g}], "
+                         f"p = {fit['p']:.1g}", fontsize=9)
+        if zero_at is not None:
+            ax.set_xscale("log")
+            _zero_axis(ax, zero_at, positive.min(), positive.max())
+        ax.set_xlabel("measured KL(sampler || trainer) / token")
+        ax.set_ylabel(ylabels[y])
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="lower left")
+    fig.suptitle("final reward vs measured sampler-trainer KL (dose-response over injected noise)", fontsize=10)
+    fig.supxlabel("points: runs; markers with bars: arm mean and 95% t-interval over seeds; KL: mean over steps\n"
+                  "dashed: one OLS fit over the noise arms' runs (`on`, at KL 0, is not in it); slope per decade with "
+                  "its 95% CI"
+                  + ("" if positive.size else "; no positive KL measured, so the x-axis is linear"), **NOTE_STYLE)
+    return fig
+
+
+def regime_map(summary_table: pd.DataFrame) -> Figure:
+    """The regime map from `stats.regime_table`: per (generation length, loss) cell, reward arm - reference with
+    its 95% paired t-interval (filled marker: resolved by the calibrated rule, hollow: not, x: not resolvable with
+    the cell's seeds), and the mismatch there: KL/token, and the SD of the sequence log-ratio where logged (else
+    the clip fraction). One line per (arm, loss) along the lengths."""
+    t = summary_table
+    if t.empty:
+        raise ValueError("the regime table is empty")
+    reference = t.attrs.get("reference", REFERENCE)
+    spread = "seq_logratio_sd" if t.seq_logratio_sd.notna().any() else "clip_fraction"
+    panels = (("d_final_reward", f"final reward − {reference} (95% paired t-CI)"),
+              ("kl_mean", "KL(sampler || trainer) / token"),
+              (spread, "SD of the sequence log-ratio" if spread == "seq_logratio_sd" else "clip fraction"))
+    fig = Figure(figsize=(12.6, 3.8), layout="constrained")
+    axes = fig.subplots(1, 3)
+    lengths = sorted(set(t.max_new_tokens))
+    series = list(t.groupby(["variant", "loss"], sort=False))
+    for i, ((variant, loss), rows) in enumerate(series):
+        rows = rows.sort_values("max_new_tokens")
+        color, label = _SERIES[i % len(_SERIES)], f"{variant}, {loss}"
+        # Lines of one arm over the losses side by side: a small shift keeps their bars apart.
+        x = rows.max_new_tokens.to_numpy(dtype=float) * 2 ** (0.06 * (i - (len(series) - 1) / 2))
+        for ax, (col, _) in zip(axes, panels):
+            ax.plot(x, rows[col], color=color, lw=1, alpha=0.7, label=label if ax is axes[0] else None)
+        d = rows.d_final_reward.to_numpy(dtype=float)
+        err = np.abs([d - rows.d_final_reward_lo.to_numpy(float), rows.d_final_reward_hi.to_numpy(float) - d])
+        axes[0].errorbar(x, d, yerr=np.where(np.isfinite(err), err, 0), fmt="none", color=color, capsize=2)
+        resolvable = rows.d_final_reward_floor <= t.attrs.get("alpha", ALPHA)
+        for xi, di, res, ok in zip(x, d, rows.d_final_reward_resolved, resolvable):
+            axes[0].plot(xi, di, "o" if ok else "x", ms=6, color=color, mfc=color if res else "white")
+        for ax, (col, _) in zip(axes[1:], panels[1:]):
+            ax.plot(x, rows[col], "o", ms=4, color=color)
+    axes[0].axhline(0, color="0.5", lw=0.8)
+    for ax, (col, name) in zip(axes, panels):
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(lengths))
+        ax.xaxis.set_major_formatter(FixedFormatter([f"{v:g}" for v in lengths]))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlabel("max new tokens")
+        ax.set_title(name, fontsize=10)
+        ax.grid(alpha=0.3)
+    if t.kl_mean.gt(0).any():
+        axes[1].set_yscale("log")
+    fig.legend(loc="outside upper center", ncols=min(4, len(series)), fontsize=8, frameon=False)
+    fig.supxlabel(f"filled: resolved (exact sign-flip p, Holm over all {len(t)} cells, <= "
+                  f"{t.attrs.get('alpha', ALPHA):g} and the t-CI excludes 0); hollow: not resolved; x: not resolvable "
+                  "with the cell's seeds; mismatch: means over the arm's runs", **NOTE_STYLE)
+    return fig
