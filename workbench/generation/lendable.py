@@ -74,7 +74,10 @@ def _check(result: int, what: str) -> None:
     name = ctypes.c_char_p()
     _driver().cuGetErrorName(result, ctypes.byref(name))
     message = f"{what} failed: {(name.value or b'?').decode()}"
-    raise torch.OutOfMemoryError(message) if result == _OUT_OF_MEMORY else RuntimeError(message)
+    if result == _OUT_OF_MEMORY:
+        raise torch.OutOfMemoryError(f"{message}; the borrower's tensors must be freed before take_back() (with "
+                                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PyTorch can release more)")
+    raise RuntimeError(message)
 
 
 class _Pages:
@@ -94,7 +97,7 @@ class _Pages:
     def map(self) -> None:
         handle = ctypes.c_uint64()
         _check(_driver().cuMemCreate(ctypes.byref(handle), self.nbytes, ctypes.byref(self.prop), 0),
-               f"taking {self.nbytes / 2**30:.1f} GiB of device memory for the KV cache (cuMemCreate)")
+               f"mapping {self.nbytes / 2**30:.1f} GiB of device memory for the KV cache (cuMemCreate)")
         try:
             _check(_driver().cuMemMap(self.address, self.nbytes, 0, handle.value, 0), "cuMemMap")
         finally:   # the mapping holds the pages from here on; unmapping returns them to the driver

@@ -122,8 +122,8 @@ class TrainConfig:
     """generator='vllm': the share of the GPU's memory vLLM may take."""
     keep_graphs: bool = True
     """generator='embedded': keep its KV caches and CUDA graphs from one step's rollouts to the next (captured once,
-    not every step; the same bits in invariant mode); that memory stays held through the update: False where memory
-    is short. No effect with sync='checkpoint' (a new generator model every step)."""
+    not every step; the same bits in invariant mode); that memory stays held through the update unless lend_kv_cache
+    lends it: False where memory is short. No effect with sync='checkpoint' (a new generator model every step)."""
     lend_kv_cache: bool = False
     """With keep_graphs: between rollouts the kept KV caches' memory serves the update (`DecodeGraphs.lend`); the
     decode graphs stay captured, the memory is taken back at the same addresses before the next rollout."""
