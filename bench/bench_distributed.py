@@ -197,8 +197,8 @@ def rl_table(names: list[str], args) -> list[str]:
     out = ["", f"### RL steps, {args.shape} (random weights), invariant, {args.group} completions x "
            f"{args.new_tokens} new tokens, medians of steps {args.warmup + 1}..{args.steps} (before: compilation, "
            "autotuning)", "",
-           "| run | GPUs | prompts/step | sampled tokens/s | step s | generate s | score + update s | x `one` tokens/s | "
-           "tokens differing | busy (rollout / trainer) | step 1 log-probs = 1 GPU's |",
+           "| run | GPUs | prompts/step | sampled tokens/s | step s | generate s | score + update s | "
+           "x `one` tokens/s | tokens differing | busy (rollout / trainer) | step 1 log-probs = 1 GPU's |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     base = rows.get("one")
     for name, (world, cfg, tokens, step_s, (gen_s, train_s), differing, busy, same) in rows.items():

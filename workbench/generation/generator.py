@@ -217,7 +217,8 @@ class DecodeGraphs:
     def lend(self) -> None:
         """Hand the caches' memory over until `take_back()`; the captured steps are kept, the caches' contents not."""
         if not self.lendable:
-            raise ValueError("DecodeGraphs.lend: these caches are not lendable; build it as DecodeGraphs(lendable=True)")
+            raise ValueError("DecodeGraphs.lend: these caches are not lendable; build it as "
+                             "DecodeGraphs(lendable=True)")
         if self.lent:
             raise RuntimeError("DecodeGraphs.lend: the caches are lent already; take_back() first")
         for memory in self._memory:
