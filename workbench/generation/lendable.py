@@ -145,7 +145,10 @@ class LendableMemory:
         # Freed with the last tensor that views it (the tensor keeps `span` alive), never under a live view.
         weakref.finalize(span, self._pages.free)
         self._pages.map()
-        self.tensor = torch.as_tensor(span, device=self.device)[:nbytes]
+        with torch.cuda.device(self.device):
+            self.tensor = torch.as_tensor(span, device=self.device)[:nbytes]
+        if self.tensor.data_ptr() != self._pages.address:   # a copy would be memory that lending never frees
+            raise RuntimeError("LendableMemory: torch.as_tensor copied the mapped memory instead of viewing it")
 
     def lend(self) -> None:
         if self.lent:
