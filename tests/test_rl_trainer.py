@@ -261,21 +261,3 @@ def test_a_checkpoint_from_before_a_field_existed_still_resumes():
     older = {k: v for k, v in asdict(cfg).items() if k not in ("policy_lag", "kl_to", "task")}
     assert config_changes(older, cfg) == {}
     assert set(config_changes(older, dataclasses.replace(cfg, policy_lag=1, sync="copy"))) == {"policy_lag", "sync"}
-
-
-def test_lending_the_kv_cache_to_the_update_changes_no_metric(policy, tmp_path, monkeypatch):
-    """lend_kv_cache: each step the kept caches' memory serves the scoring and the update, and comes back for the next
-    rollout; every metric but the times is the one of caches held throughout."""
-    from workbench.generation import DecodeGraphs
-
-    lends = []
-    lend = DecodeGraphs.lend
-    monkeypatch.setattr(DecodeGraphs, "lend", lambda self: lends.append(self) or lend(self))
-    held = train(_cfg(policy, tmp_path / "held", steps=2, **SMALL))
-    assert not lends
-    lent = train(_cfg(policy, tmp_path / "lent", steps=2, lend_kv_cache=True, **SMALL))
-    assert len(lends) == 2 and lends[0] is lends[1], "lent after each step's rollout, taken back before the next"
-    timing = held.metric.str.startswith("time_") | (held.metric == "tokens_per_s")
-    pd.testing.assert_frame_equal(held[~timing].reset_index(drop=True), lent[~timing].reset_index(drop=True))
-    with pytest.raises(ValueError, match="lend_kv_cache .* needs keep_graphs=True"):
-        TrainConfig(lend_kv_cache=True, keep_graphs=False)

@@ -10,7 +10,6 @@ bits do not depend on the batch, so this changes no result).
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass, replace
@@ -19,7 +18,6 @@ import torch
 
 from ..kernels import current_state, get_mode, linear, pdl
 from ..models import KVCache, CausalLM
-from .lendable import LendableMemory
 from .sampling import KEYED_SEED, SamplingParams, request_keys, sample
 
 
@@ -201,42 +199,17 @@ class DecodeGraphs:
     batch size, cache length (rounded up to CACHE_ROUND), sampling parameters, model tensors and kernel modes are
     the previous call's replays that call's graphs; any other call replaces them. The memory (the caches of every
     compaction size, the graphs' pools) stays held between calls: `clear()` returns it, e.g. before an update.
-
-    `lendable=True` keeps the caches in `LendableMemory`: `lend()` hands their memory to whoever needs it next (an
-    RL update) with the captured steps kept, `take_back()` returns it at the same addresses, so the next call still
-    replays them. While lent, a call raises instead of touching the memory.
     """
 
-    def __init__(self, lendable: bool = False):
-        self.lendable = lendable
-        self.clear()
+    def __init__(self):
+        self._key = None
+        self._steps: dict[int, DecodeStep] = {}
 
     def clear(self) -> None:
-        self._key, self._steps, self._memory, self.lent = None, {}, [], False
-
-    def lend(self) -> None:
-        """Hand the caches' memory over until `take_back()`; the captured steps are kept, the caches' contents not."""
-        if not self.lendable:
-            raise ValueError("DecodeGraphs.lend: these caches are not lendable; build it as "
-                             "DecodeGraphs(lendable=True)")
-        if self.lent:
-            raise RuntimeError("DecodeGraphs.lend: the caches are lent already; take_back() first")
-        for memory in self._memory:
-            memory.lend()
-        self.lent = True
-
-    def take_back(self) -> None:
-        """The caches' memory back at the same addresses (after the borrower's tensors are freed)."""
-        if not self.lent:
-            raise RuntimeError("DecodeGraphs.take_back: nothing is lent")
-        for memory in self._memory:
-            memory.take_back()
-        self.lent = False
+        self._key, self._steps = None, {}
 
     def begin(self, model: CausalLM, params: SamplingParams, b: int, max_len: int, graph: bool) -> None:
         """Start a call: keep everything if it has the last call's shape (`_graph_key`), else start empty."""
-        if self.lent:
-            raise RuntimeError("generate: the kept KV caches are lent (DecodeGraphs.lend); call take_back() first")
         key = _graph_key(model, params, b, max_len, graph)
         if key == self._key:
             # As a fresh call finds them: the prefill's tiles then read zeros past each prompt, not old keys.
@@ -256,20 +229,9 @@ class DecodeGraphs:
     def step(self, rows: int) -> DecodeStep:
         """The decode step over `rows` rows and its cache; a kept one's graph replays as captured."""
         if rows not in self._steps:
-            cache = self._lendable_cache(rows) if self.lendable else \
-                KVCache.allocate(self.model.config, rows, self.max_len, self.stop.device, self.dtype)
+            cache = KVCache.allocate(self.model.config, rows, self.max_len, self.stop.device, self.dtype)
             self._steps[rows] = DecodeStep(self.model, cache, self.params, self.record, self.stop, self.graph)
         return self._steps[rows]
-
-    def _lendable_cache(self, rows: int) -> KVCache:
-        """KVCache.allocate's zeros, K and V in one `LendableMemory`."""
-        cfg = self.model.config
-        shape = (cfg.num_hidden_layers, rows, self.max_len, cfg.num_key_value_heads, cfg.head_dim)
-        nbytes = math.prod(shape) * self.dtype.itemsize
-        memory = LendableMemory(2 * nbytes, self.stop.device)
-        self._memory.append(memory)
-        k, v = (memory.tensor[i * nbytes: (i + 1) * nbytes].view(self.dtype).view(shape) for i in range(2))
-        return KVCache(k.zero_(), v.zero_())
 
 
 def _graph_key(model: CausalLM, params: SamplingParams, b: int, max_len: int, graph: bool) -> tuple:

@@ -122,11 +122,8 @@ class TrainConfig:
     """generator='vllm': the share of the GPU's memory vLLM may take."""
     keep_graphs: bool = True
     """generator='embedded': keep its KV caches and CUDA graphs from one step's rollouts to the next (captured once,
-    not every step; the same bits in invariant mode); that memory stays held through the update unless lend_kv_cache
-    lends it: False where memory is short. No effect with sync='checkpoint' (a new generator model every step)."""
-    lend_kv_cache: bool = False
-    """With keep_graphs: between rollouts the kept KV caches' memory serves the update (`DecodeGraphs.lend`); the
-    decode graphs stay captured, the memory is taken back at the same addresses before the next rollout."""
+    not every step; the same bits in invariant mode); that memory stays held through the update: False where memory
+    is short. No effect with sync='checkpoint' (a new generator model every step)."""
     sync: str = "shared"
     """Weight sync into the generator: shared (same bf16 model), copy, or checkpoint (through disk)."""
     policy_lag: int = 0
@@ -195,9 +192,6 @@ class TrainConfig:
         if self.activation_checkpointing not in RECOMPUTE:
             raise ValueError(f"activation_checkpointing must be one of {', '.join(RECOMPUTE)} (true/false were "
                              f"renamed 'layers'/'none'), got {self.activation_checkpointing!r}")
-        if self.lend_kv_cache and not self.keep_graphs:
-            raise ValueError("lend_kv_cache lends the kept KV caches' memory to the update: it needs keep_graphs=True "
-                             "(without it the caches are freed after each rollout anyway)")
         if self.adapter not in ("none", "lora"):
             raise ValueError(f"adapter must be 'none' (full fine-tuning) or 'lora', got {self.adapter!r}")
         LoraConfig(self.lora_rank, self.lora_alpha, self.lora_targets)  # names a bad lora_* field, even unused

@@ -159,7 +159,7 @@ class Run:
         rollout_only = self.dp is None
         # The embedded generator's caches and graphs, across steps. Not with sync='checkpoint': it loads a new
         # generator model every step, so nothing would replay and the kept step would hold the old model.
-        self.graphs = DecodeGraphs(cfg.lend_kv_cache) if cfg.keep_graphs and cfg.sync != "checkpoint" else None
+        self.graphs = DecodeGraphs() if cfg.keep_graphs and cfg.sync != "checkpoint" else None
         start, self.tok = _starting_policy(cfg, self.out, self.device, self.world, rollout_only)
         if rollout_only:   # a generator, no masters, no optimizer
             self.generator = start
@@ -336,12 +336,8 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     elif sync.engine is not None:
         completions = sync.engine.generate(prompts, sampling, request_ids=ids).completions
     else:
-        if run.graphs is not None and run.graphs.lent:
-            run.graphs.take_back()
         with _sampler_kernels(cfg):
             completions = generate(sync.generator, prompts, sampling, request_ids=ids, keep=run.graphs).completions
-        if cfg.lend_kv_cache and run.graphs is not None:
-            run.graphs.lend()   # the caches' memory serves the scoring and the update until the next rollout
     batch = RolloutBatch.from_generation(prompts, completions, run.tok.pad_token_id or 0, run.device)
     t_gen = time.perf_counter()
 
