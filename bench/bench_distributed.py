@@ -181,6 +181,7 @@ def rl_table(names: list[str], args) -> list[str]:
         later = m[m.index > args.warmup] if len(m) > args.warmup else m
         steady[name] = later
         step_s = later["time_step"].median()
+        parts = (later["time_generate"].median(), later["time_train"].median())
         tokens = (later["response_length"] * cfg.prompts_per_step * cfg.group_size / later["time_step"]).median()
         busy = ""
         if cfg.rollout_ranks:
@@ -192,20 +193,21 @@ def rl_table(names: list[str], args) -> list[str]:
             got = np.load(Path(cfg.out_dir) / "step1_logprobs.npz")
             same = "yes" if all(np.array_equal(a.view(np.uint32), got[k].view(np.uint32))
                                 for a, k in zip(reference, ("generator", "trainer"))) else "**no**"
-        rows[name] = (world, cfg, tokens, step_s, int(m["parity_tokens_differing"].sum()), busy, same)
+        rows[name] = (world, cfg, tokens, step_s, parts, int(m["parity_tokens_differing"].sum()), busy, same)
     out = ["", f"### RL steps, {args.shape} (random weights), invariant, {args.group} completions x "
            f"{args.new_tokens} new tokens, medians of steps {args.warmup + 1}..{args.steps} (before: compilation, "
            "autotuning)", "",
-           "| run | GPUs | prompts/step | sampled tokens/s | step s | x `one` tokens/s | tokens differing | "
-           "busy (rollout / trainer) | step 1 log-probs = 1 GPU's |", "|---|---|---|---|---|---|---|---|---|"]
+           "| run | GPUs | prompts/step | sampled tokens/s | step s | generate s | score + update s | x `one` tokens/s | "
+           "tokens differing | busy (rollout / trainer) | step 1 log-probs = 1 GPU's |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     base = rows.get("one")
-    for name, (world, cfg, tokens, step_s, differing, busy, same) in rows.items():
+    for name, (world, cfg, tokens, step_s, (gen_s, train_s), differing, busy, same) in rows.items():
         if name == "parity":   # one step, compilation included: its speed means nothing
-            out.append(f"| {name} | {world} | {cfg.prompts_per_step} | | | | {differing} | | (reference) |")
+            out.append(f"| {name} | {world} | {cfg.prompts_per_step} | | | | | | {differing} | | (reference) |")
             continue
         ratio = f"{tokens / base[2]:.2f}" if base else ""
-        out.append(f"| {name} | {world} | {cfg.prompts_per_step} | {tokens:,.0f} | {step_s:.2f} | {ratio} | "
-                   f"{differing} | {busy} | {same} |")
+        out.append(f"| {name} | {world} | {cfg.prompts_per_step} | {tokens:,.0f} | {step_s:.2f} | {gen_s:.2f} | "
+                   f"{train_s:.2f} | {ratio} | {differing} | {busy} | {same} |")
     out.append("")
     if "split-async" in rows:
         for sync, target in (("split-sync", " (target <= 0.6)"), ("two", ", colocated synchronous, for reference")):
