@@ -74,15 +74,31 @@ def _train_cfg(policy: str, out: str, **kw):
 
 def _train(policy: str, out: str) -> None:
     """In the 2 ranks: train() at tensor_parallel=2 (into out.train/, DCP checkpoint), one update of TitanWeights on
-    a fixed micro-batch (`_one_update`), and the errors of a degree that does not divide the world or the heads."""
+    a fixed micro-batch (`_one_update`), and the errors of rollouts that differ within the group, of a degree that
+    does not divide the world, and of one that does not divide the heads."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from workbench.models import build, load_pretrained
     from workbench.rl.titan_backend import TitanWeights
     from workbench.rl.trainer import train
 
+    from workbench.rl import step
+
     train(_train_cfg(policy, f"{out}.train", tensor_parallel=2))
     errors = []
+    generate = step.generate
+
+    def off_on_rank_1(*args, **kw):   # rank 1's generator off by 1e-3: the group's rollouts differ
+        gen = generate(*args, **kw)
+        for c in gen.completions:
+            c.sampled_logprobs += 1e-3 * dist.get_rank()
+        return gen
+
+    step.generate = off_on_rank_1
+    with pytest.raises(RuntimeError) as e:
+        train(_train_cfg(policy, f"{out}.apart", tensor_parallel=2, steps=1))
+    step.generate = generate
+    errors.append(str(e.value))
     with pytest.raises(ValueError) as e:
         train(_train_cfg(policy, f"{out}.tp3", tensor_parallel=3))
     errors.append(str(e.value))
@@ -362,19 +378,23 @@ def test_a_tp_update_is_the_one_process_one_up_to_the_ranks_sum(trained):
 
 
 def test_tensor_parallel_errors_are_one_line(trained, tmp_path):
-    """Under torchrun: a degree that does not divide the world, or the model's heads (checked in the ranks); one
-    process, without torchrun; and the settings tensor parallelism does not take."""
+    """Under torchrun (checked in the ranks): the group's ranks sampling different rollouts (both ranks stop), a
+    degree that does not divide the world, or the model's heads; one process, without torchrun; and the settings
+    tensor parallelism does not take."""
     from workbench.rl.config import TrainConfig
     from workbench.rl.trainer import train
 
     (_, _, ranks), _ = trained
-    world, heads = ranks[0]["errors"]
+    apart, world, heads = ranks[0]["errors"]
+    assert ranks[1]["errors"][0] == apart
+    assert apart.startswith("step 1: the ranks of a tensor-parallel group sampled different rollouts (ranks [1] of "
+                            "the group differ from its first)"), apart
     assert world.startswith("tensor_parallel=3 does not divide the 2 trainer processes: start a multiple of 3"), world
     assert heads.startswith("tensor parallel degree 2 does not divide the model's 1 KV heads"), heads
     with pytest.raises(ValueError, match=r"^tensor_parallel=2 splits the model over torchrun's processes: launch "
                                          r"with torchrun --nproc-per-node 2") as e:
         train(_train_cfg("", str(tmp_path / "one"), tensor_parallel=2))
-    errors = [world, heads, str(e.value)]
+    errors = [apart, world, heads, str(e.value)]
     for bad, match in [(dict(tensor_parallel=0), r"^tensor_parallel must be an integer >= 1 \(1: none\), got 0$"),
                        (dict(tensor_parallel=2, trainer_backend="workbench"), r"shards torchtitan's model: set "
                                                                               r"trainer_backend='torchtitan'"),

@@ -21,7 +21,9 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
+from ..distributed.broadcast import digest
 from ..generation import SamplingParams, generate
 from ..kernels import FUSED_ROWWISE, mode
 from ..models import encode_prompt
@@ -95,6 +97,8 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
         with sampler_kernels(cfg):
             completions = generate(sync.generator, prompts, sampling, request_ids=ids, keep=run.graphs).completions
     batch = RolloutBatch.from_generation(prompts, completions, run.tok.pad_token_id or 0, run.device)
+    if run.tp_mesh is not None:
+        _same_in_group(run.tp_mesh, batch, step)
     t_gen = time.perf_counter()
 
     # Reward.
@@ -211,3 +215,19 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     log(step, "time_step", seconds["step"])
     log(step, "tokens_per_s", sum(lengths) / seconds["step"])
     return rewards_all.mean().item(), parity["tokens_differing"]
+
+
+def _same_in_group(mesh, batch: RolloutBatch, step: int) -> None:
+    """Tensor parallel: the group's ranks score and train one sharded model on one set of rows, so their rollouts
+    must be the same bits (the same prompts, seeds and whole generators give them): rows that differed would be mixed
+    in the sharded forward's gathers. A digest of each rank's tokens and log-probs, all-gathered and compared."""
+    tokens = torch.tensor([t for c in batch.completions for t in c], dtype=torch.int64, device=batch.behavior.device)
+    mine = digest([("tokens", tokens), ("behavior", batch.behavior)])
+    every = [torch.empty_like(mine) for _ in range(mesh.size())]
+    dist.all_gather(every, mine, group=mesh.get_group())
+    bad = [r for r, d in enumerate(every) if not torch.equal(d, every[0])]
+    if bad:
+        raise RuntimeError(f"step {step}: the ranks of a tensor-parallel group sampled different rollouts (ranks "
+                           f"{bad} of the group differ from its first) from the same prompts and seeds: a rank's "
+                           "generator computed differently (another torch, triton or kernel mode, or a faulty GPU); "
+                           "check those ranks before training on")
