@@ -13,7 +13,14 @@ workbench's; what the update runs is torchtitan's:
   without max_grad_norm it runs with max_norm inf (scale 1.0: no bit changes) for the norm the metrics log;
 - FSDP2 (`parallel='fsdp2'`): torchtitan's recipe (`fully_shard` per TransformerBlock, bf16 params and fp32
   reduce, its `disable_fsdp_gradient_division`) over the trainer ranks' group; see `shard` for the two places it
-  departs from `parallelize_qwen3` and why.
+  departs from `parallelize_qwen3` and why;
+- tensor parallelism (`tensor_parallel`, `tp_mesh`): `titan.tp.apply_tp` (every product column-parallel, so the
+  forward keeps the generator's bits) on the bf16 compute model and on the fp32 masters, whose DTensors torchtitan's
+  AdamW and `clip_grad_norm_` step; each master's fp32 gradient is its rank's part of the flat buffer as a DTensor
+  (the kernels add dW into it as on one process); the compute model has its own memory (the generator stays whole
+  on each rank) and `sync_model` all-gathers its bf16 shards into the generator. The gradients differ from one
+  process's in their last bits (the ranks' partial input gradients are summed: titan/tp.py); the forward, and so
+  the parity check, does not.
 
 Precision (how torchtitan's mixed precision maps): torchtitan keeps fp32 parameters and computes in bf16 through
 FSDP2's `MixedPrecisionPolicy` (or autocast on one device). Here master_dtype 'float32' is that: the fp32 titan model
@@ -220,13 +227,15 @@ class TitanWeights(TrainWeights):
 
     @property
     def module(self):
-        """What the update's forward and backward run: the titan model (bf16), or the FSDP2 titan module."""
+        """What the update's forward and backward run: the titan model (bf16; tensor parallel: sharded), or the
+        FSDP2 titan module."""
         return self.titan
 
     @property
     def scorer(self):
-        """The parity check's trainer forward: the titan model; with FSDP2 the generator's bf16 model (a sharded
-        forward is a collective, and each rank scores its own rows)."""
+        """The parity check's trainer forward: the titan model (tensor parallel: the sharded one, a collective of
+        the group, whose ranks hold the same rows); with FSDP2 the generator's bf16 model (a sharded forward is a
+        collective, and each rank scores its own rows)."""
         return self.titan if self.sharded is None else self.model
 
     def _counted(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
