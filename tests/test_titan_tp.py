@@ -73,7 +73,8 @@ def _train_cfg(policy: str, out: str, **kw):
 
 
 def _train(policy: str, out: str) -> None:
-    """In the 2 ranks: train() at tensor_parallel=2 (into out.train/, DCP checkpoint), one update of TitanWeights on
+    """In the 2 ranks: train() at tensor_parallel=2 (into out.train/, DCP checkpoint; and stopped after step 1 and
+    resumed, into out.resumed/), one update of TitanWeights on
     a fixed micro-batch (`_one_update`), and the errors of rollouts that differ within the group, of a degree that
     does not divide the world, and of one that does not divide the heads."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -85,6 +86,8 @@ def _train(policy: str, out: str) -> None:
     from workbench.rl import step
 
     train(_train_cfg(policy, f"{out}.train", tensor_parallel=2))
+    train(_train_cfg(policy, f"{out}.resumed", tensor_parallel=2, steps=1))
+    train(_train_cfg(policy, f"{out}.resumed", tensor_parallel=2, resume=True))
     errors = []
     generate = step.generate
 
@@ -317,8 +320,8 @@ def test_a_degree_that_does_not_split_the_heads_is_one_line():
 
 @pytest.fixture(scope="module")
 def trained(both, tmp_path_factory):
-    """The trainer's checks: (the TP=2 run's metrics and final masters, the 2 ranks' `_one_update` and errors; the
-    one-process run's metrics and masters, and its `_one_update`)."""
+    """The trainer's checks: (the TP=2 run's metrics and final masters, the 2 ranks' `_one_update` and errors, the
+    resumed run's final masters; the one-process run's metrics and masters, and its `_one_update`)."""
     from pathlib import Path
 
     import pandas as pd
@@ -331,10 +334,14 @@ def trained(both, tmp_path_factory):
     from workbench.titan.model import build_titan_model
 
     out, policy = both["train"]
-    titan = build_titan_model(load_pretrained(policy).config, "cpu", torch.float32, seed=None)
-    load(latest_checkpoint(Path(f"{out}.train")), titan)
-    tp = (pd.read_csv(f"{out}.train/metrics.csv"), {k: v.detach() for k, v in titan.named_parameters()},
-          [torch.load(f"{out}.update.{r}") for r in range(2)])
+
+    def masters(run: str) -> dict[str, torch.Tensor]:   # the DCP checkpoint's, whole
+        titan = build_titan_model(load_pretrained(policy).config, "cpu", torch.float32, seed=None)
+        load(latest_checkpoint(Path(run)), titan)
+        return {k: v.detach() for k, v in titan.named_parameters()}
+
+    tp = (pd.read_csv(f"{out}.train/metrics.csv"), masters(f"{out}.train"),
+          [torch.load(f"{out}.update.{r}") for r in range(2)], masters(f"{out}.resumed"))
     folder = tmp_path_factory.mktemp("one")
     one = (train(_train_cfg(policy, str(folder))), load_file(latest_checkpoint(folder) / "masters.safetensors"),
            _one_update(policy))
@@ -347,8 +354,9 @@ def test_train_at_tensor_parallel_2_holds_parity_and_the_one_process_weights_up_
     final masters differ from the one-process run's by the gradients' last bits through AdamW: each step moves a
     weight by about lr whatever the gradient's size, so a near-zero gradient component whose sign differs puts the
     runs up to 2 lr apart per step (measured on the session's self-trained policy, 2 steps at lr 3e-3: 99% of the
-    elements differ, by 6.9e-6 on average and up to 4.7e-3, 1.6 lr, where the weights moved by up to 5.0e-3)."""
-    (tp_metrics, tp_masters, _), (one_metrics, one_masters, _) = trained
+    elements differ, by 6.9e-6 on average and up to 4.7e-3, 1.6 lr, where the weights moved by up to 5.0e-3). Stopped
+    after step 1 and resumed from its DCP checkpoint (the sharded masters and AdamW state), the same bits."""
+    (tp_metrics, tp_masters, _, resumed), (one_metrics, one_masters, _) = trained
     tp_t, one_t = (m.pivot(index="step", columns="metric", values="value") for m in (tp_metrics, one_metrics))
     assert list(tp_t.index) == [1, 2] and (tp_t["parity_tokens_differing"] == 0).all(), tp_t
     for m in ("loss", "response_length", "parity_max_abs_diff"):
@@ -356,6 +364,7 @@ def test_train_at_tensor_parallel_2_holds_parity_and_the_one_process_weights_up_
     assert tp_masters.keys() == one_masters.keys()
     diff = max(float((tp_masters[k] - one_masters[k]).abs().max()) for k in one_masters)
     assert 0 < diff <= 2 * TRAIN["lr"] * TRAIN["steps"], diff
+    assert same_bits(resumed, tp_masters), "stopped after step 1 and resumed (DCP): not the uninterrupted run"
 
 
 def _dp_tp_worker(policy: str, out: str) -> None:
@@ -401,7 +410,7 @@ def test_a_tp_update_is_the_one_process_one_up_to_the_ranks_sum(trained):
     for bit), the gradient norm to 7e-4 (220.746 vs 220.899) and the weight-change metrics (each replicated weight
     counted once) to 2.5e-4 (the embedding's; the others 1e-5 to 4e-5); the generator after the step within 2 lr and
     a bf16 rounding of the one-process one (measured 4.8e-3)."""
-    (_, _, ranks), (_, _, (grads, metrics, model)) = trained
+    (_, _, ranks, _), (_, _, (grads, metrics, model)) = trained
     (g0, m0, model0), (g1, _, model1) = (r["update"] for r in ranks)
     assert same_bits(g0, g1) and same_bits(model0, model1)
     rel = {k: float((g0[k] - grads[k]).abs().max() / grads[k].abs().max()) for k in grads}
@@ -420,7 +429,7 @@ def test_tensor_parallel_errors_are_one_line(trained, tmp_path):
     from workbench.rl.config import TrainConfig
     from workbench.rl.trainer import train
 
-    (_, _, ranks), _ = trained
+    (_, _, ranks, _), _ = trained
     apart, world, heads = ranks[0]["errors"]
     assert ranks[1]["errors"][0] == apart
     assert apart.startswith("step 1: the ranks of a tensor-parallel group sampled different rollouts (ranks [1] of "
