@@ -137,7 +137,7 @@ class TrainConfig:
     """The update's forward, backward and optimizer step: 'workbench' (its own) or 'torchtitan' (torchtitan's model,
     optimizer and LR-scheduler builders and FSDP2 recipe, on the workbench's kernels: workbench/rl/titan_backend.py)."""
     tensor_parallel: int = 1
-    """Under torchrun with trainer_backend='torchtitan': ranks that split each trainer's products (world = dp x this)."""
+    """Under torchrun, trainer_backend='torchtitan': ranks that split each trainer's products (world = dp x this)."""
     checkpoint_every: int = 5
     """Write a resumable checkpoint every this many steps (and at the end)."""
     resume: bool = False

@@ -231,7 +231,8 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
                 bar.set_postfix(reward=f"{reward:.3f}", differing=differing)
                 bar.update(1)
                 # One decision for every rank, or the ranks that go on would wait for the others forever.
-                out_of_time = bool(cfg.time_limit_s) and run.trainers.any(time.perf_counter() - start > cfg.time_limit_s)
+                late = time.perf_counter() - start > cfg.time_limit_s
+                out_of_time = bool(cfg.time_limit_s) and run.trainers.any(late)
                 if step % cfg.checkpoint_every == 0 or step == cfg.steps or out_of_time:
                     run.checkpoint(step)
                 run.log.write()   # metrics.csv current after every step, also when the process is killed
