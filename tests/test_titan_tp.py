@@ -2,7 +2,10 @@
 tiny Qwen3 and Llama shapes): the training forward's log-probs are the one-process model's and the generator's bit
 for bit, before and after AdamW steps; the gradients are the one-process ones up to the ranks' sum of partial dx
 (measured); torchtitan's own RowwiseParallel wo/w2 is the negative control; a degree that does not split the heads
-is one line."""
+is one line. And `train` at tensor_parallel=2 (trainer_backend='torchtitan', the session's self-trained policy): 0
+differing tokens every step, the one-process run's weights up to the gradients' last bits (measured), a bitwise
+resume, dp x tp on 4 ranks, the one-line errors. One spawn of 2 processes runs every 2-rank check (the process start
+and imports are most of a tiny run), which is why this file is longer than the others."""
 
 from __future__ import annotations
 
