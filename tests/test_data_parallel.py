@@ -82,6 +82,7 @@ def _all_reduce_grads_in_buckets(rank: int) -> None:
 def _trainer_worker(policy: str, root: str) -> None:
     from pathlib import Path
 
+    from workbench.rl import step as step_module
     from workbench.rl import trainer
     from workbench.rl.weights import TrainWeights
 
@@ -127,13 +128,13 @@ def _trainer_worker(policy: str, root: str) -> None:
         TrainWeights.step = step
 
     # A loss that is not finite on rank 1 alone stops both ranks with the same error (none waits for the other).
-    losses = trainer.get_loss("grpo")
+    losses = step_module.get_loss("grpo")
 
     def nan_on_rank_1(*args):
         loss, stats = losses.fn(*args)
         return loss * (float("nan") if d.rank == 1 else 1.0), stats
 
-    trainer.get_loss = lambda name: dataclasses.replace(losses, fn=nan_on_rank_1)
+    step_module.get_loss = lambda name: dataclasses.replace(losses, fn=nan_on_rank_1)
     with pytest.raises(FloatingPointError, match="step 1: the loss is nan"):
         trainer.train(_dp_cfg(policy, out / "e"))
     assert writes == [], f"rank {d.rank} wrote {writes[:3]}"
@@ -189,7 +190,7 @@ def _grad_recorder(path):
 def _invariant_worker(policy: str, root: str) -> None:
     from pathlib import Path
 
-    from workbench.rl import trainer
+    from workbench.rl import step, trainer
     from workbench.rl.trainer import train
     from workbench.rl.weights import TrainWeights
 
@@ -198,13 +199,13 @@ def _invariant_worker(policy: str, root: str) -> None:
     train(_dp_cfg(policy, Path(root) / "two", kernel_mode="invariant", steps=1))
 
     # Rank 1's trainer log-probs off by 1e-3: the parity check is over every rank's tokens, so both ranks stop.
-    score = trainer.score
+    score = step.score
 
     def off_on_rank_1(model, batch, *args, **kw):
         logp, entropy = score(model, batch, *args, **kw)
         return logp + 1e-3 * batch.mask * d.rank, entropy
 
-    trainer.score = off_on_rank_1
+    step.score = off_on_rank_1
     with pytest.raises(trainer.ParityError, match=r"step 1: generator and trainer log-probs differ on \d+ of "):
         train(_dp_cfg(policy, Path(root) / "broken", kernel_mode="invariant", steps=1))
 

@@ -99,9 +99,9 @@ def test_tensorboard_gets_the_same_numbers(policy, tmp_path):
 
 
 def test_a_nan_loss_stops_and_keeps_the_last_good_checkpoint(policy, tmp_path, monkeypatch):
-    from workbench.rl import trainer
+    from workbench.rl import step
 
-    real = trainer.get_loss("grpo")
+    real = step.get_loss("grpo")
     calls = []
 
     def nan_from_step_2(logp, *args):
@@ -112,7 +112,7 @@ def test_a_nan_loss_stops_and_keeps_the_last_good_checkpoint(policy, tmp_path, m
     def poisoned(name):
         return dataclasses.replace(real, fn=nan_from_step_2)
 
-    monkeypatch.setattr(trainer, "get_loss", poisoned)
+    monkeypatch.setattr(step, "get_loss", poisoned)
     with pytest.raises(FloatingPointError, match=r"step 2: the loss is nan; the last good checkpoint \(step 1\)"):
         train(_cfg(policy, tmp_path))
     written = pd.read_csv(tmp_path / "metrics.csv")

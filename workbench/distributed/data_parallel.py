@@ -21,7 +21,9 @@ At world size 1 (no torchrun) every method returns its input or runs its functio
 exactly what it computed before this module existed. The weights are duck-typed (`workbench.rl.weights.
 TrainWeights`: `model`, `masters`, `has_masters`, `sharded`, `params`, `grad_buffer`): this module imports nothing from
 `workbench.rl` (which imports it). With FSDP2 (`weights.sharded`, `fsdp.py`) the masters are each rank's own shards:
-the replica check then covers the gathered bf16 model alone, and the gradient sum is FSDP2's reduce-scatter. See
+the replica check then covers the gathered bf16 model alone, and the gradient sum is FSDP2's reduce-scatter. With
+tensor parallelism (`tensor_parallel`) the ranks of one group hold parts of one model and train on the same rows:
+the data-parallel group is then the ranks that hold the same part, one of each tensor-parallel group. See
 docs/distributed.md.
 """
 
@@ -33,6 +35,8 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from .broadcast import digest, named_weights
 from .launch import Dist, init
@@ -248,9 +252,29 @@ def _replicated(weights) -> list[tuple[str, torch.Tensor]]:
     """What must be equal on every rank: the bf16 model's tensors, then the masters (when they are not the model's
     own parameters, nor FSDP2's shards), by name."""
     named = named_weights(weights.model)
-    if weights.has_masters and weights.sharded is None:
-        named += [(f"master {k}", weights.masters[k].detach()) for k in sorted(weights.masters)]
+    if weights.has_masters and weights.sharded is None:   # tensor parallel: this rank's parts, as its dp peers'
+        named += [(f"master {k}", _local(weights.masters[k]).detach()) for k in sorted(weights.masters)]
     return named
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def tensor_parallel(world: DataParallel, degree: int) -> tuple[DataParallel, DeviceMesh]:
+    """The `world = dp x degree` ranks as a (dp, tp) mesh in torchtitan's order (a tensor-parallel group is `degree`
+    consecutive ranks): this rank's data-parallel group (the ranks holding its part of the weights) and its
+    tensor-parallel mesh (1-D: the ranks that share its rows)."""
+    if not world.process.distributed:
+        raise ValueError(f"tensor_parallel={degree} splits the model over torchrun's processes: launch with torchrun "
+                         f"--nproc-per-node {degree} (or a multiple), or set tensor_parallel=1")
+    if world.world_size % degree:
+        raise ValueError(f"tensor_parallel={degree} does not divide the {world.world_size} trainer processes: start "
+                         f"a multiple of {degree} processes, or set tensor_parallel to a divisor of "
+                         f"{world.world_size}")
+    mesh = init_device_mesh(world.process.device.type, (world.world_size // degree, degree),
+                            mesh_dim_names=("dp", "tp"))
+    return DataParallel(world.process, mesh["dp"].get_group()), mesh["tp"]
 
 
 def _buckets(tensors: list[torch.Tensor], elements: int) -> list[list[torch.Tensor]]:

@@ -15,11 +15,12 @@ fsynced; only then are older ones pruned (the newest `KEEP` stay). A run resumes
 so a kill before the rename leaves the previous checkpoint, and one after it the new one. The layout of earlier
 versions (`checkpoint/`, and `.checkpoint-old` left by a kill between its two renames) still resumes.
 
-With FSDP2 (`parallel='fsdp2'`) every trainer rank writes its own shards of the masters and of AdamW's state
-through `workbench.distributed.checkpoint` (torch.distributed.checkpoint, DCP) into the same `checkpoints/step-N`
-folders, atomic the same way; rank 0 adds metrics.csv and the lagged generator's weights, and the run's fields
-(config, generator_version) sit in its state.json's `extra`. It resumes with `parallel='fsdp2'` at any world size
-(DCP reshards; bitwise at the same world size).
+With FSDP2 (`parallel='fsdp2'`) or tensor parallelism (`tensor_parallel`, `TrainWeights.dcp`) every trainer rank
+writes its own shards of the masters and of AdamW's state through `workbench.distributed.checkpoint`
+(torch.distributed.checkpoint, DCP) into the same `checkpoints/step-N` folders, atomic the same way; rank 0 adds
+metrics.csv and the lagged generator's weights, and the run's fields (config, generator_version) sit in its
+state.json's `extra`. It resumes with the same settings at any world size (DCP reshards; bitwise at the same world
+size).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..distributed import fsdp
 from ..distributed.checkpoint import load as load_sharded
 from ..distributed.checkpoint import save as save_sharded
 from ..env import placed
@@ -118,14 +118,16 @@ def save_checkpoint(out: Path, step: int, weights: TrainWeights, metrics: pd.Dat
 
 def save_sharded_checkpoint(out: Path, step: int, weights: TrainWeights, metrics: pd.DataFrame, cfg: TrainConfig,
                             lagged: list[tuple[int, dict]] | None) -> Path:
-    """FSDP2: every trainer rank calls it; each writes its shards (DCP), rank 0 the metrics and lagged weights."""
+    """FSDP2 or tensor parallel (`weights.dcp`): every trainer rank calls it; each writes its shards (DCP), rank 0
+    the metrics and lagged weights."""
     def files(folder: Path) -> None:
         metrics.to_csv(folder / "metrics.csv", index=False)
         _save_lagged(folder, lagged)
 
     extra = {"config": asdict(cfg), **_lagged_state(lagged)}
-    return save_sharded(out / "checkpoints", step, weights.sharded, weights.opt, version=step, extra=extra, keep=KEEP,
-                        group=fsdp.group(weights.sharded), files=files)
+    module, group = weights.dcp
+    return save_sharded(out / "checkpoints", step, module, weights.opt, version=step, extra=extra, keep=KEEP,
+                        group=group, files=files)
 
 
 def _save(root: Path, out: Path, step: int, weights: TrainWeights, metrics: pd.DataFrame, cfg: TrainConfig,
@@ -204,8 +206,9 @@ def load_checkpoint(out: Path, weights: TrainWeights, cfg: TrainConfig, device: 
     if weights.lora is not None and state.get("base_checksum") != weights.base_checksum():
         raise ValueError(f"resume: the frozen base differs from the one {ck} trained its adapters on; resume from "
                          "the same starting policy (policy=...), or start a new out_dir")
-    if weights.sharded is not None:   # the same config: an FSDP2 checkpoint (DCP reshards to this world size)
-        load_sharded(ck, weights.sharded, weights.opt, group=fsdp.group(weights.sharded))
+    if weights.dcp is not None:   # the same config: a DCP checkpoint (DCP reshards to this world size)
+        module, group = weights.dcp
+        load_sharded(ck, module, weights.opt, group=group)
         weights.sync_model()
     else:
         _load_whole(ck, older, state, weights)

@@ -136,6 +136,8 @@ class TrainConfig:
     trainer_backend: str = "workbench"
     """The update's forward, backward and optimizer step: 'workbench' (its own) or 'torchtitan' (torchtitan's model,
     optimizer and LR-scheduler builders and FSDP2 recipe, on the workbench's kernels: workbench/rl/titan_backend.py)."""
+    tensor_parallel: int = 1
+    """Under torchrun, trainer_backend='torchtitan': ranks that split each trainer's products (world = dp x this)."""
     checkpoint_every: int = 5
     """Write a resumable checkpoint every this many steps (and at the end)."""
     resume: bool = False
@@ -254,6 +256,22 @@ class TrainConfig:
         if self.trainer_backend == "torchtitan" and self.adapter != "none":
             raise ValueError(f"trainer_backend='torchtitan' trains every weight (torchtitan has no adapters); "
                              f"adapter={self.adapter!r} needs trainer_backend='workbench', or set adapter='none'")
+        if not isinstance(self.tensor_parallel, int) or isinstance(self.tensor_parallel, bool) or \
+                self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be an integer >= 1 (1: none), got {self.tensor_parallel!r}")
+        if self.tensor_parallel > 1:
+            tp = f"tensor_parallel={self.tensor_parallel}"
+            if self.trainer_backend != "torchtitan":
+                raise ValueError(f"{tp} shards torchtitan's model: set trainer_backend='torchtitan', or "
+                                 "tensor_parallel=1")
+            clashes = {"parallel": ("replicate", self.parallel), "master_dtype": ("float32", self.master_dtype),
+                       "rollout_ranks": (0, self.rollout_ranks), "generator": ("embedded", self.generator)}
+            bad = [f"{k}={now!r}" for k, (ok, now) in clashes.items() if now != ok]
+            if bad:
+                raise ValueError(f"{tp} is not supported with {', '.join(bad)} (tensor parallelism shards fp32 "
+                                 "masters replicated over the data-parallel groups, every rank generating): set "
+                                 "parallel='replicate', master_dtype='float32', rollout_ranks=0, "
+                                 "generator='embedded', or tensor_parallel=1")
         if self.generator not in ("embedded", "vllm"):
             raise ValueError(f"generator must be 'embedded' or 'vllm', got {self.generator!r}")
         if self.generator == "vllm" and self.sync == "shared":

@@ -13,7 +13,14 @@ workbench's; what the update runs is torchtitan's:
   without max_grad_norm it runs with max_norm inf (scale 1.0: no bit changes) for the norm the metrics log;
 - FSDP2 (`parallel='fsdp2'`): torchtitan's recipe (`fully_shard` per TransformerBlock, bf16 params and fp32
   reduce, its `disable_fsdp_gradient_division`) over the trainer ranks' group; see `shard` for the two places it
-  departs from `parallelize_qwen3` and why.
+  departs from `parallelize_qwen3` and why;
+- tensor parallelism (`tensor_parallel`, `tp_mesh`): `titan.tp.apply_tp` (every product column-parallel, so the
+  forward keeps the generator's bits) on the bf16 compute model and on the fp32 masters, whose DTensors torchtitan's
+  AdamW and `clip_grad_norm_` step; each master's fp32 gradient is its rank's part of the flat buffer as a DTensor
+  (the kernels add dW into it as on one process); the compute model has its own memory (the generator stays whole
+  on each rank) and `sync_model` all-gathers its bf16 shards into the generator. The gradients differ from one
+  process's in their last bits (the ranks' partial input gradients are summed: titan/tp.py); the forward, and so
+  the parity check, does not.
 
 Precision (how torchtitan's mixed precision maps): torchtitan keeps fp32 parameters and computes in bf16 through
 FSDP2's `MixedPrecisionPolicy` (or autocast on one device). Here master_dtype 'float32' is that: the fp32 titan model
@@ -50,6 +57,7 @@ from ..distributed import fsdp
 from ..models import CausalLM, build, copy_weights
 from ..models.checkpoint import titan_to_hf
 from ..titan.model import build_titan_model, titan_args
+from ..titan.tp import apply_tp, check_tp
 from ..titan.weights import from_titan, to_titan
 from .config import TrainConfig
 from .metrics import layer_group
@@ -141,23 +149,31 @@ class TitanWeights(TrainWeights):
     """TrainWeights on torchtitan's model, optimizer, LR scheduler, clipping and FSDP2 recipe (module docstring).
     `masters` are keyed by torchtitan's names and hold its layouts (Llama 3's interleaved q/k rows)."""
 
-    def __init__(self, start: CausalLM, cfg: TrainConfig, device: str, shard_group: dist.ProcessGroup | None = None):
-        """`start`: the starting policy (fp32 with master_dtype='float32'); `shard_group`: the FSDP2 trainer ranks."""
+    def __init__(self, start: CausalLM, cfg: TrainConfig, device: str, shard_group: dist.ProcessGroup | None = None,
+                 tp_mesh: DeviceMesh | None = None):
+        """`start`: the starting policy (fp32 with master_dtype='float32'); `shard_group`: the FSDP2 trainer ranks;
+        `tp_mesh`: the 1-D mesh of this rank's tensor-parallel group (`tensor_parallel`)."""
         (build_lr_schedulers, build_optimizers, LRScheduler, Optimizer, ParallelDims, self._clip_grad_norm,
          _) = _titan()
         if cfg.adapter != "none":
             raise ValueError("trainer_backend='torchtitan' trains every weight: set adapter='none'")
-        if shard_group is not None and cfg.master_dtype != "float32":
-            raise ValueError("FSDP2 shards the fp32 masters: master_dtype='float32'")
+        if (shard_group is not None or tp_mesh is not None) and cfg.master_dtype != "float32":
+            raise ValueError("FSDP2 and tensor parallelism shard the fp32 masters: master_dtype='float32'")
+        if shard_group is not None and tp_mesh is not None:
+            raise ValueError("tensor_parallel > 1 with parallel='fsdp2' is not supported: use parallel='replicate'")
         self.max_grad_norm = cfg.max_grad_norm
         self.has_masters = cfg.master_dtype == "float32"
         self.lora = None
         self._base_checksum = None
         self.grad_buffer = None
         self.sharded = None
+        self.dcp = None
         self._bf16: list[torch.Tensor] = []
         mc = start.config
         titan_args(mc)   # first: a one-line error where torchtitan 0.2.2 has no model for this config
+        self.tp = tp_mesh
+        if tp_mesh is not None:
+            check_tp(mc, tp_mesh.size())
         # The generator's bf16 model, and the same weights under torchtitan's names and layouts on its memory (a
         # weight whose layout differs, Llama 3's q/k, has its own: `_apart`, copied over after each step).
         self.model = start if start.lm_head_weight.dtype == torch.bfloat16 else \
@@ -166,18 +182,27 @@ class TitanWeights(TrainWeights):
             copy_weights({k: v.detach() for k, v in start.state_dict().items()}, self.model)
         own = {id(p) for p in self.model.parameters()}
         generator = to_titan(dict(self.model.named_parameters()), mc)
-        self._view = share_memory(build_titan_model(mc, device, seed=None), generator)
-        self._apart = sorted(k for k, _ in self._view.named_parameters() if id(generator[k]) not in own)
+        if tp_mesh is None:
+            self._view = share_memory(build_titan_model(mc, device, seed=None), generator)
+            self._apart = sorted(k for k, _ in self._view.named_parameters() if id(generator[k]) not in own)
+        else:   # the bf16 compute model sharded (its own memory: the generator stays whole), every weight apart
+            self._view = apply_tp(share_memory(build_titan_model(mc, device, seed=None),
+                                               {k: v.detach().clone() for k, v in generator.items()}), tp_mesh)
+            self._apart = sorted(k for k, _ in self._view.named_parameters())
         # The parameters the optimizer steps, in a titan model for torchtitan's builders (which take modules): fp32
         # on the start's own tensors (no second copy), sharded by FSDP2, or the bf16 view itself.
         if self.has_masters:
             fp32 = to_titan({k: v.detach().float() for k, v in start.state_dict().items()}, mc)
             master_module = share_memory(build_titan_model(mc, device, torch.float32, seed=None), fp32)
             del fp32
+            if tp_mesh is not None:
+                master_module = apply_tp(master_module, tp_mesh)
+                self.dcp = (master_module, dist.group.WORLD)
         else:
             master_module = self._view
         if shard_group is not None:
             self.sharded = shard(master_module, shard_group)
+            self.dcp = (self.sharded, shard_group)
         self.titan = self.sharded if self.sharded is not None else self._view
         named = dict(master_module.named_parameters())
         self.masters = {k: named[k] for k in workbench_order(named)}
@@ -188,7 +213,8 @@ class TitanWeights(TrainWeights):
         for k, hf in zip(self.masters, sorted(titan_to_hf({k: k for k in self.masters}))):
             self.groups.setdefault(layer_group(hf), []).append(self.masters[k])
         world = 1 if shard_group is None else dist.get_world_size(shard_group)
-        dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world)
+        tp = 1 if tp_mesh is None else tp_mesh.size()
+        dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=world * tp)
         self.optimizers = build_optimizers(
             [master_module], Optimizer(name="AdamW", lr=cfg.lr, beta1=ADAMW_BETAS[0], beta2=ADAMW_BETAS[1],
                                        eps=ADAMW_EPS, weight_decay=cfg.weight_decay, implementation="fused"), dims)
@@ -201,14 +227,29 @@ class TitanWeights(TrainWeights):
 
     @property
     def module(self):
-        """What the update's forward and backward run: the titan model (bf16), or the FSDP2 titan module."""
+        """What the update's forward and backward run: the titan model (bf16; tensor parallel: sharded), or the
+        FSDP2 titan module."""
         return self.titan
 
     @property
     def scorer(self):
-        """The parity check's trainer forward: the titan model; with FSDP2 the generator's bf16 model (a sharded
-        forward is a collective, and each rank scores its own rows)."""
+        """The parity check's trainer forward: the titan model (tensor parallel: the sharded one, a collective of
+        the group, whose ranks hold the same rows); with FSDP2 the generator's bf16 model (a sharded forward is a
+        collective, and each rank scores its own rows)."""
         return self.titan if self.sharded is None else self.model
+
+    def _counted(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        # Tensor parallel: each rank's shards, and a replicated weight on the group's first rank only (the sums of
+        # squares are then the whole weights' once summed over the group).
+        if self.tp is None:
+            return super()._counted(params)
+        first = self.tp.get_local_rank() == 0
+        return [p.to_local() if first or p.placements[0].is_shard() else p.to_local()[:0] for p in params]
+
+    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:
+            dist.all_reduce(t, group=self.tp.get_group())
+        return super()._sum_over_ranks(t)
 
     def _clip(self, grads: list[torch.Tensor]) -> torch.Tensor:
         # torchtitan's clip over the masters in the workbench's order (the norm of the per-tensor norms is a sum
@@ -231,7 +272,9 @@ class TitanWeights(TrainWeights):
             fsdp.check_gathered(self.sharded, self._view)
         elif self.has_masters:
             for k, m in self.masters.items():
-                view[k].copy_(m)
+                view[k].copy_(m)   # tensor parallel: each rank's part
+        # Tensor parallel: the bf16 shards all-gathered over the group (the cast and the gather commute).
+        apart = {k: view[k].full_tensor() if self.tp is not None else view[k] for k in self._apart}
         target = dict(self.model.named_parameters())
-        for k, t in from_titan({k: view[k] for k in self._apart}, self.model.config).items():
+        for k, t in from_titan(apart, self.model.config).items():
             target[k].copy_(t)

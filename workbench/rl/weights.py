@@ -57,10 +57,14 @@ class TrainWeights:
         """During an update with masters: every master's fp32 gradient, one flat buffer (None otherwise)."""
         self.sharded = None
         """FSDP2: the sharded fp32 module, its DTensor parameters the masters (None: every tensor whole here)."""
+        self.dcp: tuple[torch.nn.Module, dist.ProcessGroup] | None = None
+        """The module whose DTensor masters every rank checkpoints its part of (DCP), and those ranks; None: rank 0
+        writes the whole tensors."""
         if shard_group is not None:
             if not self.has_masters or lora is not None:
                 raise ValueError("FSDP2 shards the fp32 masters of full fine-tuning: master_dtype='float32', no LoRA")
             self.sharded = fsdp.shard(start, shard_group)
+            self.dcp = (self.sharded, shard_group)
             self.masters = dict(self.sharded.named_parameters())
             self.model = build(start.config, device=device, dtype=torch.bfloat16, seed=None).requires_grad_(False)
         elif self.has_masters and lora is None:
@@ -142,15 +146,15 @@ class TrainWeights:
             p.grad = None
         with torch.no_grad():
             for g, params in self.groups.items():
-                before = [_local(p).detach().to(torch.float32, copy=True) for p in params]
+                before = [t.detach().to(torch.float32, copy=True) for t in self._counted(params)]
                 for p in params:
                     p.grad = grads[p]
                 self.opt.step()
                 for p in params:
                     p.grad = None
                 sq_before[g] = torch.nn.utils.get_total_norm(before, norm_type=2.0).double().square()
-                for b, p in zip(before, params):
-                    b.sub_(_local(p))
+                for b, t in zip(before, self._counted(params)):
+                    b.sub_(t)
                 sq_delta[g] = torch.nn.utils.get_total_norm(before, norm_type=2.0).double().square()
                 del before
         names = list(sq_delta)
@@ -186,12 +190,16 @@ class TrainWeights:
             for p in self.params:
                 p.grad = None
             return
-        sizes = [-(-m.numel() // _GRAD_ALIGN) * _GRAD_ALIGN for m in self.masters.values()]
+        sizes = [-(-_local(m).numel() // _GRAD_ALIGN) * _GRAD_ALIGN for m in self.masters.values()]
         device = self.params[0].device
         self.grad_buffer = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
         offset = 0
         for m, p, size in zip(self.masters.values(), self._bf16, sizes):
-            m.grad = self.grad_buffer[offset: offset + m.numel()].view_as(m)
+            local = self.grad_buffer[offset: offset + _local(m).numel()].view_as(_local(m))
+            # A tensor-parallel master's gradient: this rank's part in the buffer, laid out as the master.
+            m.grad = local if not isinstance(m, DTensor) else \
+                DTensor.from_local(local, m.device_mesh, m.placements, run_check=False, shape=m.shape,
+                                   stride=m.stride())
             p.main_grad = m.grad
             offset += size
 
@@ -203,6 +211,11 @@ class TrainWeights:
         self.grad_buffer = None
         if self.sharded is not None:
             fsdp.release(self.sharded)
+
+    def _counted(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors of `params` this rank counts in the weight-change metrics (summed over the ranks by
+        `_sum_over_ranks`): FSDP2's local shards, or the tensors themselves."""
+        return [_local(p) for p in params]
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         """FSDP2: t (sums over this rank's shards) summed over the ranks; else t itself."""
