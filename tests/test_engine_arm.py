@@ -3,7 +3,6 @@ same standard kernels on both sides (`off-shapes`) can agree; and the sequence l
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest

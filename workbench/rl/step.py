@@ -35,7 +35,7 @@ from .rollout import RolloutBatch
 from .update import UpdateInputs, update
 
 if TYPE_CHECKING:
-    from .trainer import Run
+    from .run import Run
 
 
 class ParityError(RuntimeError):
