@@ -123,7 +123,12 @@ def plan(gpus: int, prompts: int, rollouts: list[int]) -> list[Run]:
         runs += [Run(f"split-{r}r{gpus - r}t-{kind}", gpus, n, rollout_ranks=r, policy_lag=lag)
                  for kind, lag in (("sync", 0), ("async", 1))]
     batches = sorted({run.prompts for run in runs if run.gpus > 1}, reverse=True)
-    return runs + [Run(f"parity-{n}", 1, n, parity=True) for n in batches]
+    return runs + [parity_run(n) for n in batches]
+
+
+def parity_run(prompts: int) -> Run:
+    """The one-GPU, one-step reference of the N-GPU runs of `prompts` prompts a step."""
+    return Run(f"parity-{prompts}", 1, prompts, parity=True)
 
 
 def _broadcast_worker(shape: str, device: str, reps: int, result: str) -> None:
@@ -266,13 +271,13 @@ def rl_table(runs: list[Run], args) -> list[str]:
             busy = f"{rollout:.0%} / {trainer:.0%}"
         same = ""
         if run.gpus > 1:
-            same = _same_step1(cfg, _folder(Run(f"parity-{run.prompts}", 1, run.prompts, parity=True), args))
+            same = _same_step1(cfg, _folder(parity_run(run.prompts), args))
         rows[run.name] = (run, tokens, step_s, parts, int(m["parity_tokens_differing"].sum()), busy, same)
     out = ["", f"### RL steps, {args.shape} (random weights), invariant, {args.group} completions x "
            f"{args.new_tokens} new tokens, {args.prompts} prompts per GPU, medians of steps "
            f"{args.warmup + 1}..{args.steps} (before: compilation, autotuning)", "",
-           "| run | GPUs | prompts/step | sampled tokens/s | step s | generate s | score + update s | x `one` tokens/s | "
-           "tokens differing | busy (rollout / trainer) | step 1 log-probs = 1 GPU's |",
+           "| run | GPUs | prompts/step | sampled tokens/s | step s | generate s | score + update s | "
+           "x `one` tokens/s | tokens differing | busy (rollout / trainer) | step 1 log-probs = 1 GPU's |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     base = rows.get("one")
     for name, (run, tokens, step_s, (gen_s, train_s), differing, busy, same) in rows.items():
