@@ -74,27 +74,33 @@ def _train_worker(policy: str, root: str, runs: dict) -> None:
         train(_cfg(policy, Path(root) / name, **kw))
 
 
+def _match_one_process(root: Path, names, split: str) -> None:
+    """Every run of `names` has step-1 log-probs (generator and trainer) equal to the one-process run `one-lag`'s
+    generator's bits and 0 differing tokens at both steps; `split` (split roles, one trainer rank) has `one-lag`'s
+    metrics bit for bit."""
+    reference = np.load(root / "one-lag" / "step1_logprobs.npz")
+    for name in names:
+        got = np.load(root / name / "step1_logprobs.npz")
+        for side in ("generator", "trainer"):
+            assert got[side].tobytes() == reference[side].tobytes() == reference["generator"].tobytes(), (name, side)
+        metrics = pd.read_csv(root / name / "metrics.csv")
+        differing = metrics[metrics.metric == "parity_tokens_differing"].value
+        assert len(differing) == 2 and (differing == 0).all(), name
+    # Both tables read back from their CSVs with Python's float(), which is exact: pandas' default parser may be off
+    # by an ulp (0.10000000149011612 came back as 0.1000000014901161), and its float_precision is deprecated.
+    got, ref = (pd.read_csv(root / name / "metrics.csv", converters={"value": float})
+                .pivot(index="step", columns="metric", values="value") for name in (split, "one-lag"))
+    kept = [c for c in ref.columns if not c.startswith(TIMES)]
+    pd.testing.assert_frame_equal(got[kept], ref[kept], check_exact=True)
+
+
 def test_gpu_world_size_two_is_one_process_bitwise(policy, tmp_path):
     from workbench.rl.trainer import train
 
     launch.spawn(_train_worker, 2, policy, str(tmp_path), RUNS)
     one = train(_cfg(policy, tmp_path / "one"))
     train(_cfg(policy, tmp_path / "one-lag", policy_lag=1))
-    reference = np.load(tmp_path / "one" / "step1_logprobs.npz")
-    for name in RUNS:
-        got = np.load(tmp_path / name / "step1_logprobs.npz")
-        for side in ("generator", "trainer"):
-            assert got[side].tobytes() == reference[side].tobytes() == reference["generator"].tobytes(), (name, side)
-        metrics = pd.read_csv(tmp_path / name / "metrics.csv")
-        differing = metrics[metrics.metric == "parity_tokens_differing"].value
-        assert len(differing) == 2 and (differing == 0).all(), name
-    # Split roles with one trainer rank: the one-process run with the same policy lag, metrics bit for bit.
-    # Both tables read back from their CSVs with Python's float(), which is exact: pandas' default parser may be off
-    # by an ulp (0.10000000149011612 came back as 0.1000000014901161), and its float_precision is deprecated.
-    split, ref = (pd.read_csv(tmp_path / name / "metrics.csv", converters={"value": float})
-                  .pivot(index="step", columns="metric", values="value") for name in ("split", "one-lag"))
-    kept = [c for c in ref.columns if not c.startswith(TIMES)]
-    pd.testing.assert_frame_equal(split[kept], ref[kept], check_exact=True)
+    _match_one_process(tmp_path, RUNS, "split")
     # Replicated and FSDP2: the one-process update up to the gradient's summation order.
     first = one[one.step == 1].set_index("metric")["value"]
     for name in ("two", "fsdp2"):
@@ -125,16 +131,4 @@ def test_gpu_every_gpu_of_the_host_is_one_process_bitwise(policy, tmp_path):
     runs |= {f"split-{r}": {"prompts_per_step": prompts, "rollout_ranks": r, "policy_lag": 1} for r in _splits(gpus)}
     launch.spawn(_train_worker, gpus, policy, str(tmp_path), runs)
     train(_cfg(policy, tmp_path / "one-lag", prompts_per_step=prompts, policy_lag=1))
-    reference = np.load(tmp_path / "one-lag" / "step1_logprobs.npz")
-    for name in runs:
-        got = np.load(tmp_path / name / "step1_logprobs.npz")
-        for side in ("generator", "trainer"):
-            assert got[side].tobytes() == reference[side].tobytes() == reference["generator"].tobytes(), (name, side)
-        metrics = pd.read_csv(tmp_path / name / "metrics.csv")
-        differing = metrics[metrics.metric == "parity_tokens_differing"].value
-        assert len(differing) == 2 and (differing == 0).all(), name
-    split, ref = (pd.read_csv(tmp_path / name / "metrics.csv", converters={"value": float})
-                  .pivot(index="step", columns="metric", values="value") for name in (f"split-{gpus - 1}", "one-lag"))
-    kept = [c for c in ref.columns if not c.startswith(TIMES)]
-    pd.testing.assert_frame_equal(split[kept], ref[kept], check_exact=True)
-
+    _match_one_process(tmp_path, runs, f"split-{gpus - 1}")
