@@ -93,8 +93,8 @@ class Run:
 
 def rollout_counts(gpus: int) -> list[int]:
     """The rollout ranks of the split runs at N GPUs: every split up to 4 GPUs; beyond, a quarter, a half and three
-    quarters of them (each split is two runs of minutes; the measured 2-GPU halves, generate + score 3.0 s against
-    an update of 2.6 s, put the best ratio near the middle)."""
+    quarters of them (each split is two runs of minutes; at the 1.7B shape a step's two halves, generate + score
+    and update, are of one size (BENCHMARKS.md, "Several GPUs"), which puts the best ratio near the middle)."""
     if gpus <= 4:
         return list(range(1, gpus))
     return sorted({max(1, gpus // 4), gpus // 2, gpus - max(1, gpus // 4)})
@@ -234,8 +234,10 @@ def run_rl(runs: list[Run], args) -> None:
         else:
             launch.spawn(_train, run.gpus, cfg)
         for path in Path(cfg.out_dir).iterdir():
-            if path.name not in KEPT:
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.name not in KEPT:
+                path.unlink()
         print(f"{run.name}: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
@@ -321,8 +323,8 @@ def _summary(rows: dict, steady: dict, args) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", nargs="+", default=["broadcast", "rl"], choices=["broadcast", "rl"])
-    ap.add_argument("--gpus", type=int, help="GPUs of the N-GPU runs and the broadcast (default: every GPU visible; "
-                                             "with --device cpu, 2 gloo processes)")
+    ap.add_argument("--gpus", type=int, help="GPUs of the N-GPU runs and the broadcast (default: every GPU visible, "
+                                             "at least 2; with --device cpu, 2 gloo processes)")
     ap.add_argument("--rollout-ranks", type=int, nargs="+",
                     help="the split runs' rollout ranks (default: `rollout_counts`, every split up to 4 GPUs)")
     ap.add_argument("--runs", nargs="+", help="RL runs to do, by name (default: all; --plan lists them)")
@@ -346,7 +348,8 @@ def main() -> None:
     ap.add_argument("--out", help="also write the tables (markdown) to this file")
     args = ap.parse_args()
     visible = torch.cuda.device_count() if args.device == "cuda" else None
-    args.gpus = args.gpus or (visible if args.device == "cuda" else 2)
+    # At least 2, so that a host of one GPU still plans (and runs) the one-GPU runs: `--runs one` there.
+    args.gpus = args.gpus or max(2, visible or 0)
     if args.gpus < 2:
         raise SystemExit(f"--gpus {args.gpus}: the benchmark compares N >= 2 GPUs with one; pass --gpus 2 or more "
                          f"(--device cpu runs it on gloo)")
@@ -364,8 +367,9 @@ def main() -> None:
         return
     needed = max([run.gpus for run in runs if "rl" in args.parts] + [args.gpus if "broadcast" in args.parts else 1])
     if visible is not None and visible < needed:
-        raise SystemExit(f"these runs need {needed} GPUs, {visible} visible: pass --gpus {visible} (or fewer), "
-                         "or --device cpu to run them on gloo")
+        fewer = f"pass --gpus {visible}, " if visible >= 2 else "run only `one` and the parity runs (--parts rl), "
+        raise SystemExit(f"these runs need {needed} GPUs, {visible} visible: {fewer}or --device cpu to run them on "
+                         "gloo")
     lines = [header()]
     if "broadcast" in args.parts:
         lines += bench_broadcast(args)
