@@ -210,8 +210,21 @@ def _train(cfg: TrainConfig) -> None:
 
 
 def _complete(cfg: TrainConfig) -> bool:
-    path = Path(cfg.out_dir) / "metrics.csv"
-    return path.exists() and pd.read_csv(path)["step"].max() >= cfg.steps
+    """The run finished every step with these settings (a folder of other settings, e.g. another --new-tokens under
+    the same --work, is not this run)."""
+    from workbench.config import read_config_file
+
+    folder = Path(cfg.out_dir)
+    if not (folder / "metrics.csv").exists() or not (folder / "config.yaml").exists():
+        return False
+    try:
+        same = TrainConfig(**read_config_file(folder / "config.yaml", TrainConfig)) == cfg
+    except (ValueError, TypeError):   # settings this TrainConfig no longer reads: an older tree's run
+        same = False
+    if not same:
+        print(f"{cfg.variant}: {folder} holds a run of other settings; running it again", flush=True)
+        return False
+    return pd.read_csv(folder / "metrics.csv")["step"].max() >= cfg.steps
 
 
 def run_rl(runs: list[Run], args) -> None:

@@ -68,3 +68,27 @@ def test_too_few_prompts_for_a_split_says_what_to_pass(bench):
         bench.plan(5, 1, [2])
     with pytest.raises(SystemExit, match=r"--rollout-ranks 4: a split of 4 GPUs needs 1 to 3 rollout ranks"):
         bench.plan(4, 32, [4])
+
+
+def test_a_run_resumes_only_with_its_own_settings(bench, tmp_path):
+    """A --work folder keeps a finished run; the same run with another setting (here --new-tokens) under the same
+    --work is run again, not read as the old one, and so is a folder whose config.yaml this tree cannot read."""
+    import argparse
+
+    import pandas as pd
+
+    from workbench.config import write_config
+
+    args = argparse.Namespace(work=str(tmp_path), shape="tiny", steps=2, group=2, new_tokens=3, microbatch_tokens=64,
+                              device="cpu", keep_graphs=True, activation_checkpointing="none")
+    run = bench.plan(2, 1, [1])[1]
+    cfg = bench._run_config(run, args, tmp_path / "policy")
+    folder = Path(cfg.out_dir)
+    folder.mkdir(parents=True)
+    write_config(cfg, folder / "config.yaml")
+    pd.DataFrame({"step": [1, 2], "metric": ["loss"] * 2, "value": [0.0] * 2}).to_csv(folder / "metrics.csv")
+    assert bench._complete(cfg)
+    assert not bench._complete(bench._run_config(run, argparse.Namespace(**{**vars(args), "new_tokens": 4}),
+                                                 tmp_path / "policy"))
+    (folder / "config.yaml").write_text("no_such_setting: 1\n")
+    assert not bench._complete(cfg)
