@@ -324,7 +324,10 @@ def _summary(rows: dict, steady: dict, args) -> list[str]:
         for other, target in ((name.replace("-async", "-sync"), " (target <= 0.6)"),
                               ("dp", ", colocated synchronous, for reference")):
             if other in rows:
-                out.append(f"- {name} step / {other} step (same GPUs): {rows[name][2] / rows[other][2]:.2f}{target}")
+                a, b = rows[name][0].prompts, rows[other][0].prompts
+                batch = "" if a == b else f", {a} vs {b} prompts a step"
+                out.append(f"- {name} step / {other} step (same GPUs{batch}): "
+                           f"{rows[name][2] / rows[other][2]:.2f}{target}")
         over = steady[name]
         work = over["time_generate"].sum() + over["time_score"].sum()
         out.append(f"- {name}: the rollout ranks' generating and scoring overlapped with the previous update "
