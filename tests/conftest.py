@@ -46,7 +46,7 @@ LONGEST_FIRST = (
     "tests/test_lora.py::test_invariant_trainer_step",                          # 79 s
     "tests/test_real_model.py::test_real_model_triangle",                       # 73 s alone (2 layers)
     "tests/test_rl_update.py::test_activation_checkpointing_gives_the_same_gradient_bits[invariant-True]",  # 75 s
-    "tests/test_split_roles.py::test_two_fsdp2",                                # 71 s
+    "tests/test_split_roles.py::test_three_ranks",                              # 71 s + ~25 s
     "tests/test_rl_update.py::test_micro_batched",                              # 4 x 56-65 s
     "tests/test_generation.py::test_same_seed",                                 # 65 s
     "tests/test_data_parallel.py::test_world_size_two",                         # 57 s

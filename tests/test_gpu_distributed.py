@@ -1,7 +1,8 @@
-"""Issue 17 on a host with 2 GPUs, over NCCL (skipped with fewer): the weight broadcast moves the exact bits and its
-check names a corrupted rank; the trainer at world size 2 (replicated, FSDP2, split roles at policy lag 1) gives the
-one-process step-1 log-probs bit for bit, 0 differing tokens on every rank, and with split roles the one-process
-run's metrics. The same properties on CPU (gloo): tests/test_distributed.py, test_data_parallel.py,
+"""Issues 17 and 44 on a host with 2 GPUs or more, over NCCL (skipped with fewer): the weight broadcast moves the
+exact bits and its check names a corrupted rank; the trainer at world size 2 (replicated, FSDP2, split roles at
+policy lag 1), and at every GPU of a host of 3 or more (colocated, split roles in several ratios), gives the
+one-process step-1 log-probs bit for bit, 0 differing tokens on every rank, and with split roles and one trainer
+rank the one-process run's metrics. The same properties on CPU (gloo): tests/test_distributed.py, test_data_parallel.py,
 test_split_roles.py, test_fsdp.py."""
 
 from __future__ import annotations
@@ -66,34 +67,40 @@ RUNS = {"two": {}, "fsdp2": {"parallel": "fsdp2"}, "split": {"rollout_ranks": 1,
 """The world-size-2 runs: replicated, FSDP2 trainer ranks, split roles (rank 1 generates) at policy lag 1."""
 
 
-def _train_worker(policy: str, root: str) -> None:
+def _train_worker(policy: str, root: str, runs: dict) -> None:
     from workbench.rl.trainer import train
 
-    for name, kw in RUNS.items():
+    for name, kw in runs.items():
         train(_cfg(policy, Path(root) / name, **kw))
+
+
+def _match_one_process(root: Path, names, split: str) -> None:
+    """Every run of `names` has step-1 log-probs (generator and trainer) equal to the one-process run `one-lag`'s
+    generator's bits and 0 differing tokens at both steps; `split` (split roles, one trainer rank) has `one-lag`'s
+    metrics bit for bit."""
+    reference = np.load(root / "one-lag" / "step1_logprobs.npz")
+    for name in names:
+        got = np.load(root / name / "step1_logprobs.npz")
+        for side in ("generator", "trainer"):
+            assert got[side].tobytes() == reference[side].tobytes() == reference["generator"].tobytes(), (name, side)
+        metrics = pd.read_csv(root / name / "metrics.csv")
+        differing = metrics[metrics.metric == "parity_tokens_differing"].value
+        assert len(differing) == 2 and (differing == 0).all(), name
+    # Both tables read back from their CSVs with Python's float(), which is exact: pandas' default parser may be off
+    # by an ulp (0.10000000149011612 came back as 0.1000000014901161), and its float_precision is deprecated.
+    got, ref = (pd.read_csv(root / name / "metrics.csv", converters={"value": float})
+                .pivot(index="step", columns="metric", values="value") for name in (split, "one-lag"))
+    kept = [c for c in ref.columns if not c.startswith(TIMES)]
+    pd.testing.assert_frame_equal(got[kept], ref[kept], check_exact=True)
 
 
 def test_gpu_world_size_two_is_one_process_bitwise(policy, tmp_path):
     from workbench.rl.trainer import train
 
-    launch.spawn(_train_worker, 2, policy, str(tmp_path))
+    launch.spawn(_train_worker, 2, policy, str(tmp_path), RUNS)
     one = train(_cfg(policy, tmp_path / "one"))
     train(_cfg(policy, tmp_path / "one-lag", policy_lag=1))
-    reference = np.load(tmp_path / "one" / "step1_logprobs.npz")
-    for name in RUNS:
-        got = np.load(tmp_path / name / "step1_logprobs.npz")
-        for side in ("generator", "trainer"):
-            assert got[side].tobytes() == reference[side].tobytes() == reference["generator"].tobytes(), (name, side)
-        metrics = pd.read_csv(tmp_path / name / "metrics.csv")
-        differing = metrics[metrics.metric == "parity_tokens_differing"].value
-        assert len(differing) == 2 and (differing == 0).all(), name
-    # Split roles with one trainer rank: the one-process run with the same policy lag, metrics bit for bit.
-    # Both tables read back from their CSVs with Python's float(), which is exact: pandas' default parser may be off
-    # by an ulp (0.10000000149011612 came back as 0.1000000014901161), and its float_precision is deprecated.
-    split, ref = (pd.read_csv(tmp_path / name / "metrics.csv", converters={"value": float})
-                  .pivot(index="step", columns="metric", values="value") for name in ("split", "one-lag"))
-    kept = [c for c in ref.columns if not c.startswith(TIMES)]
-    pd.testing.assert_frame_equal(split[kept], ref[kept], check_exact=True)
+    _match_one_process(tmp_path, RUNS, "split")
     # Replicated and FSDP2: the one-process update up to the gradient's summation order.
     first = one[one.step == 1].set_index("metric")["value"]
     for name in ("two", "fsdp2"):
@@ -101,3 +108,27 @@ def test_gpu_world_size_two_is_one_process_bitwise(policy, tmp_path):
         got = got[got.step == 1].set_index("metric")["value"]
         for m in ("loss", "grad_norm", "weight_delta_l2"):
             assert got[m] == pytest.approx(first[m], rel=1e-4, abs=1e-6), (name, m)
+
+
+def _splits(gpus: int) -> list[int]:
+    """Rollout ranks of the every-GPU test's split runs: one, half, and all but one trainer rank."""
+    return sorted({1, gpus // 2, gpus - 1})
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 GPUs or more")
+def test_gpu_every_gpu_of_the_host_is_one_process_bitwise(policy, tmp_path):
+    """Issue 44 at N = every GPU of the host (3 or more): colocated over N, and split roles with 1, N/2 and N - 1
+    rollout ranks at policy lag 1 (several receivers of each weight broadcast, several trainer ranks), on a step
+    every side shares evenly. Step 1's log-probs are the one-process run's bits, 0 tokens differ on every step, and
+    with a single trainer rank the metrics are the one-process run's bit for bit."""
+    import math
+
+    from workbench.rl.trainer import train
+
+    gpus = torch.cuda.device_count()
+    prompts = math.lcm(gpus, *(n for r in _splits(gpus) for n in (r, gpus - r)))
+    runs = {"dp": {"prompts_per_step": prompts}}
+    runs |= {f"split-{r}": {"prompts_per_step": prompts, "rollout_ranks": r, "policy_lag": 1} for r in _splits(gpus)}
+    launch.spawn(_train_worker, gpus, policy, str(tmp_path), runs)
+    train(_cfg(policy, tmp_path / "one-lag", prompts_per_step=prompts, policy_lag=1))
+    _match_one_process(tmp_path, runs, f"split-{gpus - 1}")

@@ -2,9 +2,10 @@
 processes on CPU started by `launch.spawn`, on the session's small arithmetic policy, 2 prompts x 2 completions a
 step. In invariant mode the run is the one-process run, bit for bit (synchronous, and with policy_lag=1, where the
 rollout rank really generates step s + 1 while rank 0 updates on step s); a resumed run is the uninterrupted one;
-a parity break, a corrupted weight sync and a bad config stop both ranks with the same error. With 2 FSDP2 trainer
-ranks and a rollout rank (3 processes), the samples are one process's and the update its update up to summation
-order."""
+a parity break, a corrupted weight sync and a bad config stop both ranks with the same error. In 3 processes: with 2
+FSDP2 trainer ranks and a rollout rank the samples are one process's and the update its update up to summation
+order; with one trainer rank and 2 rollout ranks (the weights broadcast to both, the step's rows from both) the run
+is one process's bit for bit."""
 
 from __future__ import annotations
 
@@ -207,12 +208,15 @@ def _three_worker(policy: str, root: str) -> None:
 
     launch.init("cpu")
     train(_cfg(policy, Path(root) / "three", policy_lag=1, parallel="fsdp2"))
+    train(_cfg(policy, Path(root) / "two_rollouts", policy_lag=1, rollout_ranks=2))
 
 
-def test_two_fsdp2_trainer_ranks_and_a_rollout_rank(policy, tmp_path):
-    """3 processes: ranks 0 and 1 train with FSDP2 over their own group of 2, rank 2 generates, at policy lag 1.
+def test_three_ranks_two_trainers_or_two_rollout_ranks(policy, tmp_path):
+    """3 processes, policy lag 1. First ranks 0 and 1 train with FSDP2 over their own group of 2, rank 2 generates.
     Every step samples with weights both runs hold bit for bit (step 2 with the start's, one update behind), so
-    what the samples decide is the one-process run's exactly; the update is its gradient up to summation order."""
+    what the samples decide is the one-process run's exactly; the update is its gradient up to summation order.
+    Then rank 0 trains alone and ranks 1 and 2 generate a prompt each: one process's run, bit for bit, the weights
+    included (the sync went to both rollout ranks, and their shares came back in the step's row order)."""
     from workbench.distributed.checkpoint import load
     from workbench.models import build, load_pretrained
     from workbench.rl.checkpoint import latest_checkpoint
@@ -234,6 +238,12 @@ def test_two_fsdp2_trainer_ranks_and_a_rollout_rank(policy, tmp_path):
     load(latest_checkpoint(tmp_path / "three"), model)   # the 2 ranks' DCP shards, whole in this process
     ref = load_file(latest_checkpoint(tmp_path / "one") / "masters.safetensors")
     assert max(float((ref[k] - v).abs().max()) for k, v in model.state_dict().items()) < 1e-6
+
+    split = tmp_path / "two_rollouts"
+    pd.testing.assert_frame_equal(_metrics(split), one)
+    a = np.load(split / "step1_logprobs.npz")
+    assert all(a[side].tobytes() == b["generator"].tobytes() for side in ("generator", "trainer"))
+    assert same_bits(load_file(latest_checkpoint(split) / "masters.safetensors"), ref)
 
 
 def test_samples_travel_packed_and_come_back_whole():
