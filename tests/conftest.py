@@ -54,7 +54,7 @@ LONGEST_FIRST = (
     "tests/test_generation.py::test_trainer_",                                  # 2 x 46 s (+30 s module fixture)
     "tests/test_titan_backend.py::test_fsdp2_through",                           # 29 s alone (2 processes)
     "tests/test_titan_backend.py::test_trainer_with_torchtitan",                 # 25 s (+30 s policy fixture)
-    "tests/test_titan_tp.py::test_forward_is",                                   # 63 s (the 2-process fixture)
+    "tests/test_titan_tp.py::test_forward_is",                                   # 63-100 s (the 2-process fixture, once a suite)
     "tests/test_distributed.py::test_fsdp2_forward",                            # 41 s
     "tests/test_generation.py::test_a_request_alone",                           # 40 s
     "tests/test_checkpoint_crash.py::test_a_save_killed",                       # 37 s

@@ -195,23 +195,36 @@ def _main_grads(model, mb, upstream, recompute: str = "none") -> tuple[dict[str,
     return main, sorted(k for k, p in model.named_parameters() if p.grad is not None)
 
 
-@pytest.fixture(scope="module")
-def both(tmp_path_factory, policy):
+@pytest.fixture(scope="session")
+def both(tmp_path_factory, policy, worker_id):
     """family -> (seed, the generator's micro-batch, behavior, mask, the 2 ranks' results, the one-process run's);
-    both families and the trainer's checks in one spawn of 2 processes (a module fixture per family was set up again
-    each time xdist's scheduling switched families); 'train' -> (the spawn's files' prefix, the policy)."""
+    both families and the trainer's checks in one spawn of 2 processes; 'train' -> (the spawn's files' prefix, the
+    policy it trained). One spawn (~100 s on 2 cores) for the whole suite: under xdist the first worker to need it
+    runs it and saves its inputs beside its results in the run's shared temporary folder, and a worker that comes
+    later loads them (a module fixture was set up again at each of xdist's switches between modules: four spawns)."""
+    from filelock import FileLock
+
     from workbench.distributed import launch
     from workbench.models import build
     from workbench.titan.model import build_titan_model
 
-    inputs, rollouts = {}, {}
-    for family in sorted(CONFIGS):
-        seed = random.randrange(2**31)
-        mb, behavior, mask = _rollouts(build(CONFIGS[family], seed=seed), seed)
-        upstream = torch.randn(mask.shape, generator=torch.Generator().manual_seed(seed))
-        inputs[family], rollouts[family] = (seed, mb, upstream), (behavior, mask)
-    out = str(tmp_path_factory.mktemp("tp") / "rank")
-    launch.spawn(_worker, 2, inputs, out, policy)
+    # Under xdist the workers' base folders share a parent that is this run's own; alone, the session's base.
+    root = tmp_path_factory.getbasetemp()
+    shared = (root.parent if worker_id != "master" else root) / "titan_tp_spawn"
+    with FileLock(f"{shared}.lock"):
+        if (shared / "inputs.pt").exists():
+            inputs, rollouts, out, policy = torch.load(shared / "inputs.pt", weights_only=False)
+        else:
+            shared.mkdir(exist_ok=True)
+            inputs, rollouts = {}, {}
+            for family in sorted(CONFIGS):
+                seed = random.randrange(2**31)
+                mb, behavior, mask = _rollouts(build(CONFIGS[family], seed=seed), seed)
+                upstream = torch.randn(mask.shape, generator=torch.Generator().manual_seed(seed))
+                inputs[family], rollouts[family] = (seed, mb, upstream), (behavior, mask)
+            out = str(shared / "rank")
+            launch.spawn(_worker, 2, inputs, out, policy)
+            torch.save((inputs, rollouts, out, policy), shared / "inputs.pt")
     found = {"train": (out, policy)}
     for family, (seed, mb, upstream) in inputs.items():
         ranks = [torch.load(f"{out}.{family}.{r}") for r in range(2)]
@@ -321,7 +334,7 @@ def test_a_degree_that_does_not_split_the_heads_is_one_line():
         apply_tp(titan_model(cfg, "meta"), None)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def trained(both, tmp_path_factory):
     """The trainer's checks: (the TP=2 run's metrics and final masters, the 2 ranks' `_one_update` and errors, the
     resumed run's final masters; the one-process run's metrics and masters, and its `_one_update`)."""
