@@ -19,7 +19,7 @@ from workbench.onoff.config import PRESETS, OnOffConfig, preset
 from workbench.onoff.runner import collect, run_on_off, run_status, total_wall_s
 from workbench.onoff.stats import summarize, verdict
 
-TIMES = ("time_generate", "time_train", "time_sync", "time_step", "tokens_per_s")
+TIMES = ("time_generate", "time_score", "time_train", "time_sync", "time_step", "tokens_per_s")
 
 
 def _cfg(tmp_path, **kw):

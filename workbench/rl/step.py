@@ -118,7 +118,11 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
         recomputed, entropy = (batch.spread(t[first: first + sum(tokens[rows])]) for t in received.scored)
     else:
         scorer = sync.generator if gen_version != version else run.weights.scorer
+        t_score = time.perf_counter()
         recomputed, entropy = score(scorer, batch, budget, cfg.temperature, with_entropy=True)
+        if recomputed.is_cuda:   # the kernels run ahead of the host: their end, not their launch
+            torch.cuda.synchronize(recomputed.device)
+        scored_s = time.perf_counter() - t_score
     # Over the whole step: a break on any rank stops every rank, each raising the same error.
     behavior_all, recomputed_all, mask_all = dp.gather_rows(batch.behavior, recomputed, batch.mask)
     parity = parity_stats(behavior_all, recomputed_all, mask_all)
@@ -189,7 +193,9 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
                                       for s, c, g in zip(scores, batch.completions, completions)])
     scores, lengths, truncated = (list(column) for column in zip(*per_sequence))
     seconds = {"generate": t_gen - t0, "train": t_train - t_gen, "sync": t_sync - t_train, "step": t_sync - t0}
-    if run.pipeline is not None:   # the rollout ranks' numbers came with the samples; this rank waited and synced
+    if run.pipeline is None:   # the part of `train` that scored the samples (the parity check's forward)
+        seconds["score"] = scored_s
+    else:   # the rollout ranks' numbers came with the samples; this rank waited and synced
         seconds.update(generate=received.generate_s, score=received.score_s, rollout_wait=received.rollout_wait_s,
                        sync=t_sync - t_train + t_gen - t_received, trainer_wait=t_received - t0,
                        overlap=received.overlap_s)
@@ -209,7 +215,7 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     log(step, "time_train", seconds["train"])
     log(step, "time_sync", seconds["sync"])
     log(step, "sync_bytes", sync.moved_bytes if run.pipeline is None else sum(r.bytes for r in sent if r))
-    for name in ("score", "rollout_wait", "trainer_wait", "overlap"):   # split roles only
+    for name in ("score", "rollout_wait", "trainer_wait", "overlap"):   # the last three: split roles only
         if name in seconds:
             log(step, f"time_{name}", seconds[name])
     log(step, "time_step", seconds["step"])
