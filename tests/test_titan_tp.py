@@ -199,9 +199,10 @@ def _main_grads(model, mb, upstream, recompute: str = "none") -> tuple[dict[str,
 def both(tmp_path_factory, policy, worker_id):
     """family -> (seed, the generator's micro-batch, behavior, mask, the 2 ranks' results, the one-process run's);
     both families and the trainer's checks in one spawn of 2 processes; 'train' -> (the spawn's files' prefix, the
-    policy it trained). One spawn (~100 s on 2 cores) for the whole suite: under xdist the first worker to need it
-    runs it and saves its inputs beside its results in the run's shared temporary folder, and a worker that comes
-    later loads them (a module fixture was set up again at each of xdist's switches between modules: four spawns)."""
+    policy it trained). One spawn for the whole suite: under xdist the first worker to need it runs it and saves its
+    inputs beside its results in the run's shared temporary folder, and a worker that comes later loads them (a
+    module fixture is set up again at each of xdist's switches between modules, which conftest's longest-first
+    order makes frequent)."""
     from filelock import FileLock
 
     from workbench.distributed import launch
