@@ -5,8 +5,10 @@ cache, fused row-wise kernels), Hugging Face's eager formulas (`standard`) and `
 `generate` on the same weights, in the same run; and the decode step's time beside its
 memory-bandwidth floor ((weights + KV cache bytes) / measured copy bandwidth); then the prefill alone, beside
 cuBLAS + FlashAttention on the same shapes and the compute floor.
---long: long rollouts instead, batch 64 with 1,024 and 4,096 new tokens (one timed run each), with
-the peak GPU memory and the static KV cache's size.
+--long: long rollouts instead, batch 64 with 1,024 and 4,096 new tokens and batch 256 with 1,024 (one timed run
+each, caches and graphs kept from an untimed first call), with the peak GPU memory, the static KV cache's size and
+the decode attention alone at the mean length beside its floor; with --vllm, vLLM's default kernels at the same
+lengths (its worker alone on the GPU, 85% of its memory: the long caches do not fit the short table's 35%).
 --vllm: vLLM's engines too, in the same run (vLLM installed; each in a worker process of bench_vllm.py, which
 also checks its parity with the trainer): its default kernels, batch-invariant mode, and vLLM running the workbench
 model; then one table of every engine's tokens/s beside the rate of a decode step at the bandwidth floor.
@@ -14,7 +16,7 @@ model; then one table of every engine's tokens/s beside the rate of a decode ste
 (WORKBENCH_PDL=0), alternating in one process, six calls each per batch, bits compared.
 
     python bench/bench_generate.py [--model FOLDER] [--out FILE.md] [--skip-hf] [--skip-prefill] [--vllm]
-    python bench/bench_generate.py [--model FOLDER] [--out FILE.md] (--long | --prefill | --pdl-ab)
+    python bench/bench_generate.py [--model FOLDER] [--out FILE.md] (--long [--vllm] | --prefill | --pdl-ab)
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from workbench.generation import DecodeGraphs, SamplingParams, generate  # noqa:
 from workbench.models import KVCache, build, load_pretrained, save_pretrained  # noqa: E402
 
 PROMPT, NEW = 128, 256
-LONG = (1024, 4096)
+LONG = ((64, 1024), (64, 4096), (256, 1024))
+"""(batch, new tokens) of --long: issue 44's long generations."""
 PREFILLS = ((64, PROMPT), (256, PROMPT), (16, 1024))
 """(batch, prompt tokens) of the prefill table: the decode table's two prefills and a long prompt."""
 
@@ -95,19 +98,20 @@ def pdl_ab(model, weight_bytes: int, copy: float) -> list[str]:
     return lines
 
 
-def vllm_engines(shape: str) -> dict:
-    """New tokens/s of vLLM's engines (bench_vllm.py's workers: 128-token prompts, 256 new tokens, temperature 1,
-    the median of 3 calls, as `ours`) and the parity lines of each with the trainer."""
+def vllm_engines(shape: str, runs=((64, NEW), (256, NEW)), backends=None, gpu_memory: float = 0.35,
+                 timeout: int = 400) -> dict:
+    """New tokens/s of vLLM's engines (bench_vllm.py's workers: 128-token prompts, temperature 1, the median of 3
+    calls, as `ours`) keyed (engine, batch, new tokens), and the parity lines of each with the trainer."""
     from bench_vllm import BACKENDS, _run_worker
 
     tput, parity = {}, ["| engine | tokens | differing from the trainer | request alone = in batch |",
                         "|---|---|---|---|"]
-    for backend in BACKENDS:
-        for r in _run_worker(backend, [shape], True, timeout=400):
+    for backend in backends or BACKENDS:
+        for r in _run_worker(backend, [shape], True, timeout, [f"{b}x{n}" for b, n in runs], gpu_memory):
             if r["kind"] == "tput":
-                tput[(backend, r["batch"])] = r["tok_s"]
+                tput[(backend, r["batch"], r["new"])] = r["tok_s"]
                 # As it comes: a run cut short by a time limit still shows what it measured.
-                print(f"{backend}, batch {r['batch']}: {r['tok_s']:,.0f} tok/s", flush=True)
+                print(f"{backend}, batch {r['batch']}, {r['new']} new tokens: {r['tok_s']:,.0f} tok/s", flush=True)
             elif r["kind"] == "parity":
                 parity.append(f"| {backend} | {r['tokens']:.0f} | {r['tokens_differing']:.0f} | "
                               f"{bool(r['alone_equals_batch'])} |")
@@ -141,20 +145,76 @@ def kv_bytes(cfg, batch: int, tokens: int) -> int:
     return batch * tokens * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
 
 
-def long_rollouts(model, weight_bytes: int, copy: float) -> list[str]:
-    """Batch 64 at 1,024 and 4,096 new tokens: the step against its floor at the mean KV length, and memory."""
+def attention_ms(cfg, batch: int, kv_len: int) -> float:
+    """The invariant decode attention alone: every layer's, one query a sequence over `kv_len` cached keys (the
+    static cache), the layers in one CUDA graph; median ms of 15 replays."""
+    from workbench.kernels import attention_with_cache, mode
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shape = (batch, kv_len, cfg.num_key_value_heads, cfg.head_dim)
+    caches = [(torch.randn(shape, device="cuda", generator=g, dtype=torch.bfloat16),
+               torch.randn(shape, device="cuda", generator=g, dtype=torch.bfloat16))
+              for _ in range(cfg.num_hidden_layers)]
+    q = torch.randn(batch, 1, cfg.num_attention_heads, cfg.head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
+    lens = torch.full((batch,), kv_len, device="cuda", dtype=torch.int32)
+    start = (lens - 1).long()
+    with mode("invariant"):
+        def layers():
+            for k, v in caches:
+                attention_with_cache(q, k, v, start, lens)
+
+        layers()  # compile
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            layers()
+        times = []
+        for _ in range(15):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            graph.replay()
+            e1.record()
+            torch.cuda.synchronize()
+            times.append(e0.elapsed_time(e1))
+    return sorted(times)[7]
+
+
+def long_rollouts(model, weight_bytes: int, copy: float, vllm_rates: dict) -> list[str]:
+    """Issue 44's long generations (LONG): each step against its floor at the mean KV length, memory, the decode
+    attention's share of the step beside its own floor, and with vLLM's rates the target's ratio."""
     cfg = model.config
-    lines = ["| new tokens | mode | tok/s | decode step ms | floor ms | step / floor | peak GiB | "
+    lines = ["| batch | new tokens | mode | tok/s | decode step ms | floor ms | step / floor | peak GiB | "
              "static KV cache GiB |",
-             "|---|---|---|---|---|---|---|---|"]
-    for new in LONG:
-        floor_ms = (weight_bytes + kv_bytes(cfg, 64, PROMPT + new // 2)) / copy / 1e6
+             "|---|---|---|---|---|---|---|---|---|"]
+    attention, ratios = ["| batch | new tokens | mean keys | attention ms (every layer) | its floor ms | "
+                         "attention / floor | share of the invariant step |", "|---|---|---|---|---|---|---|"], []
+    for batch, new in LONG:
+        mean_keys = PROMPT + new // 2
+        floor_ms = (weight_bytes + kv_bytes(cfg, batch, mean_keys)) / copy / 1e6
+        steps = {}
         for mode_name in ("invariant", "standard-fused"):
-            tps, step, peak = ours(model, 64, mode_name, new, runs=1)
-            lines.append(f"| {new} | {mode_name} | {tps:,.0f} | {step:.2f} | {floor_ms:.2f} | "
-                         f"{step / floor_ms:.2f} | {peak:.1f} | {kv_bytes(cfg, 64, PROMPT + new) / 2**30:.1f} |")
+            tps, steps[mode_name], peak = ours(model, batch, mode_name, new, runs=1)
+            lines.append(f"| {batch} | {new} | {mode_name} | {tps:,.0f} | {steps[mode_name]:.2f} | {floor_ms:.2f} | "
+                         f"{steps[mode_name] / floor_ms:.2f} | {peak:.1f} | "
+                         f"{kv_bytes(cfg, batch, PROMPT + new) / 2**30:.1f} |")
             print(lines[-1], flush=True)
-    return lines
+            if mode_name == "invariant":
+                inv = tps
+        torch.cuda.empty_cache()
+        att, att_floor = attention_ms(cfg, batch, mean_keys), kv_bytes(cfg, batch, mean_keys) / copy / 1e6
+        attention.append(f"| {batch} | {new} | {mean_keys} | {att:.3f} | {att_floor:.3f} | {att / att_floor:.2f} | "
+                         f"{att / steps['invariant']:.0%} |")
+        print(attention[-1], flush=True)
+        torch.cuda.empty_cache()
+        default = vllm_rates.get(("vllm-default", batch, new))
+        if default:
+            ratios.append(f"| {batch} | {new} | {inv:,.0f} | {default:,.0f} | **{inv / default:.2f}x** |")
+    out = [*lines, "", "The decode attention at the mean length (the static cache's kernel, every layer in one graph; "
+           "floor: the K/V bytes read at the copy bandwidth):", "", *attention]
+    if ratios:
+        out += ["", "Embedded invariant against vLLM's default kernels in this run (target >= 1.2x):", "",
+                "| batch | new tokens | embedded invariant tok/s | vLLM default tok/s | ratio |", "|---|---|---|---|---|",
+                *ratios]
+    return out
 
 
 def _wall_ms(call, runs: int = 5) -> float:
@@ -224,7 +284,8 @@ def main() -> None:
     ap.add_argument("--out", help="also write the tables (markdown) to this file")
     ap.add_argument("--skip-hf", action="store_true", help="leave out transformers.generate (slow)")
     ap.add_argument("--model", help="a checkpoint folder (default: the Qwen3-1.7B shape, random weights)")
-    ap.add_argument("--long", action="store_true", help="batch 64 at 1,024 and 4,096 new tokens instead")
+    ap.add_argument("--long", action="store_true", help="batch 64 at 1,024 and 4,096 new tokens and 256 at 1,024 "
+                    "instead")
     ap.add_argument("--prefill", action="store_true", help="the prefill table alone")
     ap.add_argument("--skip-prefill", action="store_true", help="leave out the prefill table")
     ap.add_argument("--pdl-ab", action="store_true", help="the invariant decode step with and without PDL instead")
@@ -233,7 +294,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_generate.py needs a CUDA GPU")
     # vLLM first, each engine in its own process, while this one holds no cache.
-    vllm = vllm_engines(a.model or "qwen3-1.7B") if a.vllm else {}
+    vllm = {}
+    if a.vllm:
+        vllm = (vllm_engines(a.model or "qwen3-1.7B", LONG, ["vllm-default"], gpu_memory=0.85, timeout=700) if a.long
+                else vllm_engines(a.model or "qwen3-1.7B"))
     model = load_pretrained(a.model, device="cuda") if a.model else build("qwen3-1.7B", device="cuda", seed=0)
     if a.prefill:
         emit([header(), "", *prefill(model)], a.out)
@@ -245,8 +309,9 @@ def main() -> None:
         emit([header(), "", *pdl_ab(model, weight_bytes, copy), "", f"Copy bandwidth {copy:.0f} GB/s."], a.out)
         return
     if a.long:
-        emit([header(), "", *long_rollouts(model, weight_bytes, copy), "", f"Copy bandwidth {copy:.0f} GB/s; peak "
-              "GiB: torch's peak allocation during the timed run, weights included."], a.out)
+        emit([header(), "", *long_rollouts(model, weight_bytes, copy, vllm.get("tput", {})), "",
+              f"Copy bandwidth {copy:.0f} GB/s; peak GiB: torch's peak allocation during the timed run, weights "
+              "included.", "", *vllm.get("parity", [])], a.out)
         return
     lines = [header(), "", "Embedded modes with their caches and graphs kept from an untimed first call "
              "(`DecodeGraphs`); the invariant mode also captured per call (no `keep`).", "",
@@ -254,7 +319,8 @@ def main() -> None:
              "HF generate tok/s | inv / std-fused | inv / HF | decode step ms (inv) | (captured per call) | "
              "(std-fused) | bandwidth floor ms | step / floor |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    rates, floors = dict(vllm.get("tput", {})), {}
+    rates = {(engine, batch): v for (engine, batch, new), v in vllm.get("tput", {}).items() if new == NEW}
+    floors = {}
     for batch in (64, 256):
         inv_tps, inv_ms, _ = ours(model, batch, "invariant")
         call_tps, call_ms, _ = ours(model, batch, "invariant", kept=False)

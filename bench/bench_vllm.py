@@ -108,7 +108,7 @@ def embedded_sync(model, workdir: Path):
     return rows
 
 
-def throughput(generate_fn, vocab, batch):
+def throughput(generate_fn, vocab, batch, new=256):
     """New tokens/s, the median of 3 runs: a single run has shown a third of the usual rate, for every backend
     of one process at once (bench_generate.py saw the same), so one figure is not enough."""
     prompts = _prompts(batch, 128, vocab, seed=5)
@@ -117,12 +117,21 @@ def throughput(generate_fn, vocab, batch):
     for _ in range(3):
         out = {}
         seconds = _timed(lambda out=out: out.update(o=generate_fn(
-            prompts, SamplingParams(temperature=1.0, max_new_tokens=256, seed=1))))
+            prompts, SamplingParams(temperature=1.0, max_new_tokens=new, seed=1))))
         rates.append(sum(len(c.tokens) for c in out["o"].completions) / seconds)
     return sorted(rates)[1]
 
 
-def worker(backend: str, shapes: list[str], do_throughput: bool) -> None:
+def cases(texts: list[str]) -> list[tuple[int, int]]:
+    """'64x256' -> (batch 64, 256 new tokens)."""
+    try:
+        return [tuple(int(x) for x in t.split("x", 1)) for t in texts]
+    except ValueError:
+        raise SystemExit(f"--cases takes BATCHxNEW_TOKENS items such as 64x256, got {texts}") from None
+
+
+def worker(backend: str, shapes: list[str], do_throughput: bool, runs: list[tuple[int, int]] = ((64, 256), (256, 256)),
+           gpu_memory: float = 0.35) -> None:
     """Runs in its own process: one vLLM backend; prints one JSON line per result."""
     from workbench.generation.vllm_backend import VLLMGenerator
 
@@ -135,17 +144,17 @@ def worker(backend: str, shapes: list[str], do_throughput: bool) -> None:
         shape = Path(shape).name
         try:
             with mode("invariant"):
-                engine = VLLMGenerator(folder, gpu_memory_utilization=0.35, batch_invariant=bi, model_impl=impl)
+                engine = VLLMGenerator(folder, gpu_memory_utilization=gpu_memory, batch_invariant=bi, model_impl=impl)
             print("RESULT", json.dumps({"kind": "parity", "backend": backend, "shape": shape,
                                         **{k: float(v) for k, v in parity(engine, model).items()}}), flush=True)
             for path, seconds, ok in sync(engine, model, workdir):
                 print("RESULT", json.dumps({"kind": "sync", "backend": backend, "shape": shape, "path": path,
                                             "seconds": seconds, "ok": ok}), flush=True)
             if do_throughput and shape != "small":
-                for batch in (64, 256):
-                    tps = throughput(engine.generate, model.config.vocab_size, batch)
+                for batch, new in runs:
+                    tps = throughput(engine.generate, model.config.vocab_size, batch, new)
                     print("RESULT", json.dumps({"kind": "tput", "backend": backend, "shape": shape, "batch": batch,
-                                                "tok_s": tps}), flush=True)
+                                                "new": new, "tok_s": tps}), flush=True)
         except Exception:
             traceback.print_exc()
             print("RESULT", json.dumps({"kind": "error", "backend": backend, "shape": shape,
@@ -155,8 +164,9 @@ def worker(backend: str, shapes: list[str], do_throughput: bool) -> None:
             torch.cuda.empty_cache()
 
 
-def _run_worker(backend, shapes, do_throughput, timeout):
-    cmd = [sys.executable, __file__, "--worker", backend, "--shapes", *shapes, "--throughput", str(int(do_throughput))]
+def _run_worker(backend, shapes, do_throughput, timeout, runs=("64x256", "256x256"), gpu_memory=0.35):
+    cmd = [sys.executable, __file__, "--worker", backend, "--shapes", *shapes, "--throughput", str(int(do_throughput)),
+           "--cases", *runs, "--gpu-memory", str(gpu_memory)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     timed_out = False
     try:
@@ -182,9 +192,11 @@ def main() -> None:
     p.add_argument("--embedded", type=int, default=1, help="also measure the embedded generator")
     p.add_argument("--worker", choices=list(BACKENDS), help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=int, default=300, help="seconds per vLLM worker")
+    p.add_argument("--cases", nargs="+", default=["64x256", "256x256"], help=argparse.SUPPRESS)
+    p.add_argument("--gpu-memory", type=float, default=0.35, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        worker(a.worker, a.shapes, bool(a.throughput))
+        worker(a.worker, a.shapes, bool(a.throughput), cases(a.cases), a.gpu_memory)
         return
     results = []
     for backend in a.backends:

@@ -8,6 +8,7 @@
 #               /tmp/ws/<length> (`python -m workbench warm-start`, WARM_ARGS added), in the background;
 #   STEP=probe  every preset's OFF arms for a few steps (bench/probe_mismatch.py), one job per GPU, in the background;
 #   STEP=cell   run_on_off of the regime cells in CELLS (e.g. "grpo:256 gspo:256") on all GPUs, in the background;
+#   STEP=job    any command CMD on the GPUs GPUS (e.g. "0,1"), in the background, its output in <runs>/NAME.log;
 #   STEP=wait   wait up to WAIT_S seconds for the background jobs, then copy tables and logs to $OUT.
 # The background steps run from a copy of the tree taken when they start (/tmp/tree/<n>): every call replaces the
 # working tree, and a job that starts processes later (the runner's workers, one per run) would otherwise run code
@@ -56,13 +57,22 @@ case "${STEP:?}" in
         workers="${WORKERS:-8}" out_dir="$runs/regime/${c%%:*}-${c##*:}" ${EXTRA:-} --no-progress \
         > "$runs/cell_${c%%:*}-${c##*:}.log" 2>&1 &
     done ;;
+  job)
+    snapshot; export PYTHONPATH="$PWD:${PYTHONPATH#*:}"
+    CUDA_VISIBLE_DEVICES="${GPUS:?}" setsid nohup bash -c "${CMD:?}" > "$runs/${NAME:?}.log" 2>&1 &
+    echo $! >> "$runs/job_pids" ;;
   wait)
     end=$((SECONDS + ${WAIT_S:-500}))
     # Anchored: the command line of the shell that started this one may hold the same words.
-    jobs() { pgrep -f "^python3 (bench/probe_mismatch|-m workbench (on-off|warm-start))" > /dev/null; }
+    jobs() {
+      pgrep -f "^python3 (bench/probe_mismatch|-m workbench (on-off|warm-start))" > /dev/null && return 0
+      for p in $(cat "$runs/job_pids" 2>/dev/null); do kill -0 "$p" 2>/dev/null && return 0; done
+      return 1
+    }
     while jobs && [ $SECONDS -lt $end ]; do sleep 10; done
     jobs && echo "still running" || echo "all done"
-    tail -n 3 "$runs"/*.log; cat "$runs"/probe_*.md 2>/dev/null
+    tail -n "${TAIL:-3}" "$runs"/*.log; cat "$runs"/probe_*.md 2>/dev/null
     for f in /tmp/ws/*/warm_start_metrics.csv; do [ -f "$f" ] && cp "$f" "$runs/warm_$(basename "$(dirname "$f")").csv"; done
-    (cd "$runs" && tar czf "$OUT/onoff.tgz" --exclude='checkpoints' --exclude='*.safetensors' --exclude='*.pt' .) ;;
+    (cd "$runs" && tar czf "$OUT/onoff.tgz" --exclude='checkpoints' --exclude='*.safetensors' --exclude='*.pt' \
+      --exclude='*.distcp' .) ;;
 esac
