@@ -113,11 +113,19 @@ def test_tp2_forward_is_the_generators_bits(name, tmp_path):
     assert len(r["exact"]) == 2, r["exact"]
 
 
+def _odd_length(self, completion: str, problem) -> float:
+    """A reward a random policy's completions vary in (whether the text's length is odd): the task's exact match
+    gives every random completion 0, hence zero advantages and no gradient to check."""
+    return float(len(completion) % 2)
+
+
 def _train_worker(policy: str, out: str) -> None:
     from workbench.rl.config import TrainConfig
+    from workbench.rl.tasks import Arithmetic
     from workbench.rl.trainer import train
 
     launch.init("cuda")
+    Arithmetic.reward = _odd_length
     train(TrainConfig(policy=policy, chat_template=False, out_dir=out, steps=3, prompts_per_step=8, group_size=4,
                       max_new_tokens=32, lr=1e-5, kernel_mode="invariant", trainer_backend="torchtitan",
                       tensor_parallel=2, checkpoint_every=3, device="cuda", progress=False))
@@ -133,7 +141,10 @@ def test_tp2_train_holds_parity_every_step(tmp_path):
     from workbench.rl.policy import train_tokenizer
     from workbench.rl.tasks import Arithmetic
 
-    model = random_gpu_model(dataclasses.replace(config("qwen3-1.7B"), max_position_embeddings=4096), seed=1)
+    # The arithmetic tokenizer's 17 tokens in a vocabulary of 32 (not 151,936, of which a random policy would sample
+    # ids that decode to nothing): completions of text whose rewards vary.
+    model = random_gpu_model(dataclasses.replace(config("qwen3-1.7B"), vocab_size=32, max_position_embeddings=4096),
+                             seed=1)
     save_pretrained(model, tmp_path / "policy", tokenizer=train_tokenizer(Arithmetic(seed=0)))
     del model
     torch.cuda.empty_cache()
@@ -141,5 +152,5 @@ def test_tp2_train_holds_parity_every_step(tmp_path):
     t = pd.read_csv(tmp_path / "run" / "metrics.csv").pivot(index="step", columns="metric", values="value")
     print(t[["parity_tokens_differing", "loss", "grad_norm", "weight_delta_l2", "response_length", "time_step"]])
     assert list(t.index) == [1, 2, 3] and (t["parity_tokens_differing"] == 0).all(), t["parity_tokens_differing"]
-    assert (t["weight_delta_l2"] > 0).all()
+    assert (t["reward_std"] > 0).all() and (t["weight_delta_l2"] > 0).all(), t[["reward_std", "weight_delta_l2"]]
     assert latest_checkpoint(tmp_path / "run") is not None
