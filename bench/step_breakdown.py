@@ -28,6 +28,8 @@ def breakdown(metrics: pd.DataFrame, warmup: int) -> dict[str, float]:
     m = metrics.pivot_table(index="step", columns="metric", values="value")
     if "time_score" not in m:
         raise SystemExit("the run logged no time_score: a colocated run of a tree from 2026-11-28 on is needed")
+    if "time_trainer_wait" in m:   # its rollout ranks scored beside generating: score is not inside train there
+        raise SystemExit("a split-roles run: its step has no such parts; bench/bench_distributed.py tables it")
     later = m[m.index > warmup] if len(m) > warmup else m
     parts = pd.DataFrame({"generate": later["time_generate"], "score": later["time_score"],
                           "update": later["time_train"] - later["time_score"], "sync": later["time_sync"]})

@@ -51,7 +51,7 @@ def test_parts_are_medians_after_warmup_and_add_up(bench):
     assert r["differing"] == 0, seed
 
 
-def test_a_run_without_score_times_is_named(bench, tmp_path):
+def test_runs_it_cannot_take_apart_are_named(bench, tmp_path):
     metrics = _metrics(random.Random(0), 2)
     metrics = metrics[metrics.metric != "time_score"]
     (tmp_path / "old").mkdir()
@@ -60,3 +60,9 @@ def test_a_run_without_score_times_is_named(bench, tmp_path):
         bench.table([tmp_path / "old"], 1)
     with pytest.raises(SystemExit, match="no metrics"):
         bench.table([tmp_path / "missing"], 1)
+    split = _metrics(random.Random(0), 2)
+    split = pd.concat([split, pd.DataFrame([{"step": 1, "metric": "time_trainer_wait", "value": 1.0}])])
+    (tmp_path / "split").mkdir()
+    split.to_csv(tmp_path / "split" / "metrics.csv", index=False)
+    with pytest.raises(SystemExit, match="split-roles"):
+        bench.table([tmp_path / "split"], 1)
