@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a GPU host with no network, the ON/OFF work of one lease, in steps that fit its calls:
+# On a GPU host with no network, the work of one lease (the ON/OFF runs, any other job), in steps that fit its calls:
 #   STEP=stash  copy the carried folder CARRY (e.g. .carry/q1) to DEST (default /tmp/carry; kept while the machine
 #               is held); the vLLM bundle's parts (../shared/tools/pack_vllm.sh) go to DEST=/tmp/vllm-parts;
 #   STEP=vllm   unpack the vLLM bundle from /tmp/vllm-parts into /tmp/vllm (then PYTHONPATH=/tmp/vllm);
@@ -9,7 +9,8 @@
 #   STEP=probe  every preset's OFF arms for a few steps (bench/probe_mismatch.py), one job per GPU, in the background;
 #   STEP=cell   run_on_off of the regime cells in CELLS (e.g. "grpo:256 gspo:256") on all GPUs, in the background;
 #   STEP=job    any command CMD on the GPUs GPUS (e.g. "0,1"), in the background, its output in <runs>/NAME.log;
-#   STEP=wait   wait up to WAIT_S seconds for the background jobs, then copy tables and logs to $OUT.
+#   STEP=wait   wait up to WAIT_S seconds for the background jobs, show each log's last TAIL lines (3), then copy
+#               tables and logs to $OUT.
 # The background steps run from a copy of the tree taken when they start (/tmp/tree/<n>): every call replaces the
 # working tree, and a job that starts processes later (the runner's workers, one per run) would otherwise run code
 # of two commits in one experiment, or fail mid-way on a field the running code lacks.
