@@ -58,10 +58,10 @@ def _text_reward(self, completion: str, problem) -> float:
 
 
 @pytest.mark.parametrize("kw", [
-    dict(kl_coef=0.05, kl_to="reference", max_grad_norm=0.5),   # a KL in the loss: the reference still scores
-    dict(adapter="lora"),
+    # A KL in the loss (the reference still scores), clipped, the MLPs recomputed in the backward.
+    dict(kl_coef=0.05, kl_to="reference", max_grad_norm=0.5, activation_checkpointing="mlp"),
     dict(trainer_backend="torchtitan", activation_checkpointing="layers"),
-], ids=["kl-in-loss", "lora", "torchtitan-recompute"])
+], ids=["workbench", "torchtitan"])
 def test_the_folded_update_is_the_score_pass_bit_for_bit(policy, tmp_path, monkeypatch, kw):
     if kw.get("trainer_backend") == "torchtitan":
         pytest.importorskip("torchtitan")
@@ -138,3 +138,28 @@ def test_a_parity_break_stops_the_folded_update_before_its_optimizer_step(policy
         assert value["parity_tokens_differing"] > 0, f"seed {seed}: {name}: the break is on record"
     assert messages["folded"] == messages["score-pass"], f"seed {seed}"
     assert "\n" not in messages["folded"] and messages["folded"].startswith("step 1: generator and trainer log-probs")
+
+
+def test_a_nan_loss_in_the_folded_update_stops_as_before(policy, tmp_path, monkeypatch):
+    """A loss that is not finite at step 2: the step's parity check (in the update, after its backward) is on record,
+    then the FloatingPointError of the separate pass's runs, before the optimizer step, step 1's checkpoint kept."""
+    import pandas as pd
+
+    from workbench.rl.checkpoint import latest_checkpoint
+
+    spec, calls = step_module.get_loss("grpo"), []
+
+    def nan_from_step_2(*args):
+        calls.append(1)
+        loss, stats = spec.fn(*args)
+        return loss * (float("nan") if len(calls) >= 2 else 1.0), stats
+
+    monkeypatch.setattr(step_module, "get_loss", lambda name: dataclasses.replace(spec, fn=nan_from_step_2))
+    with pytest.raises(FloatingPointError, match=r"step 2: the loss is nan; the last good checkpoint \(step 1\)"):
+        train(_cfg(policy, tmp_path, checkpoint_every=1))
+    written = pd.read_csv(tmp_path / "metrics.csv")
+    assert set(written[written.step == 2].metric) == {"parity_max_abs_diff", "parity_mean_abs_diff",
+                                                      "parity_tokens_differing", "sampler_trainer_kl", "is_ess",
+                                                      "seq_logratio_sd", "seq_ratio_outside_1.2"}
+    assert written[(written.step == 2) & (written.metric == "parity_tokens_differing")].value.item() == 0
+    assert '"step": 1' in (latest_checkpoint(tmp_path) / "state.json").read_text()
