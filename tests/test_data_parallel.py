@@ -191,23 +191,38 @@ def _invariant_worker(policy: str, root: str) -> None:
     from pathlib import Path
 
     from workbench.rl import step, trainer
+    from workbench.rl.rollout import RolloutBatch
     from workbench.rl.trainer import train
     from workbench.rl.weights import TrainWeights
 
     d = launch.init("cpu")
+    step_weights = TrainWeights.step
     TrainWeights.step = _grad_recorder(Path(root) / f"grads{d.rank}.pt")
     train(_dp_cfg(policy, Path(root) / "two", kernel_mode="invariant", steps=1))
+    # The same run through the separate scoring pass (the step above scored in its update: step.scores_in_update).
+    eligible, step.scores_in_update = step.scores_in_update, lambda *args: False
+    TrainWeights.step = _grad_recorder(Path(root) / f"grads_scored{d.rank}.pt")
+    train(_dp_cfg(policy, Path(root) / "two-scored", kernel_mode="invariant", steps=1))
+    step.scores_in_update, TrainWeights.step = eligible, step_weights
 
-    # Rank 1's trainer log-probs off by 1e-3: the parity check is over every rank's tokens, so both ranks stop.
-    score = step.score
+    # Rank 1's sampled log-probs off by 1e-3: the parity check (in the update, after its backward) is over every
+    # rank's tokens, so both ranks stop, before the optimizer step: the weights as they were on each.
+    build, runs, init = RolloutBatch.from_generation, [], trainer.Run.__init__
 
-    def off_on_rank_1(model, batch, *args, **kw):
-        logp, entropy = score(model, batch, *args, **kw)
-        return logp + 1e-3 * batch.mask * d.rank, entropy
+    def off_on_rank_1(*args, **kw):
+        batch = build(*args, **kw)
+        batch.behavior += 1e-3 * batch.mask * d.rank
+        return batch
 
-    step.score = off_on_rank_1
+    def keep(self, cfg):
+        init(self, cfg)
+        runs.append((self, {k: v.detach().clone() for k, v in self.weights.masters.items()}))
+
+    RolloutBatch.from_generation, trainer.Run.__init__ = staticmethod(off_on_rank_1), keep
     with pytest.raises(trainer.ParityError, match=r"step 1: generator and trainer log-probs differ on \d+ of "):
         train(_dp_cfg(policy, Path(root) / "broken", kernel_mode="invariant", steps=1))
+    run, start = runs[0]
+    assert same_bits({k: v.detach() for k, v in run.weights.masters.items()}, start) and not run.weights.opt.state
 
 
 def test_world_size_two_matches_one_process_logprobs_bitwise_and_update_closely(policy, tmp_path, monkeypatch):
@@ -238,6 +253,15 @@ def test_world_size_two_matches_one_process_logprobs_bitwise_and_update_closely(
         torch.testing.assert_close(g2[k], g1[k], rtol=1e-5, atol=1e-7)
     for m in ("reward_mean", "entropy", "loss", "grad_norm", "weight_delta_l2"):
         assert two[m] == pytest.approx(one[m], rel=1e-5, abs=1e-6), m
+    # At world size 2 too, the update's forward as the scoring pass is the separate pass, bit for bit.
+    scored = pd.read_csv(tmp_path / "two-scored" / "metrics.csv").set_index("metric")["value"]
+    timing = two.index.str.startswith("time_") | (two.index == "tokens_per_s")
+    assert two["time_score"] == 0 < scored["time_score"]
+    pd.testing.assert_series_equal(two[~timing], scored[~timing], check_exact=True)
+    for r in (0, 1):
+        assert same_bits(torch.load(tmp_path / f"grads_scored{r}.pt"), g2)
+    assert (tmp_path / "two-scored" / "step1_logprobs.npz").read_bytes() == \
+        (tmp_path / "two" / "step1_logprobs.npz").read_bytes()
 
 
 def test_the_readme_command_trains_under_torchrun(policy, tmp_path):

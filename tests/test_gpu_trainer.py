@@ -1,5 +1,6 @@
 """The trainer on a real GPU: zero differing tokens at every step in invariant mode (skipped without CUDA)."""
 
+import pandas as pd
 import pytest
 
 from workbench.rl.config import TrainConfig
@@ -57,3 +58,66 @@ def test_gpu_blog_recipe_is_exactly_on_policy_only_when_on(tmp_path):
     assert (on.parity_tokens_differing == 0).all() and (on.seq_ratio_mean == 1.0).all() and (on.seq_kl == 0).all()
     assert (on.is_ess == 1.0).all()
     assert off.parity_tokens_differing.sum() > 0 and (off.seq_ratio_mean != 1.0).any()
+
+
+def _odd_length(self, completion: str, problem) -> float:
+    """A reward a random policy's completions vary in (whether the text's length is odd): the task's exact match
+    gives every random completion 0, hence zero advantages and weights that never move."""
+    return float(len(completion) % 2)
+
+
+def test_gpu_the_update_scores_the_step_bit_for_bit_at_the_real_shape(tmp_path, monkeypatch):
+    """`train` at the Qwen3-1.7B shape (random weights; the arithmetic tokenizer's 17 tokens in a vocabulary of 32, as
+    test_gpu_titan_tp, so completions vary and stop), 2 steps of 16 prompts x 8 x up to 256 tokens: the update's
+    forward scores each step (time_score 0) with 0 differing tokens, and the masters, the bf16 model and every
+    metric are the same run's through the separate no-grad scoring pass, bit for bit."""
+    import dataclasses
+    import gc
+
+    import torch
+    from helpers import random_gpu_model, same_bits
+
+    from workbench.models import config, save_pretrained
+    from workbench.rl import step as step_module
+    from workbench.rl.policy import train_tokenizer
+    from workbench.rl.run import Run
+    from workbench.rl.tasks import Arithmetic
+
+    model = random_gpu_model(dataclasses.replace(config("qwen3-1.7B"), vocab_size=32, max_position_embeddings=4096),
+                             seed=1)
+    save_pretrained(model, tmp_path / "policy", tokenizer=train_tokenizer(Arithmetic(seed=0)))
+    del model
+    torch.cuda.empty_cache()
+    monkeypatch.setattr(Arithmetic, "reward", _odd_length)
+    monkeypatch.setattr(Run, "checkpoint", lambda self, step: None)   # no 1.7B checkpoint (AdamW state: 20 GB) on disk
+    runs, init = [], Run.__init__
+
+    def keep(self, cfg):
+        init(self, cfg)
+        runs.append(self)
+
+    monkeypatch.setattr(Run, "__init__", keep)
+    tables, weights = {}, {}
+    for name in ("folded", "score-pass"):
+        if name == "score-pass":
+            monkeypatch.setattr(step_module, "scores_in_update", lambda *args: False)
+        tables[name] = train(TrainConfig(
+            policy=str(tmp_path / "policy"), chat_template=False, out_dir=str(tmp_path / name), steps=2,
+            prompts_per_step=16, group_size=8, max_new_tokens=256, lr=1e-5, kernel_mode="invariant",
+            checkpoint_every=10**6, device="cuda", progress=False)).pivot(index="step", columns="metric", values="value")
+        w = runs.pop().weights
+        weights[name] = ({k: v.detach().cpu() for k, v in w.masters.items()},
+                         {k: v.cpu() for k, v in w.model.state_dict().items()})
+        del w
+        gc.collect()
+        torch.cuda.empty_cache()
+    folded, scored = tables["folded"], tables["score-pass"]
+    print(pd.DataFrame({n: t[["time_score", "time_train", "time_step"]].iloc[-1] for n, t in tables.items()}))
+    assert (folded["parity_tokens_differing"] == 0).all() and (scored["parity_tokens_differing"] == 0).all()
+    assert (folded["time_score"] == 0).all() and (scored["time_score"] > 0).all()
+    assert (folded["reward_std"] > 0).all() and (folded["weight_delta_l2"] > 0).all(), "the weights did not move"
+    kept = [c for c in scored.columns if not c.startswith(("time_", "tokens_per_s"))]
+    pd.testing.assert_frame_equal(folded[kept], scored[kept], check_exact=True)
+    assert same_bits(weights["folded"], weights["score-pass"]), "the masters or the bf16 model differ"
+    lp = [(tmp_path / name / "step1_logprobs.npz").read_bytes() for name in tables]
+    assert lp[0] == lp[1], "step 1's log-probs file differs"

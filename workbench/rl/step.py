@@ -3,6 +3,10 @@ completions per prompt) -> reward -> the trainer's log-probs of the sampled toke
 checked against the generator's (the parity check) -> advantages -> update (epochs x mini-batches x
 micro-batches, `update.py`) -> sync (the generator gets the new weights) -> the step's metrics.
 
+Where the update's own forward computes those log-probs (`scores_in_update`: one epoch of one mini-batch on the
+weights that sampled, in invariant mode), no separate scoring pass runs: the update's forward is the parity check's
+side, the old policy and the logged entropy, and the check runs after its backward, before the optimizer step.
+
 The parity check always compares the generator with the trainer's kernels on the generator's weights, so it
 measures the kernel mismatch, never the policy lag. In `invariant` mode any difference stops the run
 (parity='error'), unless `sampler_noise` perturbs the sampler on purpose (a dose-response run: the mismatch is then
@@ -110,41 +114,24 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     scores = [run.task.scores(t, p) for t, p in zip(texts, group)]
 
     # The trainer's log-probs on the weights that sampled: the parity check, and the old policy (split roles: the
-    # rollout ranks computed them, with the trainer's forward, on those weights).
+    # rollout ranks computed them, with the trainer's forward, on those weights); or the update's forward does both.
     budget = cfg.max_tokens_per_microbatch
+    folded = scores_in_update(run, gen_version, version)
+    recomputed = entropy = parity = None
+    scored_s = 0.0   # folded: the scoring is the update's forward, timed in time_train
     if run.pipeline is not None:   # the whole step's tokens one after another: this rank's rows are one stretch
         tokens = [len(c.tokens) for c in received.items]
         first = sum(tokens[: rows.start])
         recomputed, entropy = (batch.spread(t[first: first + sum(tokens[rows])]) for t in received.scored)
-    else:
+    elif not folded:
         scorer = sync.generator if gen_version != version else run.weights.scorer
         t_score = time.perf_counter()
         recomputed, entropy = score(scorer, batch, budget, cfg.temperature, with_entropy=True)
         if recomputed.is_cuda:   # the kernels run ahead of the host: their end, not their launch
             torch.cuda.synchronize(recomputed.device)
         scored_s = time.perf_counter() - t_score
-    # Over the whole step: a break on any rank stops every rank, each raising the same error.
-    behavior_all, recomputed_all, mask_all = dp.gather_rows(batch.behavior, recomputed, batch.mask)
-    parity = parity_stats(behavior_all, recomputed_all, mask_all)
-    # Logged first, so the step that breaks parity is on record in metrics.csv.
-    log(step, "parity_max_abs_diff", parity["max_abs_diff"])
-    log(step, "parity_mean_abs_diff", parity["mean_abs_diff"])
-    log(step, "parity_tokens_differing", parity["tokens_differing"])
-    log(step, "sampler_trainer_kl", parity["kl"])
-    log(step, "is_ess", parity["ess"])
-    log(step, "seq_logratio_sd", parity["seq_logratio_sd"])
-    log(step, "seq_ratio_outside_1.2", parity["seq_ratio_outside_1.2"])
-    if step == 1 and dp.is_main:  # the starting policy's per-token mismatch, for histograms
-        save_token_logprobs(run.out / "step1_logprobs.npz", behavior_all, recomputed_all, mask_all)
-    # With sampler_noise the mismatch is the experiment's own knob, measured above, not a broken kernel.
-    if cfg.kernel_mode == "invariant" and not cfg.sampler_noise and parity["tokens_differing"]:
-        msg = (f"step {step}: generator and trainer log-probs differ on {parity['tokens_differing']} of "
-               f"{parity['tokens']} tokens (max |diff| {parity['max_abs_diff']:.3g}) in invariant mode")
-        if cfg.parity == "error":
-            raise ParityError(f"{msg}; {last_good(run.out)}. Check that no op runs in standard mode "
-                              "(mode overrides) and that the generator and trainer share the weights.")
-        if dp.is_main:
-            print("warning:", msg)
+    if not folded:
+        parity = check_parity(run, step, batch, recomputed)
     mask = batch.mask
     later = {}  # metrics logged once the update is known to be finite
     kl_target = None
@@ -164,7 +151,7 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     advantages = group_advantages(rewards_all, cfg.group_size, scale=spec.advantage_scale, penalty=penalty_all)[rows]
 
     # Update.
-    old = recomputed if cfg.old_logprobs == "recompute" else batch.behavior
+    old = None if folded else recomputed if cfg.old_logprobs == "recompute" else batch.behavior
     is_weights = None  # the off-policy correction's, not the model's
     if cfg.correction != "none":
         kind, level = cfg.correction.split("-")
@@ -177,7 +164,12 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
         raise FloatingPointError(f"step {step}: the loss is {loss.item()}; {last_good(run.out)}. "
                                  "Lower the learning rate or check the rewards.")
 
-    stats = update(cfg, spec, run.weights, batch, inputs, step, bad_loss, dp)
+    def scored(logp, ent):   # folded: the update's forward over the step, checked before its optimizer step
+        nonlocal recomputed, entropy, parity
+        recomputed, entropy = logp, ent
+        parity = check_parity(run, step, batch, logp)
+
+    stats = update(cfg, spec, run.weights, batch, inputs, step, bad_loss, dp, scored if folded else None)
     dp.check_replicas(run.weights, step)   # every rank took the same step: the same bits, checked
     t_train = time.perf_counter()
 
@@ -193,8 +185,8 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
                                       for s, c, g in zip(scores, batch.completions, completions)])
     scores, lengths, truncated = (list(column) for column in zip(*per_sequence))
     seconds = {"generate": t_gen - t0, "train": t_train - t_gen, "sync": t_sync - t_train, "step": t_sync - t0}
-    if run.pipeline is None:   # the part of `train` that scored the samples (the parity check's forward)
-        seconds["score"] = scored_s
+    if run.pipeline is None:   # the part of `train` that scored the samples (the parity check's forward); 0 where
+        seconds["score"] = scored_s   # the update's forward scored them (folded: that time is the update's)
     else:   # the rollout ranks' numbers came with the samples; this rank waited and synced
         seconds.update(generate=received.generate_s, score=received.score_s, rollout_wait=received.rollout_wait_s,
                        sync=t_sync - t_train + t_gen - t_received, trainer_wait=t_received - t0,
@@ -221,6 +213,55 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     log(step, "time_step", seconds["step"])
     log(step, "tokens_per_s", sum(lengths) / seconds["step"])
     return rewards_all.mean().item(), parity["tokens_differing"]
+
+
+def scores_in_update(run: Run, gen_version: int, version: int) -> bool:
+    """Whether the update's forward can be this step's scoring pass: where it computes the same log-prob bits as the
+    no-grad pass would, on the same weights, and nothing needs them before the update. Each exclusion says why."""
+    cfg, weights = run.cfg, run.weights
+    return (run.pipeline is None   # split roles: the rollout ranks scored the samples, beside the generation
+            and gen_version == version   # a lagged generator: the check runs on its weights, not the trained ones
+            # Standard mode: the training forward's products (q, k and v apart, where the no-grad forward packs
+            # them) need not give the no-grad forward's bits, which the standard arm's parity statistics measure.
+            and cfg.kernel_mode == "invariant"
+            # A second mini-batch or epoch trains on moved weights: the old log-probs are the first one's weights'.
+            and cfg.epochs == 1 and cfg.mini_batches == 1
+            and cfg.old_logprobs == "recompute"   # 'sampler': the ratio divides by the generator's log-probs
+            and not (cfg.kl_coef > 0 and cfg.kl_in_reward)   # the penalty needs them before the advantages
+            # The correction weighs the old policy against the sampler over whole sequences of the [B, T] layout,
+            # and its weights are logged over the step: computed per micro-batch, a sum's grouping could differ.
+            and cfg.correction == "none"
+            # FSDP2: the sharded module trains, the whole bf16 model scores (a sharded forward is a collective).
+            and weights.scorer is weights.module)
+
+
+def check_parity(run: Run, step: int, batch: RolloutBatch, recomputed: torch.Tensor) -> dict:
+    """The parity check over the whole step (every rank's rows, gathered in rank order): its statistics logged, step
+    1's per-token log-probs saved, and in invariant mode a difference stops the run; returns the statistics."""
+    cfg, log, dp = run.cfg, run.log, run.dp
+    # Over the whole step: a break on any rank stops every rank, each raising the same error.
+    behavior_all, recomputed_all, mask_all = dp.gather_rows(batch.behavior, recomputed, batch.mask)
+    parity = parity_stats(behavior_all, recomputed_all, mask_all)
+    # Logged first, so the step that breaks parity is on record in metrics.csv.
+    log(step, "parity_max_abs_diff", parity["max_abs_diff"])
+    log(step, "parity_mean_abs_diff", parity["mean_abs_diff"])
+    log(step, "parity_tokens_differing", parity["tokens_differing"])
+    log(step, "sampler_trainer_kl", parity["kl"])
+    log(step, "is_ess", parity["ess"])
+    log(step, "seq_logratio_sd", parity["seq_logratio_sd"])
+    log(step, "seq_ratio_outside_1.2", parity["seq_ratio_outside_1.2"])
+    if step == 1 and dp.is_main:  # the starting policy's per-token mismatch, for histograms
+        save_token_logprobs(run.out / "step1_logprobs.npz", behavior_all, recomputed_all, mask_all)
+    # With sampler_noise the mismatch is the experiment's own knob, measured above, not a broken kernel.
+    if cfg.kernel_mode == "invariant" and not cfg.sampler_noise and parity["tokens_differing"]:
+        msg = (f"step {step}: generator and trainer log-probs differ on {parity['tokens_differing']} of "
+               f"{parity['tokens']} tokens (max |diff| {parity['max_abs_diff']:.3g}) in invariant mode")
+        if cfg.parity == "error":
+            raise ParityError(f"{msg}; {last_good(run.out)}. Check that no op runs in standard mode "
+                              "(mode overrides) and that the generator and trainer share the weights.")
+        if dp.is_main:
+            print("warning:", msg)
+    return parity
 
 
 def _same_in_group(mesh, batch: RolloutBatch, step: int) -> None:

@@ -1,6 +1,7 @@
 """GRPO-family training with the generator and trainer on one model and one set of kernels: the run's loop
 (`train`) and a rollout rank's loop (`_serve`); the run's setup is `run.py`'s `Run`, one step `step.py`'s
-`train_step` (rollout -> reward -> parity check -> advantages -> update -> sync).
+`train_step` (rollout -> reward -> parity check -> advantages -> update -> sync; where the update's forward is the
+scoring pass, the parity check runs inside the update, before its optimizer step).
 
 Synchronous by default (policy lag 0). With `policy_lag=k` the generator samples with the weights of
 k updates before the trainer's, as an asynchronous pipeline would (`sync.py`).

@@ -9,6 +9,12 @@ The old log-probs, the correction weights and the KL target are computed once, b
 update, over the whole step; from the second mini-batch on the ratio leaves 1 and the clip fractions
 measure how far the policy moved.
 
+With one epoch of one mini-batch on the weights that sampled, the update's own forward can be the step's scoring
+pass (`scored`, chosen by `step.scores_in_update`): its log-probs, detached, are the old ones (the no-grad pass
+would give the same bits), and the step's [B, T] log-probs and entropies go to `scored` (the parity check) once
+every micro-batch's forward and backward has run, before the loss check and the optimizer step: a check that
+raises leaves the weights as they were.
+
 Data-parallel (`dp`, `workbench.distributed.data_parallel`): the batch is this rank's share of the step. The
 mini-batches are cut from the whole step's sequences with the same permutation as in one process, each rank
 trains on its own rows of each, the `Totals` are the whole mini-batch's (every rank's), and the gradients are
@@ -40,8 +46,9 @@ class UpdateInputs:
 
     advantages: torch.Tensor
     """[B] per-sequence advantages."""
-    old: torch.Tensor
-    """The PPO ratio's denominator (`old_logprobs`: the trainer's recomputation, or the sampler's)."""
+    old: torch.Tensor | None
+    """The PPO ratio's denominator (`old_logprobs`: the trainer's recomputation, or the sampler's); None: the
+    update's own forward, detached (with `scored`)."""
     weights: torch.Tensor | None
     """Off-policy correction weights, or None."""
     kl_target: torch.Tensor | None
@@ -60,13 +67,19 @@ def _mini_batches(n: int, cfg: TrainConfig, step: int, epoch: int, rank: int = 0
 
 
 def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: RolloutBatch, inputs: UpdateInputs,
-           step: int, on_bad_loss, dp: DataParallel | None = None) -> dict[str, float]:
+           step: int, on_bad_loss, dp: DataParallel | None = None, scored=None) -> dict[str, float]:
     """Train on the step's rollouts; returns the update's metrics, averaged over its optimizer steps (with `dp`:
     over the whole step, the same on every rank).
 
     `on_bad_loss(loss)` is called (and must raise) when a micro-batch's loss is not finite, before that
     mini-batch's optimizer step (with `dp`: on every rank, when any rank's loss is not finite).
+    `scored(logp, entropy)`: the update's forward is the step's scoring pass (module docstring); it gets the [B, T]
+    log-probs and entropies of this rank's rows before the loss check and the optimizer step, and may raise.
     """
+    if scored is not None and (cfg.epochs, cfg.mini_batches, weights.sharded) != (1, 1, None):
+        raise ValueError("the update's forward scores the step only in one epoch of one mini-batch, unsharded")
+    if scored is None and inputs.old is None:
+        raise ValueError("no old log-probs: give inputs.old, or score in the update (scored)")
     loss_cfg = cfg.loss_config()
     model = weights.module
     sums: dict[str, torch.Tensor | float] = defaultdict(float)
@@ -80,6 +93,8 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
     tokens = iter((tokens if dp is None else dp.sum(tokens)).tolist())
     budget = cfg.max_tokens_per_microbatch
     counts = None
+    if scored is not None:   # the step's log-probs and entropies, 0 on padding (as `logprobs.score`'s)
+        step_logp, step_entropy = torch.zeros_like(batch.mask), torch.zeros_like(batch.mask)
     if weights.sharded is not None:   # FSDP2: the same number of forwards and backwards on every rank
         counts = iter(dp.max([len(batch.row_groups(rows, budget)) for parts in plan for _, rows in parts]))
     for parts in plan:
@@ -95,12 +110,17 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
             # No micro-batch when this rank holds no row of the mini-batch (data-parallel): it adds zeros to the sum.
             for i, mb in enumerate(mbs):
                 weights.before_backward(last=i == runs - 1)
-                logp, _ = completion_logprobs(model, mb, cfg.temperature, recompute=cfg.activation_checkpointing)
+                # The entropy (detached, for the log) changes no log-prob bit: linear_logprobs computes the lse
+                # either way, and its backward gets no entropy gradient.
+                logp, entropy = completion_logprobs(model, mb, cfg.temperature, with_entropy=scored is not None,
+                                                    recompute=cfg.activation_checkpointing)
                 cols = slice(0, mb.width)
+                if scored is not None:
+                    step_logp[mb.index, cols], step_entropy[mb.index, cols] = logp.detach(), entropy
+                old = logp.detach() if inputs.old is None else inputs.old[mb.index, cols]
                 mask = batch.mask[mb.index, cols]
                 w = None if inputs.weights is None else inputs.weights[mb.index, cols]
-                loss, stats = spec.fn(logp, inputs.old[mb.index, cols], inputs.advantages[mb.index], mask,
-                                      loss_cfg, w, totals)
+                loss, stats = spec.fn(logp, old, inputs.advantages[mb.index], mask, loss_cfg, w, totals)
                 if inputs.kl_target is not None:
                     target = inputs.kl_target[mb.index, cols]
                     kl = kl_estimate(logp, target, cfg.kl_estimator_used) * mask
@@ -116,6 +136,8 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
                 filler = batch.micro_batches(torch.arange(1), budget)[0]
                 logp, _ = completion_logprobs(model, filler, cfg.temperature, recompute=cfg.activation_checkpointing)
                 (logp.sum() * 0.0).backward()
+            if scored is not None:   # before the loss check, as the scoring pass came before the update
+                scored(step_logp, step_entropy)
             losses = torch.stack(losses) if losses else batch.mask.new_zeros(0)
             if dp is None:
                 finite = torch.isfinite(losses)
