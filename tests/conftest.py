@@ -121,10 +121,12 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def policy(tmp_path_factory):
-    """A small self-trained arithmetic policy (CPU), trained until greedy accuracy leaves room for RL, so groups
-    have reward variance and weights move."""
+    """A small self-trained arithmetic policy, trained until greedy accuracy leaves room for RL, so groups have
+    reward variance and weights move. On the GPU where there is one: on a GPU host the interpreter is off, and the
+    embedding's gradient is a Triton kernel, which then runs on CUDA tensors only."""
     from workbench.rl.policy import PolicyConfig, train_policy
 
     out = tmp_path_factory.mktemp("policy")
-    train_policy(PolicyConfig(eval_every=25, eval_problems=16, device="cpu"), out)
+    train_policy(PolicyConfig(eval_every=25, eval_problems=16, device="cuda" if torch.cuda.is_available() else "cpu"),
+                 out)
     return str(out)
