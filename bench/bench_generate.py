@@ -107,7 +107,7 @@ def vllm_engines(shape: str, runs=((64, NEW), (256, NEW)), backends=None, gpu_me
     tput, parity = {}, ["| engine | tokens | differing from the trainer | request alone = in batch |",
                         "|---|---|---|---|"]
     for backend in backends or BACKENDS:
-        for r in _run_worker(backend, [shape], True, timeout, [f"{b}x{n}" for b, n in runs], gpu_memory):
+        for r in _run_worker(backend, [shape], True, timeout, runs, gpu_memory):
             if r["kind"] == "tput":
                 tput[(backend, r["batch"], r["new"])] = r["tok_s"]
                 # As it comes: a run cut short by a time limit still shows what it measured.

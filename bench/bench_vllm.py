@@ -44,6 +44,8 @@ from workbench.models import ModelConfig, build, copy_weights, load_pretrained, 
 SMALL = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
 BACKENDS = {"vllm-workbench": ("workbench", True), "vllm-bi": ("vllm", True), "vllm-default": ("vllm", False)}
+CASES = ((64, 256), (256, 256))
+"""(batch, new tokens) a worker's throughput runs take unless told (--cases)."""
 
 
 def _prompts(n, length, vocab, seed=0):
@@ -130,8 +132,8 @@ def cases(texts: list[str]) -> list[tuple[int, int]]:
         raise SystemExit(f"--cases takes BATCHxNEW_TOKENS items such as 64x256, got {texts}") from None
 
 
-def worker(backend: str, shapes: list[str], do_throughput: bool, runs: list[tuple[int, int]] = ((64, 256), (256, 256)),
-           gpu_memory: float = 0.35) -> None:
+def worker(backend: str, shapes: list[str], do_throughput: bool, runs: list[tuple[int, int]],
+           gpu_memory: float) -> None:
     """Runs in its own process: one vLLM backend; prints one JSON line per result."""
     from workbench.generation.vllm_backend import VLLMGenerator
 
@@ -164,9 +166,9 @@ def worker(backend: str, shapes: list[str], do_throughput: bool, runs: list[tupl
             torch.cuda.empty_cache()
 
 
-def _run_worker(backend, shapes, do_throughput, timeout, runs=("64x256", "256x256"), gpu_memory=0.35):
+def _run_worker(backend, shapes, do_throughput, timeout, runs=CASES, gpu_memory=0.35):
     cmd = [sys.executable, __file__, "--worker", backend, "--shapes", *shapes, "--throughput", str(int(do_throughput)),
-           "--cases", *runs, "--gpu-memory", str(gpu_memory)]
+           "--cases", *(f"{b}x{n}" for b, n in runs), "--gpu-memory", str(gpu_memory)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     timed_out = False
     try:
@@ -192,7 +194,7 @@ def main() -> None:
     p.add_argument("--embedded", type=int, default=1, help="also measure the embedded generator")
     p.add_argument("--worker", choices=list(BACKENDS), help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=int, default=300, help="seconds per vLLM worker")
-    p.add_argument("--cases", nargs="+", default=["64x256", "256x256"], help=argparse.SUPPRESS)
+    p.add_argument("--cases", nargs="+", default=[f"{b}x{n}" for b, n in CASES], help=argparse.SUPPRESS)
     p.add_argument("--gpu-memory", type=float, default=0.35, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:

@@ -35,11 +35,9 @@ def breakdown(metrics: pd.DataFrame, warmup: int) -> dict[str, float]:
     parts = pd.DataFrame({"generate": later["time_generate"], "score": later["time_score"],
                           "update": later["time_train"] - later["time_score"], "sync": later["time_sync"]})
     parts["other"] = later["time_step"] - parts.sum(axis=1)
-    out = {"steps": f"{int(later.index.min())}-{int(later.index.max())}", "step": later["time_step"].median(),
-           **parts.median().to_dict(), "tokens/s": later["tokens_per_s"].median(),
-           "length": later["response_length"].median(),
-           "differing": int(m["parity_tokens_differing"].sum())}
-    return out
+    return {"steps": f"{int(later.index.min())}-{int(later.index.max())}", "step": later["time_step"].median(),
+            **parts.median().to_dict(), "tokens/s": later["tokens_per_s"].median(),
+            "length": later["response_length"].median(), "differing": int(m["parity_tokens_differing"].sum())}
 
 
 def table(folders: list[Path], warmup: int) -> list[str]:
