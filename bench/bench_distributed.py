@@ -16,6 +16,9 @@ baseline measured in the same run.
    - `split-<r>r<t>t-sync` / `-async`: r rollout ranks and t = N - r trainer ranks, at policy lag 0 and 1 (the
      rollout ranks generate step s + 1 while the trainer ranks update on step s), with N x --prompts rounded down to
      a multiple of both r and t (each side's ranks take equal whole shares), for each r of --rollout-ranks;
+   - with --parity-sample n > 1, each run that scores its samples in a pass of its own (the split runs and
+     `dp-fsdp2`; the others score in the update's forward) again as `<run>-check<n>`, recomputing 1 completion in n
+     (TrainConfig.parity_sample);
    - `parity-<P>`: 1 GPU, P prompts, one step, for each P an N-GPU run takes: the world-size-1 log-probs that run's
      step 1 must equal, bitwise. Its generator's cache is freed before the update (keep_graphs off: one step, its
      speed means nothing), so N x the per-GPU batch fits on one GPU.
@@ -89,6 +92,8 @@ class Run:
     """TrainConfig.parallel of the trainer ranks."""
     parity: bool = False
     """The one-step, one-GPU reference of an N-GPU run's step-1 log-probs at the same prompts a step."""
+    parity_sample: int = 1
+    """TrainConfig.parity_sample: the parity check recomputes 1 completion in this many."""
 
 
 def rollout_counts(gpus: int) -> list[int]:
@@ -107,9 +112,10 @@ def split_prompts(total: int, rollout: int, trainer: int) -> int:
     return total // unit * unit
 
 
-def plan(gpus: int, prompts: int, rollouts: list[int]) -> list[Run]:
+def plan(gpus: int, prompts: int, rollouts: list[int], parity_sample: int = 1) -> list[Run]:
     """Every RL run at `gpus` GPUs and `prompts` prompts per GPU, in the order they run: one, the colocated runs,
-    the split runs (rollout ranks in `rollouts`), then one parity run per prompts a step the N-GPU runs take."""
+    the split runs (rollout ranks in `rollouts`), with `parity_sample` > 1 those that score in a pass of their own
+    again, checking 1 completion in `parity_sample`, then one parity run per prompts a step the N-GPU runs take."""
     total = gpus * prompts
     runs = [Run("one", 1, prompts), Run("dp", gpus, total), Run("dp-fsdp2", gpus, total, parallel="fsdp2")]
     for r in rollouts:
@@ -122,6 +128,9 @@ def plan(gpus: int, prompts: int, rollouts: list[int]) -> list[Run]:
                              f"or leave {r} out of --rollout-ranks")
         runs += [Run(f"split-{r}r{gpus - r}t-{kind}", gpus, n, rollout_ranks=r, policy_lag=lag)
                  for kind, lag in (("sync", 0), ("async", 1))]
+    if parity_sample > 1:
+        runs += [dataclasses.replace(run, name=f"{run.name}-check{parity_sample}", parity_sample=parity_sample)
+                 for run in runs if run.rollout_ranks or run.parallel == "fsdp2"]
     batches = sorted({run.prompts for run in runs if run.gpus > 1}, reverse=True)
     return runs + [parity_run(n) for n in batches]
 
@@ -199,7 +208,7 @@ def _run_config(run: Run, args, policy: Path) -> TrainConfig:
                       device=args.device, variant=run.name, keep_graphs=args.keep_graphs and not run.parity,
                       activation_checkpointing=args.activation_checkpointing, parallel=run.parallel,
                       policy_lag=run.policy_lag, rollout_ranks=run.rollout_ranks,
-                      sync="copy" if run.rollout_ranks else "shared")
+                      sync="copy" if run.rollout_ranks else "shared", parity_sample=run.parity_sample)
     return cfg
 
 
@@ -287,7 +296,12 @@ def rl_table(runs: list[Run], args) -> list[str]:
         same = ""
         if run.gpus > 1:
             same = _same_step1(cfg, _folder(parity_run(run.prompts), args))
-        rows[run.name] = (run, tokens, step_s, parts, int(m["parity_tokens_differing"].sum()), busy, same)
+        differing = f"{m['parity_tokens_differing'].sum():.0f}"
+        if run.parity_sample > 1:   # step 1 checks every completion; the share of the later steps' tokens checked
+            after = m[m.index > 1]
+            every = (after["response_length"] * cfg.prompts_per_step * cfg.group_size).sum()
+            differing += f" (checked: step 1 all, then {after['parity_tokens_checked'].sum() / every:.1%})"
+        rows[run.name] = (run, tokens, step_s, parts, differing, busy, same)
     out = ["", f"### RL steps, {args.shape} (random weights), invariant, {args.group} completions x "
            f"{args.new_tokens} new tokens, {args.prompts} prompts per GPU, medians of steps "
            f"{args.warmup + 1}..{args.steps} (before: compilation, autotuning)", "",
@@ -319,7 +333,7 @@ def _summary(rows: dict, steady: dict, args) -> list[str]:
         out.append(f"- best split roles: {best} / one sampled tokens/s: {rows[best][1] / base[1]:.2f} "
                    f"(target >= {goal:.2f})")
     for name in splits:
-        if not name.endswith("-async"):
+        if "-async" not in name:
             continue
         for other, target in ((name.replace("-async", "-sync"), " (target <= 0.6)"),
                               ("dp", ", colocated synchronous, for reference")):
@@ -357,6 +371,9 @@ def main() -> None:
                     help="keep the generator's KV caches and decode graphs between steps (TrainConfig.keep_graphs)")
     ap.add_argument("--activation-checkpointing", default="none", choices=["none", "mlp", "layers"],
                     help="what the update's backward recomputes (TrainConfig.activation_checkpointing)")
+    ap.add_argument("--parity-sample", type=int, default=1,
+                    help="n > 1: the runs that score in a pass of their own also as `<run>-check<n>`, recomputing 1 "
+                         "completion in n for the parity check (TrainConfig.parity_sample)")
     ap.add_argument("--reps", type=int, default=5, help="broadcasts timed")
     ap.add_argument("--link-gbs", type=float, default=450.0,
                     help="the GPUs' link bandwidth one way, GB/s (H100/H200 NVLink 4: 450)")
@@ -369,7 +386,7 @@ def main() -> None:
     if args.gpus < 2:
         raise SystemExit(f"--gpus {args.gpus}: the benchmark compares N >= 2 GPUs with one; pass --gpus 2 or more "
                          f"(--device cpu runs it on gloo)")
-    every = plan(args.gpus, args.prompts, args.rollout_ranks or rollout_counts(args.gpus))
+    every = plan(args.gpus, args.prompts, args.rollout_ranks or rollout_counts(args.gpus), args.parity_sample)
     by_name = {run.name: run for run in every}
     unknown = sorted(set(args.runs or ()) - set(by_name))
     if unknown:

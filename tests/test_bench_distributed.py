@@ -60,6 +60,9 @@ def test_four_gpus_measure_every_ratio(bench):
     names = [r.name for r in bench.plan(4, 32, bench.rollout_counts(4))]
     assert names == ["one", "dp", "dp-fsdp2", "split-1r3t-sync", "split-1r3t-async", "split-2r2t-sync",
                      "split-2r2t-async", "split-3r1t-sync", "split-3r1t-async", "parity-128", "parity-126"]
+    # With a sampled parity check, the runs that score in a pass of their own again, beside their fully checked twin.
+    sampled = [r for r in bench.plan(4, 32, [2], parity_sample=8) if r.parity_sample == 8]
+    assert [r.name for r in sampled] == ["dp-fsdp2-check8", "split-2r2t-sync-check8", "split-2r2t-async-check8"]
 
 
 def test_too_few_prompts_for_a_split_says_what_to_pass(bench):

@@ -129,6 +129,13 @@ def test_gpu_every_gpu_of_the_host_is_one_process_bitwise(policy, tmp_path):
     prompts = math.lcm(gpus, *(n for r in _splits(gpus) for n in (r, gpus - r)))
     runs = {"dp": {"prompts_per_step": prompts}}
     runs |= {f"split-{r}": {"prompts_per_step": prompts, "rollout_ranks": r, "policy_lag": 1} for r in _splits(gpus)}
+    # Half the ranks generating, each recomputing 1 of 4 completions of step 2 for the check (parity_sample).
+    runs["split-check4"] = {"prompts_per_step": prompts, "rollout_ranks": gpus // 2, "policy_lag": 1,
+                            "parity_sample": 4}
     launch.spawn(_train_worker, gpus, policy, str(tmp_path), runs)
     train(_cfg(policy, tmp_path / "one-lag", prompts_per_step=prompts, policy_lag=1))
     _match_one_process(tmp_path, runs, f"split-{gpus - 1}")
+    checked = {name: pd.read_csv(tmp_path / name / "metrics.csv").query("metric == 'parity_tokens_checked'").value
+               for name in ("split-check4", "one-lag")}
+    assert checked["split-check4"].iloc[0] == checked["one-lag"].iloc[0], "step 1 checks every completion"
+    assert 0 < checked["split-check4"].iloc[1] < checked["one-lag"].iloc[1] / 2, checked

@@ -121,7 +121,8 @@ def test_a_nan_loss_stops_and_keeps_the_last_good_checkpoint(policy, tmp_path, m
     written = pd.read_csv(tmp_path / "metrics.csv")
     assert set(written.step) == {1, 2}, "the metrics so far are written"
     assert set(written[written.step == 2].metric) == {"parity_max_abs_diff", "parity_mean_abs_diff",
-                                                      "parity_tokens_differing", "sampler_trainer_kl", "is_ess",
+                                                      "parity_tokens_differing", "parity_tokens_checked",
+                                                      "sampler_trainer_kl", "is_ess",
                                                       "seq_logratio_sd", "seq_ratio_outside_1.2"}
     state = (latest_checkpoint(tmp_path) / "state.json").read_text()
     assert '"step": 1' in state

@@ -159,7 +159,8 @@ def test_a_nan_loss_in_the_folded_update_stops_as_before(policy, tmp_path, monke
         train(_cfg(policy, tmp_path, checkpoint_every=1))
     written = pd.read_csv(tmp_path / "metrics.csv")
     assert set(written[written.step == 2].metric) == {"parity_max_abs_diff", "parity_mean_abs_diff",
-                                                      "parity_tokens_differing", "sampler_trainer_kl", "is_ess",
+                                                      "parity_tokens_differing", "parity_tokens_checked",
+                                                      "sampler_trainer_kl", "is_ess",
                                                       "seq_logratio_sd", "seq_ratio_outside_1.2"}
     assert written[(written.step == 2) & (written.metric == "parity_tokens_differing")].value.item() == 0
     assert '"step": 1' in (latest_checkpoint(tmp_path) / "state.json").read_text()

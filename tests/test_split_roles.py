@@ -46,7 +46,7 @@ def _one_process(policy: str, out: Path, **kw) -> subprocess.Popen:
     a core idle while its trainer waits for samples); its output goes to out.log."""
     cfg = _cfg(policy, out, rollout_ranks=0, **kw)
     names = ("policy", "out_dir", "steps", "prompts_per_step", "group_size", "max_new_tokens", "kernel_mode",
-             "checkpoint_every", "lr", "sync", "policy_lag", "rollout_ranks")
+             "checkpoint_every", "lr", "sync", "policy_lag", "rollout_ranks", "parity_sample")
     with open(f"{out}.log", "w") as log:
         return subprocess.Popen([sys.executable, "-m", "workbench", "train", "--no-progress",
                                  *(f"{n}={getattr(cfg, n)}" for n in names)], stdout=log, stderr=subprocess.STDOUT)
@@ -70,9 +70,10 @@ def _split_worker(policy: str, root: str) -> None:
         solo = DataParallel(d, group=alone)
         assert solo.world_size == 1 and solo.shard(3) == slice(0, 3) and solo.max([2.0]) == [2.0]
     # Invariant mode: synchronous (1 step), and policy_lag=1 (2 steps: step 2 samples with the weights before
-    # step 1's update while the trainer updates on step 1).
+    # step 1's update while the trainer updates on step 1; the rollout rank recomputes 2 of step 2's 4 completions).
     # Policy lag 2, 4 steps: step 4 samples with version 1, which rank 0 sends from its kept copies.
-    tables = {"sync": train(_cfg(policy, out / "sync", steps=1)), "lag": train(_cfg(policy, out / "lag", policy_lag=1)),
+    tables = {"sync": train(_cfg(policy, out / "sync", steps=1)),
+              "lag": train(_cfg(policy, out / "lag", policy_lag=1, parity_sample=2)),
               "lag2": train(_cfg(policy, out / "lag2", policy_lag=2, steps=4))}
     if d.rank == 0:
         torch.save(tables, out / "tables.pt")
@@ -138,7 +139,7 @@ def _metrics(table: pd.DataFrame | Path) -> pd.DataFrame:
 
 def test_split_roles_match_one_process_bitwise_overlap_resume_and_stop_together(policy, tmp_path):
     one = {"sync": _one_process(policy, tmp_path / "one_sync", steps=1),
-           "lag": _one_process(policy, tmp_path / "one_lag", policy_lag=1),
+           "lag": _one_process(policy, tmp_path / "one_lag", policy_lag=1, parity_sample=2),
            "lag2": _one_process(policy, tmp_path / "one_lag2", policy_lag=2, steps=4)}
     launch.spawn(_split_worker, 2, policy, str(tmp_path))
     for name, p in one.items():
@@ -168,6 +169,8 @@ def test_split_roles_match_one_process_bitwise_overlap_resume_and_stop_together(
     tables = torch.load(tmp_path / "tables.pt", weights_only=False)
     lag = tables["lag"].pivot(index="step", columns="metric", values="value")
     assert list(lag["policy_lag"]) == [0, 1] and lag["weight_delta_l2"][1] > 0, "step 2 sampled with moved weights"
+    tokens = 4 * lag["response_length"]   # the step's completion tokens (2 prompts x 2)
+    assert lag["parity_tokens_checked"][1] == tokens[1] and 0 < lag["parity_tokens_checked"][2] < tokens[2]
     lag2 = tables["lag2"].pivot(index="step", columns="metric", values="value")
     assert list(lag2["policy_lag"]) == [0, 1, 2, 2] and lag2["weight_delta_l2"][1] > 0, "step 4: moved weights"
     # The overlap is real: the rollout rank generated step 2 while rank 0 trained on step 1 (wall-clock spans).
@@ -209,15 +212,17 @@ def _three_worker(policy: str, root: str) -> None:
 
     launch.init("cpu")
     train(_cfg(policy, Path(root) / "three", policy_lag=1, parallel="fsdp2"))
-    train(_cfg(policy, Path(root) / "two_rollouts", policy_lag=1, rollout_ranks=2))
+    train(_cfg(policy, Path(root) / "two_rollouts", policy_lag=1, rollout_ranks=2, parity_sample=2))
 
 
 def test_three_ranks_two_trainers_or_two_rollout_ranks(policy, tmp_path):
     """3 processes, policy lag 1. First ranks 0 and 1 train with FSDP2 over their own group of 2, rank 2 generates.
     Every step samples with weights both runs hold bit for bit (step 2 with the start's, one update behind), so
     what the samples decide is the one-process run's exactly; the update is its gradient up to summation order.
-    Then rank 0 trains alone and ranks 1 and 2 generate a prompt each: one process's run, bit for bit, the weights
-    included (the sync went to both rollout ranks, and their shares came back in the step's row order)."""
+    Then rank 0 trains alone and ranks 1 and 2 generate a prompt each, each recomputing 1 of its 2 completions at
+    step 2 (parity_sample=2): one process's run, bit for bit, the weights included (the sync went to both rollout
+    ranks, and their shares came back in the step's row order), but for the parity and entropy metrics of step 2,
+    which are those of the rows checked."""
     from workbench.distributed.checkpoint import load
     from workbench.models import build, load_pretrained
     from workbench.rl.checkpoint import latest_checkpoint
@@ -241,7 +246,13 @@ def test_three_ranks_two_trainers_or_two_rollout_ranks(policy, tmp_path):
     assert max(float((ref[k] - v).abs().max()) for k, v in model.state_dict().items()) < 1e-6
 
     split = tmp_path / "two_rollouts"
-    pd.testing.assert_frame_equal(_metrics(split), one)
+    sample = _metrics(split)
+    pd.testing.assert_frame_equal(sample.loc[[1]], one.loc[[1]])
+    alike = [c for c in one.columns if not c.startswith(("parity_", "entropy", "sampler_trainer_kl", "is_ess",
+                                                             "seq_"))]
+    pd.testing.assert_frame_equal(sample[alike], one[alike])
+    assert sample["parity_tokens_differing"][2] == 0 < sample["parity_tokens_checked"][2] < \
+        one["parity_tokens_checked"][2] == 4 * one["response_length"][2]
     a = np.load(split / "step1_logprobs.npz")
     assert all(a[side].tobytes() == b["generator"].tobytes() for side in ("generator", "trainer"))
     assert same_bits(load_file(latest_checkpoint(split) / "masters.safetensors"), ref)

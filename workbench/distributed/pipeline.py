@@ -19,7 +19,8 @@ trainer rank would run) on the weights that sampled, which it holds, as soon as 
 check then compares the generator's log-probs with the trainer's kernels, as in one process: the same function on
 the same bits gives the same bits on any GPU of the job (the world-size tests check it). What moves is the work: a
 trainer rank only updates, and the rollout rank, which at the Qwen3-1.7B shape generates a step in half the time a
-trainer rank took to score and update it, has the time (docs/distributed.md).
+trainer rank took to score and update it, has the time (docs/distributed.md). With `parity_sample = n` (invariant
+mode) it recomputes 1 completion in n, and the scoring's share of its time falls n-fold.
 
 The trainer side alone decides; a rollout rank follows orders (`serve`) and holds no schedule of its own. Every
 rank meets the collectives in one sequence (a rollout rank: order, weights if any, share; the trainer ranks: share
@@ -86,8 +87,9 @@ class Share:
     columns: dict
     """The items' 1-D tensor fields, each concatenated over the items, with the items' lengths."""
     scored: tuple
-    """The trainer's (log-probs, entropies) of the items' tokens on the weights that drew them, one item after
-    another (host fp32; empty after a failure)."""
+    """The trainer's (log-probs, entropies) of the tokens of the items the parity check recomputes (all, or a sample:
+    `TrainConfig.parity_sample`) on the weights that drew them, one item after another (host fp32; empty after a
+    failure)."""
     generate_s: float
     """Seconds generating them."""
     score_s: float
@@ -108,7 +110,8 @@ class Received:
     items: list
     """The whole step's completions, in row order."""
     scored: tuple[torch.Tensor, torch.Tensor]
-    """The trainer's (log-probs, entropies) of their tokens, one completion after another (`Share.scored`)."""
+    """The trainer's (log-probs, entropies) of the tokens of the completions checked, one after another
+    (`Share.scored`)."""
     version: int
     """The weights version that drew them."""
     generate_s: float
@@ -186,10 +189,11 @@ class Pipeline:
 
     # The rollout side.
 
-    def serve(self, generator: nn.Module, sample: Callable[[int], list], score: Callable[[list], tuple]) -> None:
+    def serve(self, generator: nn.Module, sample: Callable[[int], list],
+              score: Callable[[int, list], tuple]) -> None:
         """A rollout rank's whole run: follow trainer rank 0's orders, `sample(step)` (the step's completions of
-        this rank's share, on the host) with `generator`'s weights, `score(completions)` (`Share.scored`) on the
-        same weights, and hand each share over, until a stop."""
+        this rank's share, on the host) with `generator`'s weights, `score(step, completions)` (`Share.scored`) on
+        the same weights, and hand each share over, until a stop."""
         failure: BaseException | None = None
         waiting = time.perf_counter()
         while True:
@@ -210,7 +214,7 @@ class Pipeline:
                 try:
                     items = sample(order.step)
                     t1 = time.perf_counter()
-                    scored = score(items)
+                    scored = score(order.step, items)
                 except Exception as e:   # handed over with the share: the trainers stop everyone
                     items, scored, failure = [], (), e
             if failure is not None:

@@ -101,6 +101,10 @@ class TrainConfig:
     (for machines that allow a few minutes per command; 0: no limit)."""
     parity: str = "error"
     """In invariant mode, what a log-prob difference does: 'error' or 'warn'."""
+    parity_sample: int = 1
+    """Where a separate pass scores the samples (policy lag, split roles, FSDP2, ...): recompute 1 completion in n,
+    a different one of each n rows each step, every one at step 1 (1: all). n > 1 needs invariant mode: the rows
+    not recomputed take the generator's log-probs, which the check shows are the trainer's bits on the others."""
     correction: str = "none"
     """Off-policy correction: none, tis-token, tis-sequence, mask-token, mask-sequence."""
     correction_cap: float = 2.0
@@ -211,6 +215,19 @@ class TrainConfig:
                              "use old_logprobs='recompute' or correction='none'")
         if self.parity not in ("error", "warn"):
             raise ValueError(f"parity must be 'error' or 'warn', got {self.parity!r}")
+        if not isinstance(self.parity_sample, int) or isinstance(self.parity_sample, bool) or self.parity_sample < 1:
+            raise ValueError(f"parity_sample must be an integer >= 1 (1: check every completion), got "
+                             f"{self.parity_sample!r}")
+        if self.parity_sample > 1 and (self.kernel_mode != "invariant" or self.sampler_noise
+                                       or (self.generator == "vllm" and self.vllm_model != "workbench")):
+            raise ValueError(f"parity_sample={self.parity_sample} takes the generator's log-probs for the trainer's "
+                             "on the rows it does not check, which holds only where they are the same bits: "
+                             "kernel_mode='invariant', no sampler_noise, the workbench's own generator kernels; "
+                             "set parity_sample=1 to recompute every completion")
+        if self.parity_sample > self.prompts_per_step * self.group_size:
+            raise ValueError(f"parity_sample={self.parity_sample} exceeds the step's "
+                             f"{self.prompts_per_step * self.group_size} completions: some steps would check none; "
+                             "lower it")
         if self.correction not in ("none", "tis-token", "tis-sequence", "mask-token", "mask-sequence"):
             raise ValueError(f"unknown correction {self.correction!r}")
         if get_loss(self.loss).sequence_level and self.correction.endswith("-token"):

@@ -35,12 +35,13 @@ def completion_logprobs(model, mb: MicroBatch, temperature: float, with_entropy:
 
 
 @torch.no_grad()
-def score(model, batch: RolloutBatch, max_tokens: int, temperature: float,
-          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The whole batch's [B, T] log-probs (and entropies) under `model`, micro-batch by micro-batch."""
+def score(model, batch: RolloutBatch, max_tokens: int, temperature: float, with_entropy: bool = False,
+          rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The batch's [B, T] log-probs (and entropies) under `model`, micro-batch by micro-batch: of the rows `rows`
+    (default all; the others' are 0)."""
     logp = torch.zeros_like(batch.mask)
     ent = torch.zeros_like(batch.mask) if with_entropy else None
-    for mb in batch.micro_batches(None, max_tokens):
+    for mb in batch.micro_batches(None if rows is None else torch.tensor(rows, dtype=torch.long), max_tokens):
         lp, e = completion_logprobs(model, mb, temperature, with_entropy)
         logp[mb.index, : mb.width] = lp
         if ent is not None:

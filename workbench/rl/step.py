@@ -8,7 +8,10 @@ weights that sampled, in invariant mode), no separate scoring pass runs: the upd
 side, the old policy and the logged entropy, and the check runs after its backward, before the optimizer step.
 
 The parity check always compares the generator with the trainer's kernels on the generator's weights, so it
-measures the kernel mismatch, never the policy lag. In `invariant` mode any difference stops the run
+measures the kernel mismatch, never the policy lag. A separate pass may recompute a sample of the completions
+(`parity_sample`, invariant mode: `parity_rows`); the rows it skips take the generator's log-probs, which are the
+trainer's bits wherever the check looks, so the update is the same bits, and the parity and entropy metrics are
+those of the rows checked. In `invariant` mode any difference stops the run
 (parity='error'), unless `sampler_noise` perturbs the sampler on purpose (a dose-response run: the mismatch is then
 its knob); in `standard` mode it is measured and logged. Step 1's per-token log-probs of both sides are kept
 (step1_logprobs.npz), the starting policy's mismatch for histograms.
@@ -119,20 +122,26 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     folded = scores_in_update(run, gen_version, version)
     recomputed = entropy = parity = None
     scored_s = 0.0   # folded: the scoring is the update's forward, timed in time_train
-    if run.pipeline is not None:   # the whole step's tokens one after another: this rank's rows are one stretch
-        tokens = [len(c.tokens) for c in received.items]
-        first = sum(tokens[: rows.start])
-        recomputed, entropy = (batch.spread(t[first: first + sum(tokens[rows])]) for t in received.scored)
+    mask = batch.mask
+    checked = mask   # the real tokens the parity check and the logged entropy cover: the rows recomputed
+    if run.pipeline is not None:
+        recomputed, entropy, rows_checked = _received_scores(cfg, step, received, rows, batch)
     elif not folded:
+        rows_checked = parity_rows(cfg, step, range(rows.start, rows.stop))
         scorer = sync.generator if gen_version != version else run.weights.scorer
         t_score = time.perf_counter()
-        recomputed, entropy = score(scorer, batch, budget, cfg.temperature, with_entropy=True)
+        recomputed, entropy = score(scorer, batch, budget, cfg.temperature, with_entropy=True,
+                                    rows=None if all(rows_checked) else
+                                    [i for i, ok in enumerate(rows_checked) if ok])
+        if not all(rows_checked):
+            recomputed = torch.where(_row_mask(rows_checked, batch), recomputed, batch.behavior)
         if recomputed.is_cuda:   # the kernels run ahead of the host: their end, not their launch
             torch.cuda.synchronize(recomputed.device)
         scored_s = time.perf_counter() - t_score
     if not folded:
-        parity = check_parity(run, step, batch, recomputed)
-    mask = batch.mask
+        if not all(rows_checked):
+            checked = mask * _row_mask(rows_checked, batch)
+        parity = check_parity(run, step, batch, recomputed, checked)
     later = {}  # metrics logged once the update is known to be finite
     kl_target = None
     if cfg.kl_coef > 0:
@@ -167,7 +176,7 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     def scored(logp, ent):   # folded: the update's forward over the step, checked before its optimizer step
         nonlocal recomputed, entropy, parity
         recomputed, entropy = logp, ent
-        parity = check_parity(run, step, batch, logp)
+        parity = check_parity(run, step, batch, logp, mask)
 
     stats = update(cfg, spec, run.weights, batch, inputs, step, bad_loss, dp, scored if folded else None)
     dp.check_replicas(run.weights, step)   # every rank took the same step: the same bits, checked
@@ -199,7 +208,7 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     log(step, "reward_positive", (rewards_all > 0).float().mean())   # the task's own accuracy: accuracy_<score>
     for name in scores[0]:
         log(step, f"accuracy_{name}", sum(s[name] for s in scores) / len(scores))
-    log(step, "entropy", dp.ratio_of_sums((entropy * mask).sum(), mask.sum()))
+    log(step, "entropy", dp.ratio_of_sums((entropy * checked).sum(), checked.sum()))
     log(step, "response_length", sum(lengths) / len(lengths))
     log(step, "truncation_rate", sum(truncated) / len(lengths))
     log(step, "policy_lag", version - gen_version)
@@ -235,14 +244,46 @@ def scores_in_update(run: Run, gen_version: int, version: int) -> bool:
             and weights.scorer is weights.module)
 
 
-def check_parity(run: Run, step: int, batch: RolloutBatch, recomputed: torch.Tensor) -> dict:
-    """The parity check over the whole step (every rank's rows, gathered in rank order): its statistics logged, step
-    1's per-token log-probs saved, and in invariant mode a difference stops the run; returns the statistics."""
+def parity_rows(cfg: TrainConfig, step: int, rows) -> list[bool]:
+    """Whether the parity check recomputes each of `rows` (row numbers of the step): 1 in cfg.parity_sample, the
+    rows with (row + step) % n == 0, so each row of a block of n takes its turn (with n = group_size, one completion
+    of every group); every row at step 1, the starting policy's whole mismatch (step1_logprobs.npz)."""
+    n = cfg.parity_sample
+    return [step == 1 or (r + step) % n == 0 for r in rows]
+
+
+def _row_mask(rows_checked: list[bool], batch: RolloutBatch) -> torch.Tensor:
+    """[B, 1] bool on the batch's device: the rows recomputed."""
+    return torch.tensor(rows_checked, device=batch.device)[:, None]
+
+
+def _received_scores(cfg: TrainConfig, step: int, received, rows: slice,
+                     batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+    """Split roles: this rank's [B, T] trainer log-probs and entropies, and its rows checked, from the rollout ranks'
+    scores (those of the whole step's rows checked, one after another). A row not checked takes the generator's
+    log-probs (and entropy 0: it is not logged)."""
+    everyone = parity_rows(cfg, step, range(len(received.items)))
+    numbers = [r for r, ok in enumerate(everyone) if ok]
+    lengths = [len(received.items[r].tokens) for r in numbers]
+    scored = [dict(zip(numbers, t.split(lengths))) for t in received.scored]
+    logp, ent = [], []
+    for r in range(rows.start, rows.stop):
+        c = received.items[r]
+        logp.append(scored[0].get(r, c.sampled_logprobs))
+        ent.append(scored[1].get(r, torch.zeros(len(c.tokens))))
+    return batch.spread(torch.cat(logp)), batch.spread(torch.cat(ent)), everyone[rows]
+
+
+def check_parity(run: Run, step: int, batch: RolloutBatch, recomputed: torch.Tensor, checked: torch.Tensor) -> dict:
+    """The parity check over the whole step (every rank's rows, gathered in rank order) on the tokens `checked` (the
+    real tokens of the rows recomputed): its statistics logged, step 1's per-token log-probs saved, and in invariant
+    mode a difference stops the run; returns the statistics."""
     cfg, log, dp = run.cfg, run.log, run.dp
     # Over the whole step: a break on any rank stops every rank, each raising the same error.
-    behavior_all, recomputed_all, mask_all = dp.gather_rows(batch.behavior, recomputed, batch.mask)
+    behavior_all, recomputed_all, mask_all = dp.gather_rows(batch.behavior, recomputed, checked)
     parity = parity_stats(behavior_all, recomputed_all, mask_all)
     # Logged first, so the step that breaks parity is on record in metrics.csv.
+    log(step, "parity_tokens_checked", parity["tokens"])
     log(step, "parity_max_abs_diff", parity["max_abs_diff"])
     log(step, "parity_mean_abs_diff", parity["mean_abs_diff"])
     log(step, "parity_tokens_differing", parity["tokens_differing"])

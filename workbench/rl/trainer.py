@@ -52,7 +52,7 @@ from .config import TrainConfig
 from .logprobs import score
 from .rollout import RolloutBatch
 from .run import Run, train_weights
-from .step import ParityError, sampler_kernels, step_prompts, train_step
+from .step import ParityError, parity_rows, sampler_kernels, step_prompts, train_step
 
 __all__ = ["ParityError", "Run", "interrupted", "train", "train_step", "train_weights"]
 
@@ -120,7 +120,11 @@ def _serve(run: Run) -> pd.DataFrame:
             return generate(run.generator, prompts, sampling, request_ids=list(range(rows.start, rows.stop)),
                             keep=run.graphs).completions
 
-    def rescore(completions: list) -> tuple[torch.Tensor, torch.Tensor]:   # the parity check's other side
+    def rescore(step: int, completions: list) -> tuple[torch.Tensor, torch.Tensor]:   # the parity check's side
+        completions = [c for c, ok in zip(completions, parity_rows(cfg, step, [c.request_id for c in completions]))
+                       if ok]
+        if not completions:
+            return torch.empty(0), torch.empty(0)
         batch = RolloutBatch.from_generation([c.prompt for c in completions], completions, run.tok.pad_token_id or 0,
                                              run.device)
         real = batch.mask.bool()
