@@ -57,6 +57,7 @@ LONGEST_FIRST = (
     "tests/test_titan_tp.py::test_forward_is",                                   # 63-100 s (the 2-process fixture, once a suite)
     "tests/test_distributed.py::test_fsdp2_forward",                            # 41 s
     "tests/test_generation.py::test_a_request_alone",                           # 40 s
+    "tests/test_parity_sample.py::test_a_sampled_check",                        # ~35 s (19 s alone)
     "tests/test_checkpoint_crash.py::test_a_save_killed",                       # 37 s
     "tests/test_rl_update.py::test_activation_checkpointing",                   # 37 s, 30 s, ...
     "tests/test_generation.py::test_fused_gumbel",                              # 36 s
