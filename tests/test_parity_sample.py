@@ -77,7 +77,7 @@ def test_a_sampled_check_trains_the_same_bits_and_catches_a_break_on_its_rows(po
     assert 0 < logged["parity_tokens_checked"] < 4 * 3, f"seed {seed}: 1 completion in 2, at most 3 tokens each"
 
 
-@pytest.mark.parametrize("kw", [dict(kernel_mode="standard"), dict(sampler_noise=0.1),
+@pytest.mark.parametrize("kw", [dict(kernel_mode="standard"), dict(sampler_noise=0.1), dict(parity="warn"),
                                 dict(generator="vllm", vllm_model="vllm")])
 def test_a_sample_is_refused_where_the_skipped_rows_are_not_the_trainers_bits(kw):
     with pytest.raises(ValueError, match=r"parity_sample=2 takes the generator's log-probs .* set parity_sample=1"):

@@ -103,8 +103,9 @@ class TrainConfig:
     """In invariant mode, what a log-prob difference does: 'error' or 'warn'."""
     parity_sample: int = 1
     """Where a separate pass scores the samples (policy lag, split roles, FSDP2, ...): recompute 1 completion in n,
-    a different one of each n rows each step, every one at step 1 (1: all). n > 1 needs invariant mode: the rows
-    not recomputed take the generator's log-probs, which the check shows are the trainer's bits on the others."""
+    a different one of each n rows each step, every one at step 1 (1: all). n > 1 needs invariant mode with
+    parity='error': the rows not recomputed take the generator's log-probs, which the check shows are the trainer's
+    bits on the others."""
     correction: str = "none"
     """Off-policy correction: none, tis-token, tis-sequence, mask-token, mask-sequence."""
     correction_cap: float = 2.0
@@ -218,12 +219,13 @@ class TrainConfig:
         if not isinstance(self.parity_sample, int) or isinstance(self.parity_sample, bool) or self.parity_sample < 1:
             raise ValueError(f"parity_sample must be an integer >= 1 (1: check every completion), got "
                              f"{self.parity_sample!r}")
-        if self.parity_sample > 1 and (self.kernel_mode != "invariant" or self.sampler_noise
+        if self.parity_sample > 1 and (self.kernel_mode != "invariant" or self.sampler_noise or self.parity != "error"
                                        or (self.generator == "vllm" and self.vllm_model != "workbench")):
             raise ValueError(f"parity_sample={self.parity_sample} takes the generator's log-probs for the trainer's "
                              "on the rows it does not check, which holds only where they are the same bits: "
-                             "kernel_mode='invariant', no sampler_noise, the workbench's own generator kernels; "
-                             "set parity_sample=1 to recompute every completion")
+                             "kernel_mode='invariant', no sampler_noise, parity='error' (a run that goes on past a "
+                             "difference has none of that), the workbench's own generator kernels; set "
+                             "parity_sample=1 to recompute every completion")
         if self.parity_sample > self.prompts_per_step * self.group_size:
             raise ValueError(f"parity_sample={self.parity_sample} exceeds the step's "
                              f"{self.prompts_per_step * self.group_size} completions: some steps would check none; "
