@@ -21,6 +21,17 @@ def random_gpu_model(shape: str = "qwen3-1.7B", seed: int = 0):
     return m
 
 
+def logprobs_off(generate, by: float = 1e-3):
+    """`generate` with every completion's sampled log-probs moved by `by`: what a broken generator kernel hands the
+    parity check."""
+    def off(*args, **kw):
+        out = generate(*args, **kw)
+        for c in out.completions:
+            c.sampled_logprobs += by
+        return out
+    return off
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in fp64; NaN anywhere gives inf."""
     out, ref = out.double(), ref.double()

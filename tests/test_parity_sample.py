@@ -12,7 +12,7 @@ import zlib
 
 import pytest
 import torch
-from helpers import same_bits
+from helpers import logprobs_off, same_bits
 
 from workbench.kernels import mode
 from workbench.rl import step as step_module
@@ -61,15 +61,7 @@ def test_a_sampled_check_trains_the_same_bits_and_catches_a_break_on_its_rows(po
 
     # Step 3 of the sampled run with the generator's log-probs all off by 1e-3 (a broken kernel moves every row):
     # the check stops it, counting the tokens of the rows it recomputed.
-    generate = step_module.generate
-
-    def off(*args, **kw):
-        out = generate(*args, **kw)
-        for c in out.completions:
-            c.sampled_logprobs += 1e-3
-        return out
-
-    monkeypatch.setattr(step_module, "generate", off)
+    monkeypatch.setattr(step_module, "generate", logprobs_off(step_module.generate))
     with mode("invariant"), pytest.raises(ParityError, match=r"^step 3: generator and trainer log-probs differ on "
                                                              r"(\d+) of \1 tokens"):
         train_step(runs[1], 3)

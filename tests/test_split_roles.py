@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import same_bits
+from helpers import logprobs_off, same_bits
 from safetensors.torch import load_file
 
 from workbench.distributed import launch
@@ -93,15 +93,8 @@ def _split_worker(policy: str, root: str) -> None:
     # A parity break on the rollout rank (its log-probs off by 1e-3): both ranks stop with the trainer's ParityError,
     # the rollout rank after its share of step 2 (ordered before step 1's check) is drained.
     generate = trainer.generate
-
-    def off(*args, **kw):
-        gen = generate(*args, **kw)
-        for c in gen.completions:
-            c.sampled_logprobs += 1e-3
-        return gen
-
     if d.rank == 1:
-        trainer.generate = off
+        trainer.generate = logprobs_off(generate)
     with pytest.raises(ParityError, match=r"step 1: generator and trainer log-probs differ on \d+ of"):
         train(_cfg(policy, out / "broken", policy_lag=1))
     trainer.generate = generate
