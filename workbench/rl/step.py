@@ -133,14 +133,13 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
         recomputed, entropy = score(scorer, batch, budget, cfg.temperature, with_entropy=True,
                                     rows=None if all(rows_checked) else
                                     [i for i, ok in enumerate(rows_checked) if ok])
-        if not all(rows_checked):
-            recomputed = torch.where(_row_mask(rows_checked, batch), recomputed, batch.behavior)
         if recomputed.is_cuda:   # the kernels run ahead of the host: their end, not their launch
             torch.cuda.synchronize(recomputed.device)
         scored_s = time.perf_counter() - t_score
     if not folded:
-        if not all(rows_checked):
-            checked = mask * _row_mask(rows_checked, batch)
+        if not all(rows_checked):   # a sample: the rows skipped take the generator's log-probs
+            seen = torch.tensor(rows_checked, device=batch.device)[:, None]
+            recomputed, checked = torch.where(seen, recomputed, batch.behavior), mask * seen
         parity = check_parity(run, step, batch, recomputed, checked)
     later = {}  # metrics logged once the update is known to be finite
     kl_target = None
@@ -252,26 +251,19 @@ def parity_rows(cfg: TrainConfig, step: int, rows) -> list[bool]:
     return [step == 1 or (r + step) % n == 0 for r in rows]
 
 
-def _row_mask(rows_checked: list[bool], batch: RolloutBatch) -> torch.Tensor:
-    """[B, 1] bool on the batch's device: the rows recomputed."""
-    return torch.tensor(rows_checked, device=batch.device)[:, None]
-
-
 def _received_scores(cfg: TrainConfig, step: int, received, rows: slice,
                      batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
     """Split roles: this rank's [B, T] trainer log-probs and entropies, and its rows checked, from the rollout ranks'
-    scores (those of the whole step's rows checked, one after another). A row not checked takes the generator's
-    log-probs (and entropy 0: it is not logged)."""
+    scores (those of the whole step's rows checked, one after another); 0 on a row not checked, as `score`'s."""
     everyone = parity_rows(cfg, step, range(len(received.items)))
     numbers = [r for r, ok in enumerate(everyone) if ok]
     lengths = [len(received.items[r].tokens) for r in numbers]
     scored = [dict(zip(numbers, t.split(lengths))) for t in received.scored]
-    logp, ent = [], []
-    for r in range(rows.start, rows.stop):
-        c = received.items[r]
-        logp.append(scored[0].get(r, c.sampled_logprobs))
-        ent.append(scored[1].get(r, torch.zeros(len(c.tokens))))
-    return batch.spread(torch.cat(logp)), batch.spread(torch.cat(ent)), everyone[rows]
+
+    def mine(side: dict) -> torch.Tensor:
+        return batch.spread(torch.cat([side.get(r, torch.zeros(len(received.items[r].tokens)))
+                                       for r in range(rows.start, rows.stop)]))
+    return mine(scored[0]), mine(scored[1]), everyone[rows]
 
 
 def check_parity(run: Run, step: int, batch: RolloutBatch, recomputed: torch.Tensor, checked: torch.Tensor) -> dict:
