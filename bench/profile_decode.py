@@ -16,6 +16,7 @@ Hugging Face's eager formulas (`standard`). Per decode step:
 - kernel launches per step (graph nodes plus the loop's eager ops).
 
     python bench/profile_decode.py [--out FILE.md] [--batches 64 256] [--modes invariant standard-fused standard]
+                                    [--kernels N]
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ STEPS = 255  # 256 new tokens (bench_generate's): the first comes from the prefi
 # FlashAttention's name holds "cutlass" too, so attention is tried first).
 KINDS = (
     ("attention", ("_attn", "flash", "fmha", "attention")),
-    ("matmul", ("_matmul", "gemm", "sm90_xmma", "cutlass", "nvjet")),
+    ("matmul", ("_matmul", "_swiglu_product", "gemm", "sm90_xmma", "cutlass", "nvjet")),  # with SwiGLU folded in
     ("norm", ("_rms_norm", "rms")),
     ("rope", ("_rope",)),
     ("swiglu", ("_silu", "silu")),
@@ -61,20 +62,22 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def kernel_ms(model, prompts, mode_name: str, new_tokens: int) -> dict[str, float]:
-    """GPU ms by kind of one eager generation of `new_tokens` tokens, and the number of launches (`launches`)."""
+def kernel_ms(model, prompts, mode_name: str, new_tokens: int) -> tuple[dict[str, float], dict[str, tuple]]:
+    """GPU ms by kind of one eager generation of `new_tokens` tokens, and the number of launches (`launches`);
+    and by kernel name, (ms, launches)."""
     with in_mode(mode_name), profile(activities=[ProfilerActivity.CUDA]) as prof:
         generate(model, prompts, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0),
                  cuda_graphs=False)
         torch.cuda.synchronize()
-    out = defaultdict(float)
+    out, names = defaultdict(float), {}
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", None)
         us = e.self_cuda_time_total if us is None else us
         if us:
             out[kind_of(e.key)] += us / 1e3
             out["launches"] += e.count
-    return out
+            names[e.key] = (us / 1e3, e.count)
+    return out, names
 
 
 def replay_ms(model, prompts, mode_name: str) -> tuple[float, float]:
@@ -130,6 +133,8 @@ def main() -> None:
     ap.add_argument("--out", help="also write the table (markdown) to this file")
     ap.add_argument("--batches", nargs="+", type=int, default=[64, 256])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="also list the N kernels taking the most time per step, by name")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode.py needs a CUDA GPU")
@@ -147,13 +152,14 @@ def main() -> None:
              "| mode | batch | step ms | kernels ms | not kernels ms | graph alone ms | first step ms | launches | "
              + " | ".join(f"{k} ms" for k in kinds) + " | matmul floor ms | attention floor ms |",
              "|---|---|---|---|---|---|---|---|" + "---|" * len(kinds) + "---|---|"]
+    tables = []
     for batch in a.batches:
         prompts = _prompts(batch, cfg.vocab_size)
         kv = batch * (PROMPT + STEPS // 2) * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
         for mode_name in a.modes:
             kernel_ms(model, prompts, mode_name, 2)  # compile
-            base = kernel_ms(model, prompts, mode_name, 1)
-            run = kernel_ms(model, prompts, mode_name, STEPS + 1)
+            base, base_names = kernel_ms(model, prompts, mode_name, 1)
+            run, run_names = kernel_ms(model, prompts, mode_name, STEPS + 1)
             per = {k: (run.get(k, 0.0) - base.get(k, 0.0)) / STEPS for k in kinds}
             busy = sum(per.values())
             launches = (run["launches"] - base["launches"]) / STEPS
@@ -164,7 +170,22 @@ def main() -> None:
                          + " | ".join(f"{per[k]:.2f}" for k in kinds)
                          + f" | {weights / gbs / 1e6:.2f} | {kv / gbs / 1e6:.2f} |")
             print(lines[-1], flush=True)
-    emit(lines, a.out)
+            if a.kernels:
+                tables.append(by_name(run_names, base_names, mode_name, batch, a.kernels))
+    emit(lines + [line for t in tables for line in t], a.out)
+
+
+def by_name(run: dict, base: dict, mode_name: str, batch: int, top: int) -> list[str]:
+    """The `top` kernels by time per decode step (the run's minus the prefill's, over the steps), a table."""
+    per = {k: ((ms - base.get(k, (0.0, 0))[0]) / STEPS, (n - base.get(k, (0.0, 0))[1]) / STEPS)
+           for k, (ms, n) in run.items()}
+    rows = sorted(per.items(), key=lambda kv: -kv[1][0])[:top]
+    out = ["", f"{mode_name}, batch {batch}: kernels by time per decode step", "",
+           "| kernel | kind | us per step | launches per step | us per launch |", "|---|---|---|---|---|"]
+    for name, (ms, n) in rows:
+        out.append(f"| `{name[:90]}` | {kind_of(name)} | {ms * 1e3:.1f} | {n:.1f} | {ms * 1e3 / max(n, 1e-9):.2f} |")
+    print("\n".join(out), flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -230,6 +230,17 @@ def test_gpu_fused_rope_cache_write_is_the_unfused_ops(shape, t):
                      norm=cfg.qk_norm, cache_len=400, eps=cfg.rms_norm_eps)
 
 
+@pytest.mark.parametrize("shape", ["qwen3-1.7B", "smollm2-135M"])
+@pytest.mark.parametrize("rows", [1, 64, 200, 512])
+def test_gpu_swiglu_product_is_the_unfused_ops(shape, rows):
+    """The MLP's gate/up products and silu_mul in one kernel: the bits of the packed product then silu_mul in
+    each decode bucket's rows (the model tests above hold the whole forward to the trainer's)."""
+    from test_swiglu_product import check_swiglu_product
+
+    cfg = config(shape)
+    check_swiglu_product("cuda", rows, cfg.hidden_size, cfg.intermediate_size)
+
+
 @pytest.mark.parametrize("shape", ["qwen3-1.7B", "qwen3-8B"])
 def test_gpu_norm_rope_is_the_unfused_ops(shape):
     """The training forward's q/k norm + RoPE in one kernel: the bits of rms_norm then apply_rope at Qwen3's head

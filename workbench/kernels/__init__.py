@@ -22,6 +22,7 @@ from .rmsnorm import rms_norm, rms_norm_add
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .rope_cache import rope_cache_write
 from .silu_mul import silu_mul
+from .swiglu_product import swiglu_product
 
 __all__ = [
     "FUSED_ROWWISE",
@@ -55,6 +56,7 @@ __all__ = [
     "row_cumsum",
     "set_mode",
     "silu_mul",
+    "swiglu_product",
     "token_logprobs",
     "token_logprobs_and_entropy",
 ]

@@ -34,54 +34,68 @@ from .rope import apply_rope_reference, rotate
 
 
 @triton.jit
-def _rope_cache_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, out_ptr, ck_ptr, cv_ptr, start_ptr,
-    T, HQ, D, HALF, eps,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sc_b, sc_t,
-    so_b, so_t, so_h, scache_b, scache_s, scache_h,
-    BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl_enter(PDL)
-    m = tl.program_id(0).to(tl.int64)       # token: b * T + t
-    h = tl.program_id(1)                    # q heads first, then kv heads
-    b = m // T
-    t = m % T
-    d = tl.arange(0, BLOCK_HALF)
-    dmask = d < HALF
-    c = tl.load(cos_ptr + b * sc_b + t * sc_t + d, mask=dmask, other=0.0)
-    s = tl.load(sin_ptr + b * sc_b + t * sc_t + d, mask=dmask, other=0.0)
-    if h < HQ:
-        src = q_ptr + b * sq_b + t * sq_t + h * sq_h
-        dst = out_ptr + b * so_b + t * so_t + h * so_h
-        w_ptr = qn_ptr
-    else:
-        kh = h - HQ
-        pos = tl.load(start_ptr + b).to(tl.int64) + t
-        src = k_ptr + b * sk_b + t * sk_t + kh * sk_h
-        dst = ck_ptr + b * scache_b + pos * scache_s + kh * scache_h
-        w_ptr = kn_ptr
-        cols = tl.arange(0, BLOCK_D)
-        vrow = tl.load(v_ptr + b * sv_b + t * sv_t + kh * sv_h + cols, mask=cols < D)
-        tl.store(cv_ptr + b * scache_b + pos * scache_s + kh * scache_h + cols, vrow, mask=cols < D)
-    x1 = tl.load(src + d, mask=dmask, other=0.0)
-    x2 = tl.load(src + HALF + d, mask=dmask, other=0.0)
+def _norm_rotate_heads(src, sh, w_ptr, c, s, eps, H, D, HALF,
+                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr):
+    # A token's H head rows (stride sh) as one [BLOCK_H, .] block: the optional norm, then the rotation (fp32 halves).
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    half = (h < H) & (d < HALF)  # the returned [BLOCK_H, BLOCK_HALF] halves are valid here
+    x1 = tl.load(src + h * sh + d, mask=half, other=0.0)
+    x2 = tl.load(src + h * sh + HALF + d, mask=half, other=0.0)
     if NORM:
-        # rms_norm's row: the sum over the full row as one block (its tree), then each half rounded as it does.
+        # rms_norm's row: `sum_of_squares` over each full head row (its tree under any layout), each half rounded
+        # as it does.
         full = tl.arange(0, BLOCK_D)[None, :]
-        x = tl.load(src + full, mask=full < D, other=0.0).to(tl.float32)
-        rstd = tl.sum(1.0 / tl.sqrt(sum_of_squares(x, 1, BLOCK_D) / D + eps), axis=0)  # [1] -> a scalar
-        w1 = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+        x = tl.load(src + h * sh + full, mask=(h < H) & (full < D), other=0.0).to(tl.float32)
+        rstd = (1.0 / tl.sqrt(sum_of_squares(x, BLOCK_H, BLOCK_D) / D + eps))[:, None]
+        w1 = tl.load(w_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
         n1 = (x1.to(tl.float32) * rstd).to(x1.dtype)
         n2 = (x2.to(tl.float32) * rstd).to(x2.dtype)
         x1 = (n1.to(tl.float32) * w1).to(x1.dtype)
         x2 = (n2.to(tl.float32) * w2).to(x2.dtype)
-    a = x1.to(tl.float32)
-    e = x2.to(tl.float32)
-    o1, o2 = rotate(a, e, c, s)
-    tl.store(dst + d, o1.to(dst.dtype.element_ty), mask=dmask)
-    tl.store(dst + HALF + d, o2.to(dst.dtype.element_ty), mask=dmask)
+    return rotate(x1.to(tl.float32), x2.to(tl.float32), c, s)
+
+
+@triton.jit
+def _rope_cache_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, out_ptr, ck_ptr, cv_ptr, start_ptr,
+    T, HQ, HKV, D, HALF, eps,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sc_b, sc_t,
+    so_b, so_t, so_h, scache_b, scache_s, scache_h,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    NORM: tl.constexpr, PDL: tl.constexpr,
+):
+    # Program (token, 0) takes the token's q heads, (token, 1) its k and v heads: every load of a program issued
+    # at once, against one program per head (a chain of dependent loads each, in several waves at batch 256).
+    pdl_enter(PDL)
+    m = tl.program_id(0).to(tl.int64)       # token: b * T + t
+    b = m // T
+    t = m % T
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    c = tl.load(cos_ptr + b * sc_b + t * sc_t + d, mask=d < HALF, other=0.0)
+    s = tl.load(sin_ptr + b * sc_b + t * sc_t + d, mask=d < HALF, other=0.0)
+    # The two branches name their blocks apart: Triton types every name across an if's branches, and the q and
+    # kv blocks differ in shape.
+    if tl.program_id(1) == 0:
+        hq = tl.arange(0, BLOCK_HQ)[:, None]
+        q1, q2 = _norm_rotate_heads(q_ptr + b * sq_b + t * sq_t, sq_h, qn_ptr, c, s, eps, HQ, D, HALF,
+                                    BLOCK_HQ, BLOCK_D, BLOCK_HALF, NORM)
+        q_dst = out_ptr + b * so_b + t * so_t + hq * so_h + d
+        tl.store(q_dst, q1.to(q_dst.dtype.element_ty), mask=(hq < HQ) & (d < HALF))
+        tl.store(q_dst + HALF, q2.to(q_dst.dtype.element_ty), mask=(hq < HQ) & (d < HALF))
+    else:
+        pos = tl.load(start_ptr + b).to(tl.int64) + t
+        cache_row = b * scache_b + pos * scache_s
+        hk = tl.arange(0, BLOCK_HKV)[:, None]
+        cols = tl.arange(0, BLOCK_D)[None, :]
+        vrow = tl.load(v_ptr + b * sv_b + t * sv_t + hk * sv_h + cols, mask=(hk < HKV) & (cols < D))
+        tl.store(cv_ptr + cache_row + hk * scache_h + cols, vrow, mask=(hk < HKV) & (cols < D))
+        k1, k2 = _norm_rotate_heads(k_ptr + b * sk_b + t * sk_t, sk_h, kn_ptr, c, s, eps, HKV, D, HALF,
+                                    BLOCK_HKV, BLOCK_D, BLOCK_HALF, NORM)
+        k_dst = ck_ptr + cache_row + hk * scache_h + d
+        tl.store(k_dst, k1.to(k_dst.dtype.element_ty), mask=(hk < HKV) & (d < HALF))
+        tl.store(k_dst + HALF, k2.to(k_dst.dtype.element_ty), mask=(hk < HKV) & (d < HALF))
 
 
 def _check(q, k, v, cos, sin, cache_k, cache_v, start, q_norm_weight, k_norm_weight) -> None:
@@ -128,12 +142,13 @@ def rope_cache_write(q, k, v, cos, sin, cache_k, cache_v, start, q_norm_weight=N
     kn = k_norm_weight.contiguous() if norm else cos
     cos, sin = cos.contiguous(), sin.contiguous()
     if b * t > 0:
-        _rope_cache_kernel[(b * t, hq + hkv)](
-            q, k, v, cos, sin, qn, kn, out, cache_k, cache_v, start, t, hq, d, d // 2, float(eps),
+        _rope_cache_kernel[(b * t, 2)](
+            q, k, v, cos, sin, qn, kn, out, cache_k, cache_v, start, t, hq, hkv, d, d // 2, float(eps),
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), cos.stride(0), cos.stride(1),
             out.stride(0), out.stride(1), out.stride(2), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
-            BLOCK_D=next_power_of_2(d), BLOCK_HALF=next_power_of_2(d // 2), NORM=norm, num_warps=4, **pdl_flags(q),
+            BLOCK_HQ=next_power_of_2(hq), BLOCK_HKV=next_power_of_2(hkv), BLOCK_D=next_power_of_2(d),
+            BLOCK_HALF=next_power_of_2(d // 2), NORM=norm, num_warps=4, **pdl_flags(q),
         )
     return out
 

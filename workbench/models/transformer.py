@@ -44,6 +44,7 @@ from ..kernels import (
     rope_cos_sin,
     rope_inv_freq,
     silu_mul,
+    swiglu_product,
 )
 from .config import RECOMPUTE, ModelConfig, config
 
@@ -64,14 +65,14 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[2]
 
-    def attend(self, layer: int, q, k, v, start, seq_lens):
-        """Write the step's K/V at positions start[b] + i, then attend to each row's first start + seq_lens keys."""
+    def attend(self, layer: int, q, k, v, start, end):
+        """Write the step's K/V at positions start[b] + i, then attend to each row's first end[b] keys."""
         b, t = q.shape[:2]                                                   # q [B, T, Hq, D]
         rows = torch.arange(b, device=q.device)[:, None]                    # [B, 1]
         pos = start[:, None] + torch.arange(t, device=q.device)             # [B, T]
         self.k[layer][rows, pos] = k
         self.v[layer][rows, pos] = v
-        return attention_with_cache(q, self.k[layer], self.v[layer], start, start + seq_lens)
+        return attention_with_cache(q, self.k[layer], self.v[layer], start, end)
 
 
 @dataclass
@@ -91,7 +92,7 @@ class PagedKVCache:
     max_q: int
     """The most new tokens of one sequence in this step."""
 
-    def attend(self, layer: int, q, k, v, start, seq_lens):
+    def attend(self, layer: int, q, k, v, start, end):
         kp, vp = self.pages[layer]
         paged_kv_write(k[0], v[0], kp, vp, self.slots)                     # k, v [1, N, Hkv, D]
         return attention_paged(q[0], kp, vp, self.block_table, self.cu_q, self.kv_len, self.max_q)[None]
@@ -130,6 +131,42 @@ class RMSNorm(nn.Module):
         return rms_norm_add(x, residual, self.weight, self.eps)
 
 
+def pack_projections(projs: Sequence[Linear]) -> None:
+    """Lay the projections' weights (and biases) out one after another in one buffer, each parameter a view of
+    it, so a forward without autograd can run them as one product (`packed_projections`). Copies; call after
+    loading."""
+    for kind in ("weight", "bias"):
+        old = [getattr(p, kind) for p in projs]
+        if old[0] is None:
+            continue
+        buf = torch.cat([t.detach() for t in old])
+        for p, t, view in zip(projs, old, buf.split([t.shape[0] for t in old])):
+            setattr(p, kind, nn.Parameter(view, requires_grad=t.requires_grad))
+
+
+def packed_projections(projs: Sequence[Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight [sum of N, H], bias) over the projections' parameters where `pack_projections` laid them out and
+    they still are (a `.to()` moves each parameter alone), without adapters or hooks on the projections (`audit`
+    watches each one run); else None. Each output column is the same chain of k-steps as in its own projection
+    (invariant mode), so the same bits, in one launch instead of several."""
+    if any(p.lora_A is not None or p._forward_hooks or p._forward_pre_hooks for p in projs):
+        return None
+    out = []
+    for kind in ("weight", "bias"):
+        ts = [getattr(p, kind) for p in projs]
+        if ts[0] is None:
+            out.append(None)
+            continue
+        offset, ptr = ts[0].storage_offset(), ts[0].untyped_storage().data_ptr()
+        for t in ts:
+            if t.untyped_storage().data_ptr() != ptr or t.storage_offset() != offset or not t.is_contiguous():
+                return None
+            offset += t.numel()
+        rows = sum(t.shape[0] for t in ts)
+        out.append(ts[0].as_strided((rows, *ts[0].shape[1:]), ts[0].stride()))
+    return out[0], out[1]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -144,47 +181,23 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
 
     def pack(self) -> None:
-        """Lay q/k/v's weights (and biases) out one after another in one buffer, each parameter a view of it, so
-        a forward without autograd can run them as one product (`packed`). Copies; call after loading."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        for kind in ("weight", "bias"):
-            old = [getattr(p, kind) for p in projs]
-            if old[0] is None:
-                continue
-            buf = torch.cat([t.detach() for t in old])
-            for p, t, view in zip(projs, old, buf.split([t.shape[0] for t in old])):
-                setattr(p, kind, nn.Parameter(view, requires_grad=t.requires_grad))
+        """q/k/v's weights (and biases) in one buffer (`pack_projections`): one product in forwards without
+        autograd (`packed`)."""
+        pack_projections((self.q_proj, self.k_proj, self.v_proj))
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(weight [Nq + 2 Nkv, H], bias) over q/k/v's parameters where `pack` laid them out and they still are
-        (a `.to()` moves each parameter alone), without adapters or hooks on the projections (`audit` watches
-        each one run); else None. Each output column is the same chain of k-steps as in its own projection
-        (invariant mode), so the same bits, in one launch instead of three: the narrow k and v products of a
-        decode step are mostly fixed cost."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        if any(p.lora_A is not None or p._forward_hooks or p._forward_pre_hooks for p in projs):
-            return None
-        out = []
-        for kind in ("weight", "bias"):
-            ts = [getattr(p, kind) for p in projs]
-            if ts[0] is None:
-                out.append(None)
-                continue
-            offset, ptr = ts[0].storage_offset(), ts[0].untyped_storage().data_ptr()
-            for t in ts:
-                if t.untyped_storage().data_ptr() != ptr or t.storage_offset() != offset or not t.is_contiguous():
-                    return None
-                offset += t.numel()
-            rows = sum(t.shape[0] for t in ts)
-            out.append(ts[0].as_strided((rows, *ts[0].shape[1:]), ts[0].stride()))
-        return out[0], out[1]
+        """(weight [Nq + 2 Nkv, H], bias) over q/k/v's packed parameters, or None (`packed_projections`): the
+        narrow k and v products of a decode step are mostly fixed cost."""
+        return packed_projections((self.q_proj, self.k_proj, self.v_proj))
 
     def _fuses(self) -> bool:
         """Whether the modes in force are the ones `rope_cache_write` and `norm_rope` have the bits of (invariant
         norm and rope)."""
         return get_mode("apply_rope") == "invariant" and (not self.qk_norm or get_mode("rms_norm") == "invariant")
 
-    def forward(self, x, cos, sin, seq_lens, cache=None, layer=0, start=None):
+    def forward(self, x, cos, sin, seq_lens, cache=None, layer=0, start=None, end=None):
+        """end: start + seq_lens with a static cache, added once per forward rather than once per layer (each add
+        is a launch of its own in a decode step)."""
         b, t, _ = x.shape                                                   # x [B, T, H]
         qkv = None if torch.is_grad_enabled() else self.packed()
         if qkv is None:
@@ -197,7 +210,7 @@ class Attention(nn.Module):
             if isinstance(cache, KVCache) and self._fuses():
                 norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
                 q = rope_cache_write(q, k, v, cos, sin, cache.k[layer], cache.v[layer], start, *norms)
-                o = attention_with_cache(q, cache.k[layer], cache.v[layer], start, start + seq_lens)
+                o = attention_with_cache(q, cache.k[layer], cache.v[layer], start, end)
                 return self.o_proj(o.reshape(b, t, self.hq * self.d))
             if self.qk_norm:  # the norm reads rows of one stride; rope and attention take any strides
                 q, k = q.contiguous(), k.contiguous()
@@ -213,7 +226,7 @@ class Attention(nn.Module):
         if cache is None:
             o = attention(q, k, v, seq_lens)                                # [B, T, Hq, D]
         else:
-            o = cache.attend(layer, q, k, v, start, seq_lens)               # K/V written, then read
+            o = cache.attend(layer, q, k, v, start, end)                    # K/V written, then read
         return self.o_proj(o.reshape(b, t, self.hq * self.d))               # [B, T, H]
 
 
@@ -224,8 +237,24 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
+    def pack(self) -> None:
+        """gate's and up's weights in one buffer (`pack_projections`): one product in forwards without autograd."""
+        pack_projections((self.gate_proj, self.up_proj))
+
     def forward(self, x):
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))  # [B, T, I] -> [B, T, H]
+        packed = None if torch.is_grad_enabled() else packed_projections((self.gate_proj, self.up_proj))
+        if packed is None:
+            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))  # [B, T, I] -> [B, T, H]
+        # A decode step's gate and up products each leave most SMs idle at batch 64; as one product they fill
+        # them, and at decode sizes the activation runs in that product's epilogue (the same bits).
+        gate_up = packed[0]                                                  # [2I, H]
+        fused = None
+        if get_mode("linear") == "invariant" and get_mode("silu_mul") == "invariant":
+            fused = swiglu_product(x, gate_up)                               # [B, T, I], or None: not here
+        if fused is None:
+            gate, up = linear(x, gate_up).chunk(2, dim=-1)                   # silu_mul reads strided halves
+            fused = silu_mul(gate, up)
+        return self.down_proj(fused)
 
 
 class DecoderLayer(nn.Module):
@@ -236,7 +265,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, cos, sin, seq_lens, cache=None, layer=0, start=None, recompute_mlp=False):
+    def forward(self, x, residual, cos, sin, seq_lens, cache=None, layer=0, start=None, recompute_mlp=False,
+                end=None):
         """The residual stream as (x, residual), the stream being x + residual: each add is fused into the
         norm that reads its sum (`RMSNorm.add`), one pass over the rows instead of two, the same bits as
         `h = h + sublayer(norm(h))`. Layer 0 gets residual None (the stream is the embeddings).
@@ -246,7 +276,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.add(x, residual)
-        x = self.self_attn(h, cos, sin, seq_lens, cache, layer, start)
+        x = self.self_attn(h, cos, sin, seq_lens, cache, layer, start, end)
         h, residual = self.post_attention_layernorm.add(x, residual)
         if recompute_mlp:
             return checkpoint(self.mlp, h, use_reentrant=False, context_fn=_same_mode()), residual
@@ -291,10 +321,12 @@ class CausalLM(nn.Module):
         return self
 
     def pack(self) -> CausalLM:
-        """Every attention's q/k/v weights in one buffer (`Attention.pack`): one product for the three in the
-        forwards that record no autograd graph (generation, scoring)."""
+        """Every attention's q/k/v weights in one buffer, and every MLP's gate/up weights in another
+        (`pack_projections`): one product for each group in the forwards that record no autograd graph
+        (generation, scoring)."""
         for layer in self.model.layers:
             layer.self_attn.pack()
+            layer.mlp.pack()
         return self
 
     def inv_freq(self, device) -> torch.Tensor:
@@ -328,6 +360,7 @@ class CausalLM(nn.Module):
         positions = start[:, None] + torch.arange(t, device=dev)            # [B, T]
         cos, sin = rope_cos_sin(positions, self.inv_freq(dev))             # [B, T, D/2] fp32
         x, residual = embedding(input_ids, self.model.embed_tokens.weight), None  # [B, T, H]
+        end = None if cache is None else start + seq_lens                   # [B]: each row's keys after the step
         grad = torch.is_grad_enabled()
         for i, layer in enumerate(self.model.layers):
             if recompute == "layers" and grad:
@@ -335,7 +368,7 @@ class CausalLM(nn.Module):
                                          context_fn=_same_mode())
             else:
                 x, residual = layer(x, residual, cos, sin, seq_lens, cache, i, start,
-                                    recompute_mlp=recompute == "mlp" and grad)
+                                    recompute_mlp=recompute == "mlp" and grad, end=end)
         return self.model.norm.add(x, residual)[0]
 
     def hidden_states_paged(self, input_ids, positions, cache: PagedKVCache):
