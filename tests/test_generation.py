@@ -306,6 +306,17 @@ def test_fused_gumbel_draw_is_the_pytorch_formula_and_row_invariant():
                        gumbel_argmax(logits, 1.0, 5, req.clone(), torch.full((48,), 7)))
 
 
+def test_the_draw_stays_in_the_vocabulary_on_nan_logits():
+    """NaN logits (a broken forward, caught by the parity check downstream) draw some token of the row, never an
+    index past it: the chunks' maxima are then NaN and equal none of them."""
+    from workbench.kernels import gumbel_argmax
+
+    logits = torch.randn(3, 1000).bfloat16()
+    logits[1] = float("nan")
+    tokens = gumbel_argmax(logits, 1.0, 5, torch.arange(3), torch.zeros(3, dtype=torch.long))
+    assert ((tokens >= 0) & (tokens < 1000)).all(), tokens
+
+
 def test_logit_noise_perturbs_the_sampled_distribution_row_by_row():
     """The dose-response knob on CPU (the PyTorch path): the draw and both log-probs are those of
     logits + sigma x z with z hashed from (seed, request, position, v); a row's result is the same alone."""

@@ -12,8 +12,8 @@ Numerics contract:
   columns) finds its chunk's maximum and first index of it; a second kernel takes the first chunk
   holding the row's maximum. A max is exact, so the token is the same whatever the chunks (one
   program a row looping over them, before, drew the same tokens): it depends on its row alone,
-  never on the other rows or their number. The chunks spread a row's hashes and logs over the GPU;
-  one program a row, at batch 64, left half the SMs idle and took ~4% of a Qwen3-1.7B decode step.
+  never on the other rows or their number. The chunks spread a row's hashes and logs over the GPU,
+  where one program a row left most SMs idle at decode batch sizes.
 - The logits are read once and nothing of [rows, vocab] is written (the PyTorch form,
   `gumbel_argmax_reference`, makes about twenty int64 passes over such a buffer).
 - log is the GPU's (numpy's in the interpreter), so the draws are an exact Gumbel race up to
@@ -70,6 +70,8 @@ def _gumbel_pick_kernel(max_ptr, idx_ptr, out_ptr, n_chunks, BLOCK_C: tl.constex
     c = tl.arange(0, BLOCK_C)
     m = tl.load(max_ptr + row * n_chunks + c, mask=c < n_chunks, other=float("-inf"))
     first = tl.min(tl.where((m == tl.max(m, axis=0)) & (c < n_chunks), c, BLOCK_C), axis=0)
+    # No chunk equals the max only where the maxima are NaN (NaN logits): chunk 0, never a read past the row.
+    first = tl.where(first < n_chunks, first, 0)
     tl.store(out_ptr + row, tl.load(idx_ptr + row * n_chunks + first))
 
 
