@@ -178,7 +178,7 @@ def test_packed_products_are_the_bits_of_separate_ones(name):
     """Forwards without autograd run q/k/v as one product over the packed weights, and gate/up as another: the
     same logits, bitwise, as the separate products of a training forward; a model moved by .to() holds them
     apart again and runs them one by one."""
-    from workbench.models.transformer import packed_projections
+    from workbench.models.packing import packed_projections
 
     model = build(VARIANTS[name], dtype=torch.bfloat16, seed=13)
     assert all(layer.self_attn.packed() is not None for layer in model.model.layers)
