@@ -3,8 +3,9 @@ launch: the optional per-head q/k RMSNorm (Qwen3), RoPE on q and k, and k and v 
 
 Unfused, a decode step runs these as some ten kernels a layer (two copies, two norms, two rotations, the
 position arithmetic and two scatters), each a few microseconds of mostly fixed cost against a step's ~30 us of
-weight reads per layer; in a CUDA graph each is also a node. Fused, one program per (token, head) does all of
-it for that head, so the step has one node here per layer.
+weight reads per layer; in a CUDA graph each is also a node. Fused, the step has one node here per layer: a
+token's q heads are one program's block, its k and v heads another's, so a program's loads go out together (one
+program per head made each a short chain of dependent loads, and at batch 256 several waves of them).
 
 Numerics contract (mode `invariant`): the same bits as the unfused ops in sequence, `rms_norm`, then
 `apply_rope`, then the cache write:
@@ -66,8 +67,7 @@ def _rope_cache_kernel(
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
     NORM: tl.constexpr, PDL: tl.constexpr,
 ):
-    # Program (token, 0) takes the token's q heads, (token, 1) its k and v heads: every load of a program issued
-    # at once, against one program per head (a chain of dependent loads each, in several waves at batch 256).
+    # Program (token, 0) takes the token's q heads, (token, 1) its k and v heads.
     pdl_enter(PDL)
     m = tl.program_id(0).to(tl.int64)       # token: b * T + t
     b = m // T
