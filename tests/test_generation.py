@@ -306,15 +306,25 @@ def test_fused_gumbel_draw_is_the_pytorch_formula_and_row_invariant():
                        gumbel_argmax(logits, 1.0, 5, req.clone(), torch.full((48,), 7)))
 
 
-def test_the_draw_stays_in_the_vocabulary_on_nan_logits():
-    """NaN logits (a broken forward, caught by the parity check downstream) draw some token of the row, never an
-    index past it: the chunks' maxima are then NaN and equal none of them."""
+def test_the_draw_stays_in_its_row_on_nan_logits():
+    """NaN logits (a broken forward, caught by the parity check downstream): a row's chunk maxima are then NaN and
+    equal none of them, and the draw takes its first chunk's pick, never an index read past the row (the last
+    row's would be past the buffer, another row's would be that row's token)."""
     from workbench.kernels import gumbel_argmax
+    from workbench.kernels._common import width_block
 
-    logits = torch.randn(3, 1000).bfloat16()
+    seed = int(torch.randint(0, 2**31, ()))
+    # A whole number of chunks: no padding entry (-inf) in any chunk, so every chunk maximum of a NaN row is NaN.
+    logits = torch.randn(4, 1024, generator=torch.Generator().manual_seed(seed)).bfloat16()
     logits[1] = float("nan")
-    tokens = gumbel_argmax(logits, 1.0, 5, torch.arange(3), torch.zeros(3, dtype=torch.long))
-    assert ((tokens >= 0) & (tokens < 1000)).all(), tokens
+    logits[3] = float("nan")
+    req, pos = torch.arange(4), torch.full((4,), 7)
+    tokens = gumbel_argmax(logits, 1.0, 5, req, pos)
+    chunk = width_block(1024, 4096, 256)
+    assert chunk < 1024 and 1024 % chunk == 0, "the row must span several whole chunks"
+    first = gumbel_argmax(logits[:, :chunk], 1.0, 5, req, pos)     # one chunk a row: its pick is the token
+    assert tokens[1] == first[1] and tokens[3] == first[3], f"seed {seed}: {tokens.tolist()} vs {first.tolist()}"
+    assert not torch.isnan(logits[[0, 2]]).any() and ((tokens[[0, 2]] >= 0) & (tokens[[0, 2]] < 1024)).all()
 
 
 def test_logit_noise_perturbs_the_sampled_distribution_row_by_row():
