@@ -70,7 +70,8 @@ def _gumbel_pick_kernel(max_ptr, idx_ptr, out_ptr, n_chunks, BLOCK_C: tl.constex
     c = tl.arange(0, BLOCK_C)
     m = tl.load(max_ptr + row * n_chunks + c, mask=c < n_chunks, other=float("-inf"))
     first = tl.min(tl.where((m == tl.max(m, axis=0)) & (c < n_chunks), c, BLOCK_C), axis=0)
-    # No chunk equals the max only where the maxima are NaN (NaN logits): chunk 0, never a read past the row.
+    # No chunk equals the max only where every chunk maximum is NaN (NaN logits): chunk 0, never a read past the
+    # row.
     first = tl.where(first < n_chunks, first, 0)
     tl.store(out_ptr + row, tl.load(idx_ptr + row * n_chunks + first))
 
