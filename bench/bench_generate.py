@@ -167,8 +167,8 @@ def attention_ms(cfg, batch: int, kv_len: int) -> float:
         return gpu_ms(lambda: layers, kv_bytes(cfg, batch, kv_len))
 
 
-def long_rollouts(model, weight_bytes: int, copy: float, vllm_rates: dict) -> list[str]:
-    """Issue 44's long generations (LONG): each step against its floor at the mean KV length, memory, the decode
+def long_rollouts(model, weight_bytes: int, copy: float, vllm_rates: dict, cases=LONG) -> list[str]:
+    """Issue 44's long generations (`cases`, (batch, new tokens) pairs): each step against its floor at the mean KV length, memory, the decode
     attention's share of the step beside its own floor, and with vLLM's rates the target's ratio."""
     cfg = model.config
     lines = ["| batch | new tokens | mode | tok/s | decode step ms | floor ms | step / floor | peak GiB | "
@@ -176,7 +176,7 @@ def long_rollouts(model, weight_bytes: int, copy: float, vllm_rates: dict) -> li
              "|---|---|---|---|---|---|---|---|---|"]
     attention, ratios = ["| batch | new tokens | mean keys | attention ms (every layer) | its floor ms | "
                          "attention / floor | share of the invariant step |", "|---|---|---|---|---|---|---|"], []
-    for batch, new in LONG:
+    for batch, new in cases:
         mean_keys = PROMPT + new // 2
         floor_ms = (weight_bytes + kv_bytes(cfg, batch, mean_keys)) / copy / 1e6
         rate, steps = {}, {}
@@ -267,6 +267,14 @@ def hf(model, batch: int) -> float:
     return (out.shape[1] - PROMPT) * batch / (time.perf_counter() - t)
 
 
+def _case(text: str) -> tuple[int, int]:
+    try:
+        batch, new = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a case is BATCHxNEW_TOKENS, e.g. 64x4096; got {text!r}") from None
+    return batch, new
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="also write the tables (markdown) to this file")
@@ -274,6 +282,8 @@ def main() -> None:
     ap.add_argument("--model", help="a checkpoint folder (default: the Qwen3-1.7B shape, random weights)")
     ap.add_argument("--long", action="store_true", help="batch 64 at 1,024 and 4,096 new tokens and 256 at 1,024 "
                     "instead")
+    ap.add_argument("--cases", nargs="+", type=_case, default=list(LONG), metavar="BATCHxNEW",
+                    help="--long's (batch, new tokens) cases, e.g. 64x4096 (default: all three)")
     ap.add_argument("--prefill", action="store_true", help="the prefill table alone")
     ap.add_argument("--skip-prefill", action="store_true", help="leave out the prefill table")
     ap.add_argument("--pdl-ab", action="store_true", help="the invariant decode step with and without PDL instead")
@@ -284,7 +294,7 @@ def main() -> None:
     # vLLM first, each engine in its own process, while this one holds no cache.
     vllm = {}
     if a.vllm:
-        vllm = (vllm_engines(a.model or "qwen3-1.7B", LONG, ["vllm-default"], gpu_memory=0.85, timeout=700) if a.long
+        vllm = (vllm_engines(a.model or "qwen3-1.7B", a.cases, ["vllm-default"], gpu_memory=0.85, timeout=700) if a.long
                 else vllm_engines(a.model or "qwen3-1.7B"))
     model = load_pretrained(a.model, device="cuda") if a.model else build("qwen3-1.7B", device="cuda", seed=0)
     if a.prefill:
@@ -297,7 +307,7 @@ def main() -> None:
         emit([header(), "", *pdl_ab(model, weight_bytes, copy), "", f"Copy bandwidth {copy:.0f} GB/s."], a.out)
         return
     if a.long:
-        emit([header(), "", *long_rollouts(model, weight_bytes, copy, vllm.get("tput", {})), "",
+        emit([header(), "", *long_rollouts(model, weight_bytes, copy, vllm.get("tput", {}), a.cases), "",
               f"Copy bandwidth {copy:.0f} GB/s; peak GiB: torch's peak allocation during the timed run, weights "
               "included.", "", *vllm.get("parity", [])], a.out)
         return
