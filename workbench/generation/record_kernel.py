@@ -27,7 +27,8 @@ def _record_kernel(rows_ptr, col_ptr, tok_ptr, lp_ptr, slp_ptr, stop_ptr, tokens
     ok = i < B
     r = tl.load(rows_ptr + i, mask=ok, other=0).to(tl.int64)
     col = tl.load(col_ptr).to(tl.int64)
-    running = ok & (tl.load(done_ptr + r, mask=ok, other=1) == 0)
+    # A column past the record (which the decode loop never reaches) writes nothing rather than out of bounds.
+    running = ok & (col < N) & (tl.load(done_ptr + r, mask=ok, other=1) == 0)
     tok = tl.load(tok_ptr + i, mask=ok, other=0)
     at = r * N + col
     tl.store(tokens_ptr + at, tok, mask=running)
