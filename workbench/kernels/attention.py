@@ -56,14 +56,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_float, check_same, interpreting, l2_prefetch, pdl_enter, pdl_flags
+from ._common import check_device, check_float, check_same, interpreting, pdl_enter, pdl_flags
 from .matmul import dot_step
 from .mode import get_mode
 
 _LOG2E = math.log2(math.e)
-# Keys of each (sequence, KV head) whose K/V a decode program asks the L2 for before its PDL wait: two 64-key
-# tiles. Not yet measured on a GPU (branch decode-prefetch-record).
-_DECODE_PREFETCH_KEYS = 128
 
 
 @triton.jit
@@ -149,29 +146,17 @@ def _attn_decode_kernel(
     sqb, sqh, skb, sks, skh, svb, svs, svh, sob, soh,
     n_kv_heads, S_kv, group, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    IEEE: tl.constexpr, DOT_IN_FP32: tl.constexpr, PREFETCH_KEYS: tl.constexpr,
+    IEEE: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # A decode step (one query per sequence): one program per (sequence, KV head), the group's query heads as
     # the rows of one tile, so each K/V tile is read once for the group instead of once per query head. Each
     # row's arithmetic is `_attn_fwd_kernel`'s for that query (the same tiles, `_tile_step`, config): only the
     # rows' places in the tile differ, which no row's bits depend on.
+    pdl_enter(PDL)
     bh = tl.program_id(0)
     b = (bh // n_kv_heads).to(tl.int64)
     kvh = bh % n_kv_heads
-    if PREFETCH_KEYS > 0:
-        # Under PDL this program may be placed while the kernel before it (the step's own K/V write) still runs.
-        # The keys before the step's position were written steps ago: their first PREFETCH_KEYS rows of K and V
-        # start moving to the L2 now, instead of after the wait. A hint (`l2_prefetch`): only when bytes arrive
-        # moves, never a value, so a position read early can at worst aim the hint wrong. A few tiles' worth:
-        # more would not arrive within the kernel before, and a long context's whole K/V would crowd the L2.
-        old = tl.minimum(tl.maximum(tl.load(q_start_ptr + b), 0), S_kv)
-        n = tl.arange(0, PREFETCH_KEYS)[:, None]
-        line = tl.arange(0, HEAD_DIM // 64)[None, :] * 64   # one 128-byte line per 64 bf16 elements
-        keep = (n < old).to(tl.int64)                        # rows past the old keys aim at row 0 (already asked)
-        l2_prefetch(K + b * skb + n * keep * sks + kvh * skh + line)
-        l2_prefetch(V + b * svb + n * keep * svs + kvh * svh + line)
-    pdl_enter(PDL)
     q_start = tl.maximum(tl.load(q_start_ptr + b), 0)
     kv_len = tl.minimum(tl.maximum(tl.load(kv_len_ptr + b), 0), S_kv)
     rows = tl.arange(0, BLOCK_M)
@@ -371,7 +356,6 @@ def _forward(q, k, v, q_start, kv_len, store_lse: bool):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((b * hq, t), device=q.device, dtype=torch.float32) if store_lse else out
     hkv = k.shape[2]
-    flags = pdl_flags(q)
     if b and t == 1 and not store_lse and 1 < hq // hkv <= cfg["block_m"]:
         _attn_decode_kernel[(b * hkv,)](
             q, k, v, out, q_start, kv_len,
@@ -379,8 +363,7 @@ def _forward(q, k, v, q_start, kv_len, store_lse: bool):
             out.stride(0), out.stride(2), hkv, k.shape[1], hq // hkv, _LOG2E / math.sqrt(d),
             BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD_DIM=d,
             IEEE=q.dtype == torch.float32, DOT_IN_FP32=interpreting(),
-            PREFETCH_KEYS=_DECODE_PREFETCH_KEYS if flags["PDL"] and q.element_size() == 2 and d >= 64 else 0,
-            num_warps=cfg["num_warps"], num_stages=cfg["decode_stages"], **flags,
+            num_warps=cfg["num_warps"], num_stages=cfg["decode_stages"], **pdl_flags(q),
         )
     elif b and t:
         grid = (triton.cdiv(t, cfg["block_m"]) * b * hq,)
@@ -391,7 +374,7 @@ def _forward(q, k, v, q_start, kv_len, store_lse: bool):
             hq, t, k.shape[1], hq // k.shape[2], _LOG2E / math.sqrt(d),
             BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HEAD_DIM=d,
             IEEE=q.dtype == torch.float32, DOT_IN_FP32=interpreting(), STORE_LSE=store_lse,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_flags(q),
         )
     return out, lse
 
