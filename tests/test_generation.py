@@ -327,6 +327,36 @@ def test_the_draw_stays_in_its_row_on_nan_logits():
     assert not torch.isnan(logits[[0, 2]]).any() and ((tokens[[0, 2]] >= 0) & (tokens[[0, 2]] < 1024)).all()
 
 
+def unit_temperature_chunks(logits, seed=5):
+    """The draw's per-chunk maxima and picks at T = 1, with the division left out and with it kept."""
+    from workbench.kernels._common import width_block
+    from workbench.kernels.gumbel import _gumbel_chunk_kernel, seed_hash
+
+    r, v = logits.shape
+    block = width_block(v, 4096, 256)
+    n = -(-v // block)
+    req = torch.arange(r, device=logits.device) * 7919
+    pos = torch.arange(r, device=logits.device) % 300
+    out = []
+    for unit in (True, False):
+        best = torch.empty((r, n), device=logits.device, dtype=torch.float32)
+        idx = torch.empty((r, n), device=logits.device, dtype=torch.int64)
+        _gumbel_chunk_kernel[(r, n)](logits, logits, req, pos, best, idx, logits.stride(0), 0, v, n, seed_hash(seed),
+                                     1.0, HAS_KEEP=False, UNIT_T=unit, BLOCK_V=block, PDL=False, num_warps=4)
+        out.append((best, idx))
+    return out
+
+
+def test_the_draw_leaves_out_the_division_at_unit_temperature_bit_for_bit():
+    """x / 1 is x in IEEE arithmetic, so the T = 1 draw that skips the division has the dividing draw's bits,
+    NaN, inf and subnormal logits included."""
+    seed = int(torch.randint(0, 2**31, ()))
+    logits = (torch.randn(4, 1024, generator=torch.Generator().manual_seed(seed)) * 30).bfloat16()
+    logits[0, :7] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, 0.0, -0.0])
+    (b1, i1), (b2, i2) = unit_temperature_chunks(logits)
+    assert torch.equal(b1.view(torch.int32), b2.view(torch.int32)) and torch.equal(i1, i2), f"seed {seed}"
+
+
 def test_logit_noise_perturbs_the_sampled_distribution_row_by_row():
     """The dose-response knob on CPU (the PyTorch path): the draw and both log-probs are those of
     logits + sigma x z with z hashed from (seed, request, position, v); a row's result is the same alone."""

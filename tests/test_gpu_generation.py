@@ -135,6 +135,17 @@ def test_gpu_fused_gumbel_draw_agrees_with_the_pytorch_formula_and_is_row_invari
     assert torch.equal(alone, got[::37])
 
 
+def test_gpu_the_draw_leaves_out_the_division_at_unit_temperature_bit_for_bit():
+    from test_generation import unit_temperature_chunks
+
+    seed = int(torch.randint(0, 2**31, ()))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = (torch.randn(256, 151936, device="cuda", generator=g) * 30).bfloat16()
+    logits[0, :7] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, 0.0, -0.0])
+    (b1, i1), (b2, i2) = unit_temperature_chunks(logits)
+    assert torch.equal(b1.view(torch.int32), b2.view(torch.int32)) and torch.equal(i1, i2), f"seed {seed}"
+
+
 def test_gpu_logit_noise_is_batch_invariant_and_moves_the_sampler_off_the_trainer():
     """The dose-response knob: a row's perturbed draw is the same alone or in a crowd and with or without CUDA
     graphs (it is hashed, not drawn from a stream), and the sampler's log-probs leave the trainer's by an amount
@@ -166,3 +177,11 @@ def test_gpu_fast_standard_baseline_is_still_a_mismatched_control():
     assert s["tokens_differing"] > 0, f"the fast standard baseline matched bitwise: {s}"
     assert s["mean_abs_diff"] < 4 * max(plain["mean_abs_diff"], 1e-3), (s, plain)
 
+
+
+def test_gpu_record_add_is_the_pytorch_form():
+    """The decode step's bookkeeping kernel: the PyTorch form's record exactly, at a decode batch of 256."""
+    from test_record_kernel import check_record_add
+
+    check_record_add("cuda", b=256, n=40, n_stop=2)
+    check_record_add("cuda", b=1, n=4, n_stop=1)

@@ -17,7 +17,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..kernels import current_state, get_mode, linear, pdl
+from ..kernels._common import interpreting
 from ..models import KVCache, CausalLM
+from .record_kernel import record_add, record_add_reference
 from .sampling import KEYED_SEED, SamplingParams, request_keys, sample
 
 
@@ -95,14 +97,9 @@ class Record:
 
     def add(self, rows, column, tok, lp, slp, stop) -> None:
         """Record each live row's token at `column` (a device scalar); rows already done ride along unrecorded.
-        Tensor ops only, no host read: it runs inside the decode step's graph."""
-        running = ~self.done[rows]
-        col = column.expand_as(rows)
-        self.tokens[rows, col] = torch.where(running, tok, self.tokens[rows, col])
-        self.raw[rows, col] = torch.where(running, lp, self.raw[rows, col])
-        self.sampled[rows, col] = torch.where(running, slp, self.sampled[rows, col])
-        self.n_out[rows] += running.long()
-        self.done[rows] |= (tok[:, None] == stop).any(1) & running
+        One launch, no host read: it runs inside the decode step's graph (`record_add`)."""
+        add = record_add if self.tokens.is_cuda or interpreting() else record_add_reference
+        add(self.tokens, self.raw, self.sampled, self.n_out, self.done, rows, column, tok, lp, slp, stop)
 
 
 class DecodeStep:

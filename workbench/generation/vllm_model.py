@@ -85,6 +85,9 @@ class WorkbenchCausalLM(CausalLM):
                                                  num_kv_heads=cfg.num_key_value_heads,
                                                  cache_config=vllm_config.cache_config, prefix=name)
             self.layer_names.append(name)
+        # q/k/v and gate/up as one product each, as in the embedded generator (`models/packing.py`): vLLM builds
+        # the model in its dtype on its device, then `load_weights` copies into the packed views.
+        self.pack()
 
     def _cache(self) -> PagedKVCache | _NoCache:
         from vllm.forward_context import get_forward_context

@@ -7,7 +7,9 @@ Numerics contract:
   g = -log(-log(u)) in fp32.
   `workbench.generation.sampling.uniforms` is the same hash in PyTorch (int64 masked to 32 bits),
   so u is the same bits there.
-- score = fp32(logit) / T (IEEE division) + g; entries `keep` leaves out, and padding, are -inf.
+- score = fp32(logit) / T (IEEE division) + g; entries `keep` leaves out, and padding, are -inf. At T = 1 the
+  division is left out: x / 1 is x in IEEE arithmetic (NaN and inf included), and at large batches the draw is
+  bound by its arithmetic, not by the logits' bytes.
 - The token is the first index of the row's maximum score. One program per (row, chunk of BLOCK_V
   columns) finds its chunk's maximum and first index of it; a second kernel takes the first chunk
   holding the row's maximum. A max is exact, so the token is the same whatever the chunks (one
@@ -43,7 +45,8 @@ def _fmix32(x):
 
 @triton.jit(do_not_specialize=["seed_hash", "temperature"])
 def _gumbel_chunk_kernel(x_ptr, keep_ptr, req_ptr, pos_ptr, max_ptr, idx_ptr, stride_x, stride_k, V, n_chunks,
-                         seed_hash, temperature, HAS_KEEP: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+                         seed_hash, temperature, HAS_KEEP: tl.constexpr, UNIT_T: tl.constexpr, BLOCK_V: tl.constexpr,
+                         PDL: tl.constexpr):
     # Program (row, chunk): the chunk's best score and the first index holding it.
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -57,7 +60,9 @@ def _gumbel_chunk_kernel(x_ptr, keep_ptr, req_ptr, pos_ptr, max_ptr, idx_ptr, st
         ok = ok & (tl.load(keep_ptr + row * stride_k + cols, mask=ok, other=0) != 0)
     bits = _fmix32(h ^ _fmix32(cols.to(tl.uint32) + tl.full((), 0x632BE5AB, tl.uint32)))
     u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-    score = tl.where(ok, tl.math.div_rn(x, temperature) - tl.log(-tl.log(u)), float("-inf"))
+    if not UNIT_T:
+        x = tl.math.div_rn(x, temperature)
+    score = tl.where(ok, x - tl.log(-tl.log(u)), float("-inf"))
     tl.store(max_ptr + row * n_chunks + chunk, tl.max(score, axis=0))
     tl.store(idx_ptr + row * n_chunks + chunk, chunk * BLOCK_V + tl.argmax(score, axis=0, tie_break_left=True))
 
@@ -116,7 +121,7 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, seed: int, request_i
         _gumbel_chunk_kernel[(r, n_chunks)](
             x, keep if keep is not None else x, request_ids, positions, best, idx, x.stride(0),
             keep.stride(0) if keep is not None else 0, v, n_chunks, seed_hash(seed), float(temperature),
-            HAS_KEEP=keep is not None, BLOCK_V=block, num_warps=4, **pdl_flags(x),
+            HAS_KEEP=keep is not None, UNIT_T=float(temperature) == 1.0, BLOCK_V=block, num_warps=4, **pdl_flags(x),
         )
     if r and n_chunks > 1:
         out = torch.empty(r, device=logits.device, dtype=torch.int64)
