@@ -1,6 +1,6 @@
 """`record_add`: a decode step's bookkeeping (`Record.add`) in one launch.
 
-As PyTorch ops it is some twelve small kernels a step (gathers, wheres, scatters, the stop-token test), each a
+As PyTorch ops it is some two dozen small kernels a step (gathers, wheres, scatters, the stop-token test), each a
 launch of mostly fixed cost and a node of the step's graph, beside ~30 kernels of the model itself a layer.
 Integers and copies only: no value is computed, so the bits are the PyTorch form's (`record_add_reference`,
 which the tests hold it to).
