@@ -168,8 +168,9 @@ def attention_ms(cfg, batch: int, kv_len: int) -> float:
 
 
 def long_rollouts(model, weight_bytes: int, copy: float, vllm_rates: dict, cases=LONG) -> list[str]:
-    """Issue 44's long generations (`cases`, (batch, new tokens) pairs): each step against its floor at the mean KV length, memory, the decode
-    attention's share of the step beside its own floor, and with vLLM's rates the target's ratio."""
+    """Issue 44's long generations (`cases`, (batch, new tokens) pairs): each step against its floor at the mean KV
+    length, memory, the decode attention's share of the step beside its own floor, and with vLLM's rates the
+    target's ratio."""
     cfg = model.config
     lines = ["| batch | new tokens | mode | tok/s | decode step ms | floor ms | step / floor | peak GiB | "
              "static KV cache GiB |",
