@@ -10,11 +10,13 @@ log-probs over the whole vocabulary, backward).
 
     python bench/bench_train.py [--shape qwen3-1.7B] [--out FILE.md] [--quick] [--sizes 512] [--configs 8192 16384]
     python bench/bench_train.py --breakdown   # where a micro-batch's GPU time goes, and each projection vs cuBLAS
+    python bench/bench_train.py --breakdown --lm-head-rows 16384   # the same with a micro-batch's logits kept
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
@@ -196,9 +198,20 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true",
                     help="instead of the table: GPU busy fraction and kernels of one 16 x 1,024 micro-batch's forward "
                          "and backward per mode, and each projection's products vs cuBLAS")
+    ap.add_argument("--lm-head-rows", type=int, metavar="N",
+                    help="rows of the fused LM head + log-probs a chunk (default: the package's); a micro-batch's "
+                         "token budget keeps all its logits for the backward, which then recomputes none")
     a = ap.parse_args()
+    if a.lm_head_rows is not None and a.lm_head_rows < 1:
+        raise SystemExit(f"bench_train.py: --lm-head-rows must be a positive number of rows, got {a.lm_head_rows}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_train.py needs a CUDA GPU")
+    if a.lm_head_rows:
+        # The package sizes the chunk by the machine alone (`linear_logprobs._default_chunk_rows`); the experiment
+        # sets it for this process before the first update.
+        # (`workbench.kernels.linear_logprobs` as an attribute is the function the package re-exports.)
+        importlib.import_module("workbench.kernels.linear_logprobs")._CHUNK_ROWS_GPU = a.lm_head_rows
+        print(f"The fused LM head + log-probs in chunks of {a.lm_head_rows:,} rows.\n")
     weights = make_weights(a.shape)
     if a.breakdown:
         breakdown(weights, a.modes)
