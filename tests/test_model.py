@@ -178,12 +178,9 @@ def test_packed_products_are_the_bits_of_separate_ones(name):
     """Forwards without autograd run q/k/v as one product over the packed weights, and gate/up as another: the
     same logits, bitwise, as the separate products of a training forward; a model moved by .to() holds them
     apart again and runs them one by one."""
-    from workbench.models.packing import packed_projections
-
     model = build(VARIANTS[name], dtype=torch.bfloat16, seed=13)
     assert all(layer.self_attn.packed() is not None for layer in model.model.layers)
-    assert all(packed_projections((layer.mlp.gate_proj, layer.mlp.up_proj)) is not None
-               for layer in model.model.layers)
+    assert all(layer.mlp.packed() is not None for layer in model.model.layers)
     ids = _ids(3, 9, TINY.vocab_size, seed=14)
     lens = torch.tensor([9, 4, 7], dtype=torch.int32)
     with mode("invariant"):
@@ -193,7 +190,7 @@ def test_packed_products_are_the_bits_of_separate_ones(name):
     assert torch.equal(packed, separate)
     moved = model.to(torch.float32)
     assert all(layer.self_attn.packed() is None for layer in moved.model.layers)
-    assert all(packed_projections((layer.mlp.gate_proj, layer.mlp.up_proj)) is None for layer in moved.model.layers)
+    assert all(layer.mlp.packed() is None for layer in moved.model.layers)
     with mode("invariant"), torch.no_grad():
         torch.testing.assert_close(moved(ids, seq_lens=lens), separate.float(), atol=0.05, rtol=0.05)
 

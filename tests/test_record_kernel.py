@@ -35,5 +35,5 @@ def test_record_add_is_the_pytorch_form():
         check_record_add("cpu")
 
 
-def test_never_stopping_and_one_row():
+def test_one_row_and_one_stop_token():
     check_record_add("cpu", b=1, n=4, n_stop=1)

@@ -138,7 +138,6 @@ def test_workbench_model_in_a_fake_vllm_gives_the_trainer_bits(monkeypatch):
     from workbench.generation.vllm_model import WorkbenchCausalLM
     from workbench.kernels import linear, token_logprobs
     from workbench.models.checkpoint import config_to_hf
-    from workbench.models.packing import packed_projections
 
     ctx = {}
     _fake_vllm(monkeypatch, ctx)
@@ -154,8 +153,8 @@ def test_workbench_model_in_a_fake_vllm_gives_the_trainer_bits(monkeypatch):
     finally:
         torch.set_default_dtype(default)
     assert model.load_weights(trainer.state_dict().items()) == set(dict(model.named_parameters()))
-    assert all(layer.self_attn.packed() is not None and packed_projections((layer.mlp.gate_proj, layer.mlp.up_proj))
-               is not None for layer in model.model.layers), "the loaded weights sit in the packed buffers"
+    assert all(layer.self_attn.packed() is not None and layer.mlp.packed() is not None
+               for layer in model.model.layers), "the loaded weights sit in the packed buffers"
     with pytest.raises(KeyError, match="does not"):
         model.load_weights([("model.layers.9.mlp.up_proj.weight", torch.ones(1))])
     # FlashAttention's layout: logical (pages, Hkv, page, 2D), stored page-major as (pages, page, Hkv, 2D).

@@ -206,8 +206,12 @@ class MLP(nn.Module):
         """gate's and up's weights in one buffer (`pack_projections`): one product in forwards without autograd."""
         pack_projections((self.gate_proj, self.up_proj))
 
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(weight [2I, H], bias) over gate's and up's packed parameters, or None (`packed_projections`)."""
+        return packed_projections((self.gate_proj, self.up_proj))
+
     def forward(self, x):
-        packed = None if torch.is_grad_enabled() else packed_projections((self.gate_proj, self.up_proj))
+        packed = None if torch.is_grad_enabled() else self.packed()
         if packed is None:
             return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))  # [B, T, I] -> [B, T, H]
         # A decode step's gate and up products each leave most SMs idle at batch 64; as one product they fill
