@@ -8,11 +8,14 @@ written into `workbench/kernels/matmul.py` by hand: nothing is tuned at run time
     python bench/tune_matmul.py            # every candidate on the projection shapes, M = 1 ... 8192
     python bench/tune_matmul.py --decode   # decode steps: a layer's products + the LM head at M = 64, 128, 256
     python bench/tune_matmul.py --decode-projections   # each decode product: table, narrow tiles, split-K, fused
-    python bench/tune_matmul.py --decode-tiles   # a grid of tiles per decode product and M bucket, bits checked
+    python bench/tune_matmul.py --decode-tiles [M ...]   # a grid of tiles per decode product and M bucket (or
+                                                         # one bucket of the given Ms), bits checked
+    python bench/tune_matmul.py --swiglu-tiles [M ...]   # the same for the SwiGLU product (gate+up + activation)
 """
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import sys
@@ -109,7 +112,7 @@ def split_k(a, b, seg: int, bk: int = 128):
     mm._matmul_kernel[(triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)](
         a, b, parts, m, n, k, seg, a.stride(0), a.stride(1), b.stride(0), b.stride(1), parts.stride(1),
         parts.stride(2), parts.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=8,
-        EVEN_K=True, DOT_IN_FP32=False, IEEE=False, ACCUMULATE=False, num_warps=4, num_stages=4)
+        EVEN_K=True, DOT_IN_FP32=False, IEEE=False, ACCUMULATE=False, PDL=False, num_warps=4, num_stages=4)
     return parts.sum(0).to(a.dtype)
 
 
@@ -152,7 +155,7 @@ def _tile_grid() -> list:
                    mm.MatmulConfig(128, 128, 64, 8, 8, 4, persistent=True)]
 
 
-def decode_tiles() -> None:
+def decode_tiles(ms: tuple[int, ...] = ()) -> None:
     """Each decode product of the Qwen3-1.7B shape (q+k+v and gate+up as the generator runs them, one product
     each) at the M of each decode bucket, us per product (cold L2, in a CUDA graph), for every tile of
     `_tile_grid` that gives the table's bits: per bucket and product the best five against the table and
@@ -162,7 +165,7 @@ def decode_tiles() -> None:
     products = {"qkv": (2048, 4096), "o": (2048, 2048), "gate_up": (2048, 12288), "down": (6144, 2048),
                 "lm_head": LM_HEAD}
     per_step = {"qkv": LAYERS, "o": LAYERS, "gate_up": LAYERS, "down": LAYERS, "lm_head": 1}
-    buckets = {32: (16, 32), 128: (64, 128), 512: (256, 512)}
+    buckets = {max(ms): ms} if ms else {32: (16, 32), 128: (64, 128), 512: (256, 512)}
     x = torch.randn(300, 6144, device=dev, dtype=torch.bfloat16)
     w = torch.randn(2048, 6144, device=dev, dtype=torch.bfloat16) / 6144**0.5
     ref = mm.matmul(x, w.t())
@@ -209,9 +212,71 @@ def decode_tiles() -> None:
               f"{step(lambda name: min(times[name, i] for i in range(len(grid)))):.3f}", flush=True)
 
 
+def swiglu_tiles(ms: tuple[int, ...]) -> None:
+    """The SwiGLU product (`kernels/swiglu_product.py`) of the Qwen3-1.7B shape at each M, us (cold L2, in a CUDA
+    graph), for every tile of `_tile_grid` whose two weight tiles a stage fit and whose bits are the unfused ops';
+    the best five against today's config and against cuBLAS's packed gate+up product alone (no activation)."""
+    sp = importlib.import_module("workbench.kernels.swiglu_product")  # the package exports the function's name
+    from workbench.kernels.silu_mul import silu_mul_invariant as silu_mul
+
+    dev = "cuda"
+    torch.manual_seed(0)
+    k, inter = 2048, 6144
+
+    def run(cfg, a, w):
+        saved = sp._CONFIGS
+        sp._CONFIGS = ((sp.MAX_ROWS, cfg),)
+        try:
+            return sp.swiglu_product(a, w)
+        finally:
+            sp._CONFIGS = saved
+
+    grid = []   # `_tile_grid`'s tiles, with as many stages as fit two weight tiles a stage
+    for bm, bn, bk in itertools.product((64, 128), (32, 64, 128), (64, 128)):
+        stages = [s for s in (6, 4, 3, 2) if s * (bm + 2 * bn) * bk * 2 <= 200 * 1024]
+        for warps in (4, 8):
+            grid += [mm.MatmulConfig(bm, bn, bk, 8, warps, stages[0])] if stages else []
+    x = torch.randn(max(ms), k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(2 * inter, k, device=dev, dtype=torch.bfloat16) / k**0.5
+    ref = silu_mul(mm.matmul(x, w[:inter].t()), mm.matmul(x, w[inter:].t()))
+    kept = []
+    for cfg in grid:
+        try:
+            same = torch.equal(run(cfg, x, w), ref) and torch.equal(run(cfg, x[7:8], w), ref[7:8])
+        except triton.runtime.errors.OutOfResources:
+            continue
+        if same:
+            kept.append(cfg)
+        else:
+            print(f"  {cfg}: NOT the unfused ops' bits; dropped", flush=True)
+    print(f"{len(kept)} of {len(grid)} tiles give the unfused ops' bits", flush=True)
+    for m in ms:
+        def time(fn) -> float:
+            def call():
+                a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                b = torch.randn(2 * inter, k, device=dev, dtype=torch.bfloat16)
+                return lambda: fn(a, b)
+            return 1e3 * gpu_ms(call, 2 * (m * k + 2 * inter * k + m * inter), reps=10)
+
+        today = time(sp.swiglu_product)
+        cublas = time(F.linear)
+        times = sorted(((time(lambda a, b, cfg=cfg: run(cfg, a, b)), cfg) for cfg in kept), key=lambda tc: tc[0])
+        print(f"M {m} | today {sp.fused_config(m, x.device)} {today:.1f} | cuBLAS gate+up alone {cublas:.1f} | "
+              + " | ".join(f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} {t:.1f}"
+                           for t, c in times[:5]), flush=True)
+
+
+def _ms_after(flag: str) -> tuple[int, ...]:
+    rest = sys.argv[sys.argv.index(flag) + 1:]
+    return tuple(int(a) for a in itertools.takewhile(str.isdigit, rest))
+
+
 def main() -> None:
     if "--decode-tiles" in sys.argv:
-        decode_tiles()
+        decode_tiles(_ms_after("--decode-tiles"))
+        return
+    if "--swiglu-tiles" in sys.argv:
+        swiglu_tiles(_ms_after("--swiglu-tiles") or (64, 128, 256, 512))
         return
     if "--decode-projections" in sys.argv:
         decode_projections()

@@ -245,10 +245,11 @@ _INTERPRETER = MatmulConfig(32, 256, 64, group_m=4, num_warps=4, num_stages=1)
 # `_BF16_ONE`); tests/test_gpu.py checks it again for these buckets. The three decode buckets (M <= 512) were
 # re-chosen on an H100 by `tune_matmul.py --decode-tiles` (46 tile configs with BLOCK_K up to 256, every one of
 # them the table's bits), per bucket the best for the 1.7B shape's q+k+v, o and down products together
-# (BENCHMARKS.md, "Numbers behind the code").
+# (BENCHMARKS.md, "Numbers behind the code"); the 256-row entries on an H200 by `--decode-tiles 256`, where the
+# 512-row bucket's tiles had been the compromise between 256 and 512 rows.
 MATMUL_BUCKETS: tuple[tuple[int, MatmulConfig], ...] = (
     (32, MatmulConfig(16, 64, 256, group_m=8, num_warps=4, num_stages=4)),
-    (128, MatmulConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=6)),
+    (256, MatmulConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=6)),
     (512, MatmulConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=4)),
     (1 << 62, MatmulConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, persistent=True)),
 )
@@ -258,6 +259,7 @@ _WIDE_N = 4096
 WIDE_BUCKETS: tuple[tuple[int, MatmulConfig], ...] = (
     (32, MatmulConfig(32, 128, 128, group_m=8, num_warps=4, num_stages=4)),
     (128, MatmulConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=4)),
+    (256, MatmulConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, persistent=True)),
     (512, MatmulConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, persistent=True)),
 )
 # Hopper, bf16, where the bucket's tiles would number fewer than the SMs (the weight gradient of a narrow

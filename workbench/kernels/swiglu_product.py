@@ -41,10 +41,11 @@ from .matmul import (
 
 # Decode sizes only (larger M runs the packed product, whose persistent tiles are faster there, then silu_mul).
 # Two [BLOCK_N, BLOCK_K] weight tiles a stage: the bucket's tiles with BLOCK_N halved fit the shared memory.
+# Chosen on an H200 by `bench/tune_matmul.py --swiglu-tiles` (every tile gave the unfused ops' bits).
 MAX_ROWS = 512
 _CONFIGS: tuple[tuple[int, MatmulConfig], ...] = (
-    (128, MatmulConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=4)),
-    (MAX_ROWS, MatmulConfig(128, 64, 64, group_m=8, num_warps=8, num_stages=4)),
+    (64, MatmulConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=4)),
+    (MAX_ROWS, MatmulConfig(128, 64, 64, group_m=8, num_warps=4, num_stages=6)),
 )
 
 
