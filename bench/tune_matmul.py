@@ -155,6 +155,23 @@ def _tile_grid() -> list:
                    mm.MatmulConfig(128, 128, 64, 8, 8, 4, persistent=True)]
 
 
+def _same_bits(grid: list, run, x: torch.Tensor, ref: torch.Tensor, whose: str) -> list:
+    """The configs of `grid` whose rows, all of x's and row 7 alone, are `ref`'s bit for bit (those that do not fit
+    the shared memory left out)."""
+    kept = []
+    for cfg in grid:
+        try:
+            same = torch.equal(run(cfg, x), ref) and torch.equal(run(cfg, x[7:8]), ref[7:8])
+        except triton.runtime.errors.OutOfResources:
+            continue
+        if same:
+            kept.append(cfg)
+        else:
+            print(f"  {cfg}: NOT {whose} bits; dropped", flush=True)
+    print(f"{len(kept)} of {len(grid)} tiles give {whose} bits", flush=True)
+    return kept
+
+
 def decode_tiles(ms: tuple[int, ...] = ()) -> None:
     """Each decode product of the Qwen3-1.7B shape (q+k+v and gate+up as the generator runs them, one product
     each) at the M of each decode bucket, us per product (cold L2, in a CUDA graph), for every tile of
@@ -169,17 +186,7 @@ def decode_tiles(ms: tuple[int, ...] = ()) -> None:
     x = torch.randn(300, 6144, device=dev, dtype=torch.bfloat16)
     w = torch.randn(2048, 6144, device=dev, dtype=torch.bfloat16) / 6144**0.5
     ref = mm.matmul(x, w.t())
-    grid = []
-    for cfg in _tile_grid():
-        try:
-            same = torch.equal(run_with(cfg, x, w.t()), ref) and torch.equal(run_with(cfg, x[7:8], w.t()), ref[7:8])
-        except triton.runtime.errors.OutOfResources:
-            continue
-        if same:
-            grid.append(cfg)
-        else:
-            print(f"  {cfg}: NOT the table's bits; dropped", flush=True)
-    print(f"{len(grid)} tiles give the table's bits", flush=True)
+    grid = _same_bits(_tile_grid(), lambda cfg, a: run_with(cfg, a, w.t()), x, ref, "the table's")
 
     def time(fn, m, k, n) -> float:
         def call():
@@ -239,17 +246,7 @@ def swiglu_tiles(ms: tuple[int, ...]) -> None:
     x = torch.randn(max(ms), k, device=dev, dtype=torch.bfloat16)
     w = torch.randn(2 * inter, k, device=dev, dtype=torch.bfloat16) / k**0.5
     ref = silu_mul(mm.matmul(x, w[:inter].t()), mm.matmul(x, w[inter:].t()))
-    kept = []
-    for cfg in grid:
-        try:
-            same = torch.equal(run(cfg, x, w), ref) and torch.equal(run(cfg, x[7:8], w), ref[7:8])
-        except triton.runtime.errors.OutOfResources:
-            continue
-        if same:
-            kept.append(cfg)
-        else:
-            print(f"  {cfg}: NOT the unfused ops' bits; dropped", flush=True)
-    print(f"{len(kept)} of {len(grid)} tiles give the unfused ops' bits", flush=True)
+    kept = _same_bits(grid, lambda cfg, a: run(cfg, a, w), x, ref, "the unfused ops'")
     for m in ms:
         def time(fn) -> float:
             def call():
