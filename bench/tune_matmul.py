@@ -221,8 +221,8 @@ def decode_tiles(ms: tuple[int, ...] = ()) -> None:
 
 def swiglu_tiles(ms: tuple[int, ...]) -> None:
     """The SwiGLU product (`kernels/swiglu_product.py`) of the Qwen3-1.7B shape at each M, us (cold L2, in a CUDA
-    graph), for every tile of `_tile_grid` whose two weight tiles a stage fit and whose bits are the unfused ops';
-    the best five against today's config and against cuBLAS's packed gate+up product alone (no activation)."""
+    graph), for every tile of a grid like `_tile_grid`'s (stages fitted to two weight tiles a stage) whose bits are
+    the unfused ops'; the best five against today's config and cuBLAS's packed gate+up product alone (no activation)."""
     sp = importlib.import_module("workbench.kernels.swiglu_product")  # the package exports the function's name
     from workbench.kernels.silu_mul import silu_mul_invariant as silu_mul
 
@@ -238,7 +238,7 @@ def swiglu_tiles(ms: tuple[int, ...]) -> None:
         finally:
             sp._CONFIGS = saved
 
-    grid = []   # `_tile_grid`'s tiles, with as many stages as fit two weight tiles a stage
+    grid = []
     for bm, bn, bk in itertools.product((64, 128), (32, 64, 128), (64, 128)):
         stages = [s for s in (6, 4, 3, 2) if s * (bm + 2 * bn) * bk * 2 <= 200 * 1024]
         for warps in (4, 8):
