@@ -58,6 +58,7 @@ def test_a_started_process_has_the_shortcut():
     """tests/subprocess_site installs the speed-up while `import triton` is still importing triton.language."""
     code = ("import triton, numpy as np; from triton.runtime import interpreter as i\n"
             "assert i._convert_float.__name__ == 'convert_float'\n"
-            "assert i._convert_float(np.array([0x3FC0], np.uint16), i.tl.bfloat16, i.tl.float32, None)[0] == 0x3FC00000")
+            "one_and_a_half = np.array([0x3FC0], np.uint16)\n"
+            "assert i._convert_float(one_and_a_half, i.tl.bfloat16, i.tl.float32, None)[0] == 0x3FC00000")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
