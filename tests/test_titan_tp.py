@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import same_bits
+from helpers import once_per_run, same_bits
 from test_titan_model import CONFIGS, TEMPERATURE, _rollouts
 
 pytest.importorskip("torchtitan")
@@ -196,28 +196,13 @@ def _main_grads(model, mb, upstream, recompute: str = "none") -> tuple[dict[str,
     return main, sorted(k for k, p in model.named_parameters() if p.grad is not None)
 
 
-def _shared(tmp_path_factory, worker_id) -> Path:
-    """This run's folder for what one xdist worker computes for all: under xdist the workers' base folders share a
-    parent that is this run's own; alone, the session's base. A session fixture is set up once per worker (and a
-    module fixture again at each of xdist's switches between modules, which conftest's longest-first order makes
-    frequent), so each fixture below computes under a lock and saves there, and a worker that comes later loads."""
-    root = tmp_path_factory.getbasetemp()
-    return (root.parent if worker_id != "master" else root) / "titan_tp_spawn"
-
-
 @pytest.fixture(scope="session")
 def both(tmp_path_factory, policy, worker_id):
     """family -> (seed, the generator's micro-batch, behavior, mask, the 2 ranks' results, the one-process run's);
     both families and the trainer's checks in one spawn of 2 processes; 'train' -> (the spawn's files' prefix, the
-    policy it trained). Once for the whole suite (`_shared`)."""
-    from filelock import FileLock
-
-    shared = _shared(tmp_path_factory, worker_id)
-    with FileLock(f"{shared}.lock"):
-        if not (shared / "both.pt").exists():
-            shared.mkdir(exist_ok=True)
-            torch.save(_spawn_and_one_process(str(shared / "rank"), policy), shared / "both.pt")
-    return torch.load(shared / "both.pt", weights_only=False)
+    policy it trained. Once for the whole pytest run (`once_per_run`)."""
+    return once_per_run(tmp_path_factory, worker_id, "titan_tp_both",
+                        lambda folder: _spawn_and_one_process(str(folder / "rank"), policy))
 
 
 def _spawn_and_one_process(out: str, policy: str) -> dict:
@@ -346,14 +331,9 @@ def test_a_degree_that_does_not_split_the_heads_is_one_line():
 def trained(both, tmp_path_factory, worker_id):
     """The trainer's checks: (the TP=2 run's metrics and final masters, the 2 ranks' `_one_update` and errors, the
     resumed run's final masters; the one-process run's metrics and masters, and its `_one_update`). Once for the
-    whole suite (`_shared`)."""
-    from filelock import FileLock
-
-    shared = _shared(tmp_path_factory, worker_id)
-    with FileLock(f"{shared}.lock"):
-        if not (shared / "trained.pt").exists():
-            torch.save(_tp_and_one_process_runs(*both["train"], shared / "one"), shared / "trained.pt")
-    return torch.load(shared / "trained.pt", weights_only=False)
+    whole pytest run (`once_per_run`)."""
+    return once_per_run(tmp_path_factory, worker_id, "titan_tp_trained",
+                        lambda folder: _tp_and_one_process_runs(*both["train"], folder / "one"))
 
 
 def _tp_and_one_process_runs(out: str, policy: str, folder: Path) -> tuple:
