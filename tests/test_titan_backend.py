@@ -123,7 +123,7 @@ def _masters(folder) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="session")
-def one_titan_run(policy, tmp_path_factory, worker_id):
+def one_titan_run(policy, tmp_path_factory):
     """A call for the one-process torchtitan run of `_cfg` (its metrics table and final masters), which two tests
     compare against: run once for the whole pytest run (`once_per_run`), by the first test to call it (the FSDP2
     test calls it after its spawn, so a worker that started beside it rarely waits)."""
@@ -132,7 +132,7 @@ def one_titan_run(policy, tmp_path_factory, worker_id):
     def run(folder):
         return train(_cfg(policy, folder / "run")), _masters(folder / "run")
 
-    return lambda: once_per_run(tmp_path_factory, worker_id, "one_titan_run", run)
+    return lambda: once_per_run(tmp_path_factory, "one_titan_run", run)
 
 
 def test_trainer_with_torchtitan_is_the_workbench_run(policy, tmp_path, one_titan_run):

@@ -197,11 +197,11 @@ def _main_grads(model, mb, upstream, recompute: str = "none") -> tuple[dict[str,
 
 
 @pytest.fixture(scope="session")
-def both(tmp_path_factory, policy, worker_id):
+def both(tmp_path_factory, policy):
     """family -> (seed, the generator's micro-batch, behavior, mask, the 2 ranks' results, the one-process run's);
     both families and the trainer's checks in one spawn of 2 processes; 'train' -> (the spawn's files' prefix, the
     policy it trained. Once for the whole pytest run (`once_per_run`)."""
-    return once_per_run(tmp_path_factory, worker_id, "titan_tp_both",
+    return once_per_run(tmp_path_factory, "titan_tp_both",
                         lambda folder: _spawn_and_one_process(str(folder / "rank"), policy))
 
 
@@ -328,11 +328,11 @@ def test_a_degree_that_does_not_split_the_heads_is_one_line():
 
 
 @pytest.fixture(scope="session")
-def trained(both, tmp_path_factory, worker_id):
+def trained(both, tmp_path_factory):
     """The trainer's checks: (the TP=2 run's metrics and final masters, the 2 ranks' `_one_update` and errors, the
     resumed run's final masters; the one-process run's metrics and masters, and its `_one_update`). Once for the
     whole pytest run (`once_per_run`)."""
-    return once_per_run(tmp_path_factory, worker_id, "titan_tp_trained",
+    return once_per_run(tmp_path_factory, "titan_tp_trained",
                         lambda folder: _tp_and_one_process_runs(*both["train"], folder / "one"))
 
 
