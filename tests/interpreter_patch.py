@@ -23,7 +23,7 @@ Triton checks only with debug=True. It only asserts, so no value changes; the te
 elements, where an int32 offset could overflow.
 
 And `_convert_float` (the bit-level float conversion behind every bf16 <-> fp32 cast, ~25 numpy operations on each
-call, 10-15% of an interpreted run on the tests' small blocks) takes a shortcut for bf16 -> fp32 and for fp32 -> bf16
+call, about a tenth of an interpreted run on the tests' small blocks) takes a shortcut for bf16 -> fp32 and for fp32 -> bf16
 without rounding (the interpreter's plain `.to`), which share their exponent's width and bias: for a normal number,
 an infinity, a NaN or a zero, Triton's arithmetic keeps the sign and exponent and shifts the mantissa by 16 bits (the
 downcast truncating), which is the bit pattern shifted by 16. A block holding a subnormal, where Triton's own
@@ -162,4 +162,5 @@ def fast_convert_float(convert, tl):
         out = bits.astype(np.uint32) << shift if shift > 0 else (bits >> -shift).astype(np.uint16)
         return out.reshape(input.shape)
 
+    convert_float.triton = convert
     return convert_float

@@ -14,9 +14,8 @@ from interpreter_patch import fast_convert_float  # noqa: E402
 
 
 def _triton_convert():
-    """Triton's own `_convert_float` (where the speed-up is installed, the shortcut holds it in its closure)."""
-    convert = interp._convert_float
-    return convert.__closure__[0].cell_contents if convert.__name__ == "convert_float" else convert
+    """Triton's own `_convert_float` (where the speed-up is installed, the shortcut holds it)."""
+    return getattr(interp._convert_float, "triton", interp._convert_float)
 
 
 def _subnormal(bits: np.ndarray, mantissa_bits: int) -> np.ndarray:
