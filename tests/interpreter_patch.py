@@ -23,12 +23,13 @@ Triton checks only with debug=True. It only asserts, so no value changes; the te
 elements, where an int32 offset could overflow.
 
 And `_convert_float` (the bit-level float conversion behind every bf16 <-> fp32 cast, ~25 numpy operations on each
-call, about a tenth of an interpreted run on the tests' small blocks) takes a shortcut for bf16 -> fp32 and for fp32 -> bf16
-without rounding (the interpreter's plain `.to`), which share their exponent's width and bias: for a normal number,
-an infinity, a NaN or a zero, Triton's arithmetic keeps the sign and exponent and shifts the mantissa by 16 bits (the
-downcast truncating), which is the bit pattern shifted by 16. A block holding a subnormal, where Triton's own
-renormalisation gives other bits, and every other conversion run Triton's body. tests/test_interpreter_patch.py
-checks the shortcut against Triton's function on every bf16 pattern and every fp32 sign, exponent and high mantissa.
+call, about a tenth of an interpreted run on the tests' small blocks) takes a shortcut for bf16 -> fp32 and for
+fp32 -> bf16 without rounding (the interpreter's plain `.to`), which share their exponent's width and bias: for a
+normal number, an infinity, a NaN or a zero, Triton's arithmetic keeps the sign and exponent and shifts the mantissa
+by 16 bits (the downcast truncating), which is the bit pattern shifted by 16. A block holding a subnormal, where
+Triton's own renormalisation gives other bits, and every other conversion run Triton's body.
+tests/test_interpreter_patch.py checks the shortcut against Triton's function on every bf16 pattern and every fp32
+sign, exponent and high mantissa.
 
 Guarded: the functions this reasoning reads are pinned by the SHA-256 of their source (triton 3.7.1). Another Triton
 fails the session at start-up with a message (`pytest.UsageError`), never silently: re-check the reasoning above
