@@ -54,7 +54,8 @@ LONGEST_FIRST = (
     "tests/test_generation.py::test_trainer_",                                  # 2 x 46 s (+30 s module fixture)
     "tests/test_titan_backend.py::test_fsdp2_through",                           # 29 s alone (2 processes)
     "tests/test_titan_backend.py::test_trainer_with_torchtitan",                 # 25 s (+30 s policy fixture)
-    "tests/test_titan_tp.py::test_forward_is",                                   # 63-100 s (the 2-process fixture, once a suite)
+    # One parameter: the other, taken next by the other worker, would wait for the fixture's spawn.
+    "tests/test_titan_tp.py::test_forward_is_the_one_process_and_the_generators_bits[llama]",  # 63-100 s (its fixture)
     "tests/test_distributed.py::test_fsdp2_forward",                            # 41 s
     "tests/test_generation.py::test_a_request_alone",                           # 40 s
     "tests/test_parity_sample.py::test_a_sampled_check",                        # ~35 s (19 s alone)
