@@ -34,11 +34,12 @@ import pytest  # noqa: E402
 # The longest tests first (seconds of one test under `-n 2` on the 2-core AMD EPYC, 2026-11-26; the rest follow in
 # collection order), handed to xdist's workers one at a time (`maxschedchunk` 1, set below): a free worker takes the
 # next longest, so neither waits on a long test at the end. (xdist's default hands each worker a quarter of the
-# collection at once: both first quarters' long tests went to the same worker.)
+# collection at once: both first quarters' long tests went to the same worker.) The second needs no `policy`: the
+# other worker runs it while the first trains the policy, which is trained once a run.
 LONGEST_FIRST = (
     "tests/test_split_roles.py::test_split_roles_match",                       # 322 s (5 processes)
-    "tests/test_fsdp.py::test_fsdp2_trainer",                                   # 195 s
     "tests/test_real_model.py::test_real_model_fp32",                           # 107 s
+    "tests/test_fsdp.py::test_fsdp2_trainer",                                   # 195 s
     "tests/test_checkpoint_crash.py::test_training_killed",                     # 97 s
     "tests/test_rl_trainer.py::test_sync_modes",                                # 85 s
     "tests/test_rl_trainer.py::test_one_step_lag",                              # 80 s
@@ -53,7 +54,8 @@ LONGEST_FIRST = (
     "tests/test_generation.py::test_trainer_",                                  # 2 x 46 s (+30 s module fixture)
     "tests/test_titan_backend.py::test_fsdp2_through",                           # 29 s alone (2 processes)
     "tests/test_titan_backend.py::test_trainer_with_torchtitan",                 # 25 s (+30 s policy fixture)
-    "tests/test_titan_tp.py::test_forward_is",                                   # 63-100 s (the 2-process fixture, once a suite)
+    # One parameter: the other, taken next by the other worker, would wait for the fixture's spawn.
+    "tests/test_titan_tp.py::test_forward_is_the_one_process_and_the_generators_bits[llama]",  # 63-100 s (its fixture)
     "tests/test_distributed.py::test_fsdp2_forward",                            # 41 s
     "tests/test_generation.py::test_a_request_alone",                           # 40 s
     "tests/test_parity_sample.py::test_a_sampled_check",                        # ~35 s (19 s alone)
@@ -122,10 +124,17 @@ def smollm2():
 def policy(tmp_path_factory):
     """A small self-trained arithmetic policy, trained until greedy accuracy leaves room for RL, so groups have
     reward variance and weights move. On the GPU where there is one: on a GPU host the interpreter is off, and the
-    embedding's gradient is a Triton kernel, which then runs on CUDA tensors only."""
+    embedding's gradient is a Triton kernel, which then runs on CUDA tensors only. Trained once for the whole run
+    (helpers.once_per_run), not once per xdist worker."""
+    from helpers import once_per_run
+
     from workbench.rl.policy import PolicyConfig, train_policy
 
-    out = tmp_path_factory.mktemp("policy")
-    train_policy(PolicyConfig(eval_every=25, eval_problems=16, device="cuda" if torch.cuda.is_available() else "cpu"),
-                 out)
-    return str(out)
+    def train(folder):
+        out = folder / "policy"
+        out.mkdir(exist_ok=True)
+        train_policy(PolicyConfig(eval_every=25, eval_problems=16,
+                                  device="cuda" if torch.cuda.is_available() else "cpu"), out)
+        return str(out)
+
+    return once_per_run(tmp_path_factory, "policy", train)

@@ -144,3 +144,23 @@ def same_completions(a, b) -> bool:
     def fields(cs):
         return [(c.tokens, c.finish_reason, c.logprobs, c.sampled_logprobs) for c in cs]
     return same_bits(fields(a), fields(b))
+
+
+def once_per_run(tmp_path_factory, name: str, compute):
+    """compute(folder)'s value, computed once for the whole pytest run: the first xdist worker to ask computes it
+    (into `folder`, under a lock) and saves it there; a worker that asks later loads it (one that asks meanwhile
+    waits, no longer than computing it itself would take). A session fixture is otherwise set up once per worker,
+    and a module fixture again at each of xdist's switches between modules (conftest's longest-first order makes
+    them frequent). Under xdist the workers' base folders share a parent that is this run's own; alone, the
+    session's base."""
+    import os
+
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    folder = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / name
+    with FileLock(f"{folder}.lock"):
+        if not (folder / "value.pt").exists():
+            folder.mkdir(exist_ok=True)
+            torch.save(compute(folder), folder / "value.pt")
+    return torch.load(folder / "value.pt", weights_only=False)

@@ -22,6 +22,15 @@ and mul of a kernel redone in int64 and asserted in range, ~16% of an interprete
 Triton checks only with debug=True. It only asserts, so no value changes; the tests' tensors are far below 2^31
 elements, where an int32 offset could overflow.
 
+And `_convert_float` (the bit-level float conversion behind every bf16 <-> fp32 cast, ~25 numpy operations on each
+call, about a tenth of an interpreted run on the tests' small blocks) takes a shortcut for bf16 -> fp32 and for
+fp32 -> bf16 without rounding (the interpreter's plain `.to`), which share their exponent's width and bias: for a
+normal number, an infinity, a NaN or a zero, Triton's arithmetic keeps the sign and exponent and shifts the mantissa
+by 16 bits (the downcast truncating), which is the bit pattern shifted by 16. A block holding a subnormal, where
+Triton's own renormalisation gives other bits, and every other conversion run Triton's body.
+tests/test_interpreter_patch.py checks the shortcut against Triton's function on every bf16 pattern and every fp32
+sign, exponent and high mantissa.
+
 Guarded: the functions this reasoning reads are pinned by the SHA-256 of their source (triton 3.7.1). Another Triton
 fails the session at start-up with a message (`pytest.UsageError`), never silently: re-check the reasoning above
 against the new source, then update `PINNED`. WORKBENCH_PLAIN_INTERPRETER=1 turns the speed-up off.
@@ -46,6 +55,7 @@ PINNED = {
     "_LangPatchScope": "1b26f629cd7367a8",
     "_get_np_dtype": "8f20d41e3207891a",
     "InterpreterOptions": "942c1a93071739ca",
+    "_convert_float": "b466f779f6e2f7f1",
 }
 
 
@@ -120,8 +130,38 @@ def install() -> None:
         return known[scalar]
 
     interp._get_np_dtype = get_np_dtype
+    interp._convert_float = fast_convert_float(interp._convert_float, interp.tl)
     interp.interpreter_builder.options = dataclasses.replace(interp.interpreter_builder.options,
                                                              sanitize_overflow=False)
     interp.GridExecutor.__call__ = launch
     interp.InterpretedFunction.__call__ = helper_call
     interp.InterpretedFunction._workbench_memo = True
+
+
+def fast_convert_float(convert, tl):
+    """`convert` (Triton's `_convert_float`) with the shortcut of the module docstring: the same bits, the same
+    dtype and shape."""
+    import numpy as np
+
+    # (input dtype, output dtype) -> (the input's bits, the magnitude mask, the smallest normal's pattern, the shift);
+    # filled at the first call: a process's start-up (tests/subprocess_site) installs this while triton.language is
+    # still being imported.
+    shortcuts = {}
+
+    def convert_float(input, input_dtype, output_dtype, rounding_mode):
+        if not shortcuts:
+            shortcuts.update({(tl.bfloat16, tl.float32): (np.uint16, 0x7FFF, 1 << 7, 16),
+                              (tl.float32, tl.bfloat16): (np.uint32, 0x7FFFFFFF, 1 << 23, -16)})
+        how = shortcuts.get((input_dtype, output_dtype))
+        if how is None or (how[3] < 0 and rounding_mode is not None):
+            return convert(input, input_dtype, output_dtype, rounding_mode)
+        bits_dtype, magnitude_mask, smallest_normal, shift = how
+        bits = np.frombuffer(input.tobytes(), dtype=bits_dtype)
+        magnitude = bits & magnitude_mask
+        if ((magnitude > 0) & (magnitude < smallest_normal)).any():
+            return convert(input, input_dtype, output_dtype, rounding_mode)
+        out = bits.astype(np.uint32) << shift if shift > 0 else (bits >> -shift).astype(np.uint16)
+        return out.reshape(input.shape)
+
+    convert_float.triton = convert
+    return convert_float

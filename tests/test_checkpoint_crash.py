@@ -26,8 +26,11 @@ from workbench.rl.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# A child that saves checkpoints step after step, forever: every master of step k holds the value k.
+# A process that starts savers, one a line on its stdin, each a process of its own (forked after the imports, which
+# are then paid once for all of them) that saves checkpoints step after step, forever: every master of step k holds
+# the value k. The parent reports each saver's pid once it saves, and its end once it is gone.
 SAVER = textwrap.dedent("""
+    import os
     import sys
     from pathlib import Path
     import pandas as pd
@@ -37,23 +40,30 @@ SAVER = textwrap.dedent("""
     from workbench.rl.config import TrainConfig
     from workbench.rl.weights import TrainWeights
 
-    out = Path(sys.argv[1])
-    cfg = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=64)
-    weights = TrainWeights(build(cfg, device="cpu", dtype=torch.float32, seed=0), "float32", 1e-3, "cpu")
-    for m in weights.masters.values():
-        m.grad = torch.zeros_like(m)
-    weights.step()  # AdamW state exists
-    last = latest_checkpoint(out)
-    step = 0 if last is None else int(last.name.split("-")[1])
-    print("ready", flush=True)
-    while True:
-        step += 1
-        with torch.no_grad():
-            for m in weights.masters.values():
-                m.fill_(float(step))
-        table = pd.DataFrame({"step": range(1, step + 1), "metric": "x", "value": 0.0, "variant": "v", "seed": 0})
-        save_checkpoint(out, step, weights, table, TrainConfig(steps=step), None)
+    def save_forever(out):
+        cfg = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=64)
+        weights = TrainWeights(build(cfg, device="cpu", dtype=torch.float32, seed=0), "float32", 1e-3, "cpu")
+        for m in weights.masters.values():
+            m.grad = torch.zeros_like(m)
+        weights.step()  # AdamW state exists
+        last = latest_checkpoint(out)
+        step = 0 if last is None else int(last.name.split("-")[1])
+        print("ready", os.getpid(), flush=True)
+        while True:
+            step += 1
+            with torch.no_grad():
+                for m in weights.masters.values():
+                    m.fill_(float(step))
+            table = pd.DataFrame({"step": range(1, step + 1), "metric": "x", "value": 0.0, "variant": "v", "seed": 0})
+            save_checkpoint(out, step, weights, table, TrainConfig(steps=step), None)
+
+    for _ in sys.stdin:
+        pid = os.fork()
+        if pid == 0:
+            save_forever(Path(sys.argv[1]))
+        os.waitpid(pid, 0)
+        print("gone", flush=True)
 """)
 
 
@@ -66,12 +76,16 @@ def test_a_save_killed_at_any_instant_leaves_a_whole_checkpoint(tmp_path):
     rng = random.Random(os.getpid() ^ time.time_ns())  # fresh instants every run
     out = tmp_path / "run"
     seen = 0
+    savers = subprocess.Popen([sys.executable, "-c", SAVER, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              env=_env(), text=True)
     for _ in range(5):
-        child = subprocess.Popen([sys.executable, "-c", SAVER, str(out)], stdout=subprocess.PIPE, env=_env(), text=True)
-        assert child.stdout.readline().strip() == "ready"
+        savers.stdin.write("start\n")
+        savers.stdin.flush()
+        ready, pid = savers.stdout.readline().split()
+        assert ready == "ready"
         time.sleep(rng.uniform(0.05, 1.5))
-        child.send_signal(signal.SIGKILL)
-        child.wait()
+        os.kill(int(pid), signal.SIGKILL)
+        assert savers.stdout.readline().strip() == "gone"
         last = latest_checkpoint(out)
         if last is None:
             continue
@@ -83,6 +97,8 @@ def test_a_save_killed_at_any_instant_leaves_a_whole_checkpoint(tmp_path):
         load_file(last / "optimizer.safetensors")
         assert len(pd.read_csv(last / "metrics.csv")) == step
         assert len(checkpoints(out)) <= 3, "older checkpoints are pruned (KEEP, plus one a kill left mid-prune)"
+    savers.stdin.close()
+    assert savers.wait() == 0
     assert seen >= 2, "the saver made progress between kills"
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from helpers import once_per_run
 
 from workbench.onoff import publish, runner
 from workbench.onoff.arms import ARMS, arm_settings, get_arm
@@ -28,12 +29,14 @@ def _cfg(tmp_path, **kw):
     return dataclasses.replace(base, **kw)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def starting(tmp_path_factory) -> Path:
-    """The starting policy `_cfg`'s experiments train into out_dir/policy, trained once for the module: `_ready`
+    """The starting policy `_cfg`'s experiments train into out_dir/policy, trained once for the whole run
+    (helpers.once_per_run; a module fixture was trained again at each of xdist's switches between modules): `_ready`
     copies it into each experiment's folder, where the runner reuses it (trained with the same settings). Each
     training runs the interpreted embedding backward at every step, which the tests need not pay again."""
-    return Path(runner.starting_policy(_cfg(tmp_path_factory.mktemp("onoff"))))
+    return once_per_run(tmp_path_factory, "onoff_starting",
+                        lambda folder: Path(runner.starting_policy(_cfg(folder))))
 
 
 def _ready(folder: Path, starting: Path) -> Path:

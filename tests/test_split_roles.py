@@ -41,15 +41,20 @@ def _cfg(policy: str, out, **kw):
     return dataclasses.replace(base, **kw)
 
 
-def _one_process(policy: str, out: Path, **kw) -> subprocess.Popen:
-    """The same run without torchrun (rollout_ranks=0), in a process of its own beside the split run (which leaves
-    a core idle while its trainer waits for samples); its output goes to out.log."""
-    cfg = _cfg(policy, out, rollout_ranks=0, **kw)
+def _one_process(policy: str, runs: dict[Path, dict], log: Path) -> subprocess.Popen:
+    """The same runs without torchrun (rollout_ranks=0), into each key's folder with its settings, one after another
+    through the command line's `main` in a process of its own beside the split run (which leaves a core idle while
+    its trainer waits for samples; one process start-up for all of them); its output goes to `log`."""
     names = ("policy", "out_dir", "steps", "prompts_per_step", "group_size", "max_new_tokens", "kernel_mode",
              "checkpoint_every", "lr", "sync", "policy_lag", "rollout_ranks", "parity_sample")
-    with open(f"{out}.log", "w") as log:
-        return subprocess.Popen([sys.executable, "-m", "workbench", "train", "--no-progress",
-                                 *(f"{n}={getattr(cfg, n)}" for n in names)], stdout=log, stderr=subprocess.STDOUT)
+    argvs = []
+    for out, kw in runs.items():
+        cfg = _cfg(policy, out, rollout_ranks=0, **kw)
+        argvs.append(["train", "--no-progress", *(f"{n}={getattr(cfg, n)}" for n in names)])
+    code = (f"import sys\nfrom workbench.__main__ import main\nfor argv in {argvs!r}:\n"
+            "    if main(argv) != 0:\n        sys.exit(1)\n")
+    with open(log, "w") as f:
+        return subprocess.Popen([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT)
 
 
 def _split_worker(policy: str, root: str) -> None:
@@ -131,12 +136,11 @@ def _metrics(table: pd.DataFrame | Path) -> pd.DataFrame:
 
 
 def test_split_roles_match_one_process_bitwise_overlap_resume_and_stop_together(policy, tmp_path):
-    one = {"sync": _one_process(policy, tmp_path / "one_sync", steps=1),
-           "lag": _one_process(policy, tmp_path / "one_lag", policy_lag=1, parity_sample=2),
-           "lag2": _one_process(policy, tmp_path / "one_lag2", policy_lag=2, steps=4)}
+    one = _one_process(policy, {tmp_path / "one_sync": dict(steps=1),
+                                tmp_path / "one_lag": dict(policy_lag=1, parity_sample=2),
+                                tmp_path / "one_lag2": dict(policy_lag=2, steps=4)}, tmp_path / "one.log")
     launch.spawn(_split_worker, 2, policy, str(tmp_path))
-    for name, p in one.items():
-        assert p.wait(timeout=600) == 0, Path(f"{tmp_path / f'one_{name}'}.log").read_text()[-3000:]
+    assert one.wait(timeout=600) == 0, (tmp_path / "one.log").read_text()[-3000:]
 
     for name in ("sync", "lag", "lag2"):
         split, single = tmp_path / name, tmp_path / f"one_{name}"
@@ -220,9 +224,9 @@ def test_three_ranks_two_trainers_or_two_rollout_ranks(policy, tmp_path):
     from workbench.models import build, load_pretrained
     from workbench.rl.checkpoint import latest_checkpoint
 
-    single = _one_process(policy, tmp_path / "one", policy_lag=1)
+    single = _one_process(policy, {tmp_path / "one": dict(policy_lag=1)}, tmp_path / "one.log")
     launch.spawn(_three_worker, 3, policy, str(tmp_path))
-    assert single.wait(timeout=600) == 0, Path(f"{tmp_path / 'one'}.log").read_text()[-3000:]
+    assert single.wait(timeout=600) == 0, (tmp_path / "one.log").read_text()[-3000:]
     three, one = _metrics(tmp_path / "three"), _metrics(tmp_path / "one")
     sampled = ["reward_mean", "response_length", "parity_max_abs_diff", "parity_tokens_differing", "sampler_trainer_kl",
                "policy_lag"]

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import same_bits
+from helpers import once_per_run, same_bits
 
 pytest.importorskip("torchtitan")
 
@@ -122,14 +122,29 @@ def _masters(folder) -> dict[str, torch.Tensor]:
     return load_file(last / "masters.safetensors")
 
 
-def test_trainer_with_torchtitan_is_the_workbench_run(policy, tmp_path):
+@pytest.fixture(scope="session")
+def one_titan_run(policy, tmp_path_factory):
+    """A call for the one-process torchtitan run of `_cfg` (its metrics table and final masters), which two tests
+    compare against: run once for the whole pytest run (`once_per_run`), by the first test to call it (the FSDP2
+    test calls it after its spawn, so a worker that started beside it rarely waits)."""
+    from workbench.rl.trainer import train
+
+    def run(folder):
+        return train(_cfg(policy, folder / "run")), _masters(folder / "run")
+
+    return lambda: once_per_run(tmp_path_factory, "one_titan_run", run)
+
+
+def test_trainer_with_torchtitan_is_the_workbench_run(policy, tmp_path, one_titan_run):
     """train() with trainer_backend='torchtitan' for 2 steps (2 clipped mini-batches each): 0 differing tokens every
     step, and every metric and the final masters the workbench trainer's, bit for bit; a resumed run the same."""
     from workbench.models import load_pretrained
     from workbench.rl.trainer import train
     from workbench.titan.weights import from_titan
 
-    runs = {b: train(_cfg(policy, tmp_path / b, trainer_backend=b)) for b in ("workbench", "torchtitan")}
+    titan_table, titan_masters = one_titan_run()
+    runs = {"workbench": train(_cfg(policy, tmp_path / "workbench", trainer_backend="workbench")),
+            "torchtitan": titan_table}
     tables = {b: t.pivot(index="step", columns="metric", values="value") for b, t in runs.items()}
     titan, ref = tables["torchtitan"], tables["workbench"]
     assert list(titan.index) == [1, 2] and (titan["parity_tokens_differing"] == 0).all()
@@ -141,12 +156,12 @@ def test_trainer_with_torchtitan_is_the_workbench_run(policy, tmp_path):
 
     pd.testing.assert_frame_equal(titan[kept], ref[kept])
     mc = load_pretrained(policy).config
-    assert same_bits(from_titan(_masters(tmp_path / "torchtitan"), mc), _masters(tmp_path / "workbench"))
+    assert same_bits(from_titan(titan_masters, mc), _masters(tmp_path / "workbench"))
     # Stopped after step 1 and resumed (the workbench's checkpoint, torchtitan's AdamW state; the LR scheduler's
     # factor is 1.0 at every step, so it restarts without changing a bit): the uninterrupted run's masters.
     train(_cfg(policy, tmp_path / "resumed", steps=1))
     train(_cfg(policy, tmp_path / "resumed", resume=True))
-    assert same_bits(_masters(tmp_path / "resumed"), _masters(tmp_path / "torchtitan"))
+    assert same_bits(_masters(tmp_path / "resumed"), titan_masters)
 
 
 def _sharded_forward_is_the_generators(weights) -> None:
@@ -188,7 +203,7 @@ def _fsdp_worker(policy: str, root: str) -> None:
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
-def test_fsdp2_through_torchtitans_recipe_matches_one_process(policy, tmp_path):
+def test_fsdp2_through_torchtitans_recipe_matches_one_process(policy, tmp_path, one_titan_run):
     """2 gloo processes, FSDP2 by the backend's `shard` (torchtitan's per-block units, bf16 compute, fp32 reduce):
     parity 0 every step, the sharded titan forward the generator's bits; against the one-process torchtitan run, its
     masters up to the order of the 2-rank gradient sum (the fp32 reduce-scatter adds the ranks' sums; one process adds every micro-batch into one buffer); against the
@@ -200,12 +215,12 @@ def test_fsdp2_through_torchtitans_recipe_matches_one_process(policy, tmp_path):
     from workbench.distributed.checkpoint import load
     from workbench.models import build, load_pretrained
     from workbench.rl.checkpoint import latest_checkpoint
-    from workbench.rl.trainer import train
     from workbench.titan.model import build_titan_model
     from workbench.titan.weights import from_titan
 
     launch.spawn(_fsdp_worker, 2, policy, str(tmp_path))
-    one = train(_cfg(policy, tmp_path / "one")).pivot(index="step", columns="metric", values="value")
+    one, one_masters = one_titan_run()
+    one = one.pivot(index="step", columns="metric", values="value")
     tables = {b: pd.read_csv(tmp_path / b / "metrics.csv").pivot(index="step", columns="metric", values="value")
               for b in ("torchtitan", "workbench")}
     two = tables["torchtitan"]
@@ -220,7 +235,7 @@ def test_fsdp2_through_torchtitans_recipe_matches_one_process(policy, tmp_path):
     titan = from_titan({k: v.detach() for k, v in titan.named_parameters()}, mc)
     own = build(mc, dtype=torch.float32, seed=None)
     load(latest_checkpoint(tmp_path / "workbench"), own)
-    for ref in (from_titan(_masters(tmp_path / "one"), mc), dict(own.named_parameters())):
+    for ref in (from_titan(one_masters, mc), dict(own.named_parameters())):
         assert max(float((ref[k].detach() - titan[k]).abs().max()) for k in ref) < 1e-6
 
 

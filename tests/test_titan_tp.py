@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import same_bits
+from helpers import once_per_run, same_bits
 from test_titan_model import CONFIGS, TEMPERATURE, _rollouts
 
 pytest.importorskip("torchtitan")
@@ -196,36 +197,27 @@ def _main_grads(model, mb, upstream, recompute: str = "none") -> tuple[dict[str,
 
 
 @pytest.fixture(scope="session")
-def both(tmp_path_factory, policy, worker_id):
+def both(tmp_path_factory, policy):
     """family -> (seed, the generator's micro-batch, behavior, mask, the 2 ranks' results, the one-process run's);
     both families and the trainer's checks in one spawn of 2 processes; 'train' -> (the spawn's files' prefix, the
-    policy it trained). One spawn for the whole suite: under xdist the first worker to need it runs it and saves its
-    inputs beside its results in the run's shared temporary folder, and a worker that comes later loads them (a
-    module fixture is set up again at each of xdist's switches between modules, which conftest's longest-first
-    order makes frequent)."""
-    from filelock import FileLock
+    policy it trained. Once for the whole pytest run (`once_per_run`)."""
+    return once_per_run(tmp_path_factory, "titan_tp_both",
+                        lambda folder: _spawn_and_one_process(str(folder / "rank"), policy))
 
+
+def _spawn_and_one_process(out: str, policy: str) -> dict:
+    """`both`'s value: the inputs drawn, the spawn run on them, and the one-process runs of the same inputs."""
     from workbench.distributed import launch
     from workbench.models import build
     from workbench.titan.model import build_titan_model
 
-    # Under xdist the workers' base folders share a parent that is this run's own; alone, the session's base.
-    root = tmp_path_factory.getbasetemp()
-    shared = (root.parent if worker_id != "master" else root) / "titan_tp_spawn"
-    with FileLock(f"{shared}.lock"):
-        if (shared / "inputs.pt").exists():
-            inputs, rollouts, out, policy = torch.load(shared / "inputs.pt", weights_only=False)
-        else:
-            shared.mkdir(exist_ok=True)
-            inputs, rollouts = {}, {}
-            for family in sorted(CONFIGS):
-                seed = random.randrange(2**31)
-                mb, behavior, mask = _rollouts(build(CONFIGS[family], seed=seed), seed)
-                upstream = torch.randn(mask.shape, generator=torch.Generator().manual_seed(seed))
-                inputs[family], rollouts[family] = (seed, mb, upstream), (behavior, mask)
-            out = str(shared / "rank")
-            launch.spawn(_worker, 2, inputs, out, policy)
-            torch.save((inputs, rollouts, out, policy), shared / "inputs.pt")
+    inputs, rollouts = {}, {}
+    for family in sorted(CONFIGS):
+        seed = random.randrange(2**31)
+        mb, behavior, mask = _rollouts(build(CONFIGS[family], seed=seed), seed)
+        upstream = torch.randn(mask.shape, generator=torch.Generator().manual_seed(seed))
+        inputs[family], rollouts[family] = (seed, mb, upstream), (behavior, mask)
+    launch.spawn(_worker, 2, inputs, out, policy)
     found = {"train": (out, policy)}
     for family, (seed, mb, upstream) in inputs.items():
         ranks = [torch.load(f"{out}.{family}.{r}") for r in range(2)]
@@ -338,9 +330,14 @@ def test_a_degree_that_does_not_split_the_heads_is_one_line():
 @pytest.fixture(scope="session")
 def trained(both, tmp_path_factory):
     """The trainer's checks: (the TP=2 run's metrics and final masters, the 2 ranks' `_one_update` and errors, the
-    resumed run's final masters; the one-process run's metrics and masters, and its `_one_update`)."""
-    from pathlib import Path
+    resumed run's final masters; the one-process run's metrics and masters, and its `_one_update`). Once for the
+    whole pytest run (`once_per_run`)."""
+    return once_per_run(tmp_path_factory, "titan_tp_trained",
+                        lambda folder: _tp_and_one_process_runs(*both["train"], folder / "one"))
 
+
+def _tp_and_one_process_runs(out: str, policy: str, folder: Path) -> tuple:
+    """`trained`'s value: the spawn's trainer results, and the one-process run (into `folder`) of the same settings."""
     import pandas as pd
     from safetensors.torch import load_file
 
@@ -350,8 +347,6 @@ def trained(both, tmp_path_factory):
     from workbench.rl.trainer import train
     from workbench.titan.model import build_titan_model
 
-    out, policy = both["train"]
-
     def masters(run: str) -> dict[str, torch.Tensor]:   # the DCP checkpoint's, whole
         titan = build_titan_model(load_pretrained(policy).config, "cpu", torch.float32, seed=None)
         load(latest_checkpoint(Path(run)), titan)
@@ -359,7 +354,6 @@ def trained(both, tmp_path_factory):
 
     tp = (pd.read_csv(f"{out}.train/metrics.csv"), masters(f"{out}.train"),
           [torch.load(f"{out}.update.{r}") for r in range(2)], masters(f"{out}.resumed"))
-    folder = tmp_path_factory.mktemp("one")
     one = (train(_train_cfg(policy, str(folder))), load_file(latest_checkpoint(folder) / "masters.safetensors"),
            _one_update(policy))
     return tp, one
