@@ -145,12 +145,13 @@ def decode_projections() -> None:
 
 def _tile_grid() -> list:
     """Tile shapes for the decode buckets: every M x N x K tile of the grid, with as many stages (6, 4 or 3)
-    as fit in ~200 KiB of shared memory and 8 warps from 128 x 128 on; two persistent ones for M = 512."""
+    as fit in ~200 KiB of shared memory and 8 warps from 128 x 128 or 256 rows on; two persistent ones for
+    M = 512. 256-row tiles read a 256-row batch's weights once where 64-row ones read them four times."""
     grid = []
-    for bm, bn, bk in itertools.product((16, 32, 64, 128), (16, 32, 64, 128, 256), (64, 128, 256)):
+    for bm, bn, bk in itertools.product((16, 32, 64, 128, 256), (16, 32, 64, 128, 256), (64, 128, 256)):
         stages = [s for s in (6, 4, 3) if s * (bm * bk + bk * bn) * 2 <= 200 * 1024]
         if stages and bm * bn <= 128 * 256:
-            grid.append(mm.MatmulConfig(bm, bn, bk, 8, 8 if bm * bn >= 128 * 128 else 4, stages[0]))
+            grid.append(mm.MatmulConfig(bm, bn, bk, 8, 8 if bm * bn >= 128 * 128 or bm == 256 else 4, stages[0]))
     return grid + [mm.MatmulConfig(128, 256, 64, 8, 8, 3, persistent=True),
                    mm.MatmulConfig(128, 128, 64, 8, 8, 4, persistent=True)]
 
@@ -239,9 +240,9 @@ def swiglu_tiles(ms: tuple[int, ...]) -> None:
             sp._CONFIGS = saved
 
     grid = []
-    for bm, bn, bk in itertools.product((64, 128), (32, 64, 128), (64, 128)):
+    for bm, bn, bk in itertools.product((64, 128, 256), (32, 64, 128), (64, 128)):
         stages = [s for s in (6, 4, 3, 2) if s * (bm + 2 * bn) * bk * 2 <= 200 * 1024]
-        for warps in (4, 8):
+        for warps in (8,) if bm == 256 else (4, 8):
             grid += [mm.MatmulConfig(bm, bn, bk, 8, warps, stages[0])] if stages else []
     x = torch.randn(max(ms), k, device=dev, dtype=torch.bfloat16)
     w = torch.randn(2 * inter, k, device=dev, dtype=torch.bfloat16) / k**0.5
