@@ -67,12 +67,12 @@ CANDIDATES = [
 
 
 def run_with(cfg, a, b):
-    saved, saved_wide = mm.MATMUL_BUCKETS, mm.WIDE_BUCKETS
-    mm.MATMUL_BUCKETS, mm.WIDE_BUCKETS = ((1 << 62, cfg),), ()
+    saved = mm.MATMUL_BUCKETS, mm.WIDE_BUCKETS, mm.DECODE_WIDTHS
+    mm.MATMUL_BUCKETS, mm.WIDE_BUCKETS, mm.DECODE_WIDTHS = ((1 << 62, cfg),), (), ()
     try:
         return mm.matmul(a, b)
     finally:
-        mm.MATMUL_BUCKETS, mm.WIDE_BUCKETS = saved, saved_wide
+        mm.MATMUL_BUCKETS, mm.WIDE_BUCKETS, mm.DECODE_WIDTHS = saved
 
 
 def decode() -> None:

@@ -70,16 +70,16 @@ def test_gpu_every_matmul_bucket_gives_the_same_bits():
     x = torch.randn(700, 2048, generator=g).cuda().bfloat16()
     w = (torch.randn(4096, 2048, generator=g) / 45).cuda().bfloat16()
     outs = []
-    saved, saved_wide = mm.MATMUL_BUCKETS, mm.WIDE_BUCKETS
+    saved, saved_wide, saved_decode = mm.MATMUL_BUCKETS, mm.WIDE_BUCKETS, mm.DECODE_WIDTHS
     try:
-        mm.WIDE_BUCKETS = ()
-        for cfg in [c for _, c in saved + saved_wide] + [mm._FEW_TILES]:
+        mm.WIDE_BUCKETS, mm.DECODE_WIDTHS = (), ()
+        for cfg in [c for _, c in saved + saved_wide] + list(saved_decode) + [mm._FEW_TILES]:
             mm.MATMUL_BUCKETS = ((1 << 62, cfg),)
             outs.append(mm.matmul(x, w.t()))
             # The pointer kernel against the TMA kernel, in each bucket.
             outs.append(mm.matmul(x, w.t(), tma=False))
     finally:
-        mm.MATMUL_BUCKETS, mm.WIDE_BUCKETS = saved, saved_wide
+        mm.MATMUL_BUCKETS, mm.WIDE_BUCKETS, mm.DECODE_WIDTHS = saved, saved_wide, saved_decode
     for cfg_out in outs[1:]:
         assert torch.equal(cfg_out, outs[0])
     dy = torch.randn(700, 4096, generator=g).cuda().bfloat16()

@@ -372,6 +372,17 @@ def test_matmul_tiles_follow_m_on_hopper_only(monkeypatch):
     assert [mm.matmul_config(m, torch.bfloat16, dev, n=151936) for m in ms] == wide
     small = [m for m in ms if m <= 512]
     assert [mm.matmul_config(m, torch.bfloat16, dev, n=mm._WIDE_N) for m in small] == want[:len(small)]
+    # Decode products of 33-256 rows with at least 4M weights: the widest tile whose grid covers 7/8 of the 132
+    # SMs in one wave (the Qwen3-1.7B shape's q+k+v, o and down); the bucket's where none does, or for smaller
+    # products (SmolLM2's o, 576 x 576), or where K or N is unknown (0).
+    qkv, o, down = (4096, 2048), (2048, 2048), (2048, 6144)
+    widths = {(64, qkv): 32, (64, o): 16, (64, down): 16, (128, qkv): 64, (128, o): 32, (256, qkv): 128,
+              (256, o): 64, (256, down): 64, (200, qkv): 128}
+    assert {key: mm.matmul_config(key[0], torch.bfloat16, dev, *key[1]).block_n for key in widths} == widths
+    for m, n, k in [(150, 4096, 2048), (64, 576, 576), (256, 960, 576), (64, 2048, 0), (64, 0, 2048),
+                    (32, 4096, 2048), (257, 4096, 2048)]:
+        assert mm.matmul_config(m, torch.bfloat16, dev, n, k) == next(c for top, c in mm.MATMUL_BUCKETS
+                                                                       if m <= top), (m, n, k)
     assert len({mm.matmul_config(m, torch.float32, dev) for m in ms}) == 1
     cfg = mm.tile_config(dev)
     assert cfg["capability"] == "sm90" and cfg["bf16_buckets"] and cfg["tma"] and "buckets" in cfg["bf16_rule"]

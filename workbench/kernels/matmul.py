@@ -13,7 +13,8 @@ Numerics contract (mode `invariant`):
   bias epilogue and the CPU's addmm give too. The add is elementwise, so
   rows stay independent of the batch.
 - The bf16 tile config may change with M (`MATMUL_BUCKETS`, a fixed table; up to
-  512 rows, wide products take `WIDE_BUCKETS`) on Hopper (sm90) alone, because
+  512 rows, wide products take `WIDE_BUCKETS`; decode products of 33-256 rows
+  `DECODE_WIDTHS`, by their grid's size) on Hopper (sm90) alone, because
   there the per-element chain of k-steps does not depend on the tiles: every
   bucket is checked bitwise against the others (`tests/test_gpu.py`), since a
   row's result must not depend on its bucket.
@@ -262,6 +263,23 @@ WIDE_BUCKETS: tuple[tuple[int, MatmulConfig], ...] = (
     (256, MatmulConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, persistent=True)),
     (512, MatmulConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, persistent=True)),
 )
+# Hopper, bf16, a decode product of 33-256 rows, at most `_WIDE_N` columns and at least `_DECODE_MIN_WEIGHTS`
+# weights (the Qwen3-1.7B shape's q+k+v, o and down): reading its weights is its cost, and the bucket's one tile
+# leaves SMs idle (o at 64 rows in 64 x 64 tiles: 32 tiles on 132 SMs, 6.9 us; in 64 x 16: 128 tiles, 6.0) or
+# spills a second wave (q+k+v at 256 rows in 64 x 64: 256 tiles, 13.3 us; in 64 x 128: 128 tiles, 9.8). So the
+# product takes the widest of these tiles whose grid covers 7/8 of the SMs in one wave, the bucket's where none
+# does (H200, `tune_matmul.py --decode-tiles`: at 64, 128 and 256 rows the rule picks, for each of the three
+# products, the fastest of the 49 tiles). Smaller products are latency-bound and were measured to lose by it
+# (SmolLM2-135M at 256 rows: 1.41 -> 1.53 ms a decode step, with a 144-tile second wave), so they keep the
+# bucket's (BENCHMARKS.md, "Numbers behind the code"). Same chain of k-steps, so the same bits (tests/test_gpu.py).
+DECODE_WIDTHS: tuple[MatmulConfig, ...] = (
+    MatmulConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=4),
+    MatmulConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=6),
+    MatmulConfig(64, 32, 256, group_m=8, num_warps=4, num_stages=4),
+    MatmulConfig(64, 16, 256, group_m=8, num_warps=4, num_stages=4),
+)
+_DECODE_ROWS = (33, 256)
+_DECODE_MIN_WEIGHTS = 1 << 22
 # Hopper, bf16, where the bucket's tiles would number fewer than the SMs (the weight gradient of a narrow
 # projection: Qwen3-1.7B's k/v dW is [1024, 2048], 64 tiles of 128 x 256 on 132 SMs, 1.75x cuBLAS's time).
 # Same chain of k-steps, so the same bits as the buckets (checked with them in tests/test_gpu.py).
@@ -312,12 +330,15 @@ def _uses_buckets(capability: tuple[int, int]) -> bool:
     return capability[0] == 9
 
 
-def matmul_config(m: int, dtype: torch.dtype, device: torch.device | None = None, n: int = 0) -> MatmulConfig:
-    """The tile config for a product with `m` rows (and `n` columns, 0: unknown) on `device` (a CUDA
-    device; None: the current one).
+def matmul_config(m: int, dtype: torch.dtype, device: torch.device | None = None, n: int = 0,
+                  k: int = 0) -> MatmulConfig:
+    """The tile config for a product with `m` rows (and `n` columns and depth `k`, 0: unknown) on `device` (a
+    CUDA device; None: the current one).
 
     A fixed table. bf16 on Hopper: `MATMUL_BUCKETS` by M (`WIDE_BUCKETS` for up to 512 rows and more than
-    `_WIDE_N` columns), `_NARROW_N` for at most 32 columns, or
+    `_WIDE_N` columns; `DECODE_WIDTHS` by the grid's size for 33-256 rows, up to `_WIDE_N` columns and at least
+    `_DECODE_MIN_WEIGHTS` weights),
+    `_NARROW_N` for at most 32 columns, or
     `_FEW_TILES` where the bucket's tiles would leave SMs idle (every entry gives the same bits there); on
     any other GPU: one config for every M. fp32 and the interpreter: one config for every M.
     """
@@ -330,6 +351,11 @@ def matmul_config(m: int, dtype: torch.dtype, device: torch.device | None = None
     for max_m, cfg in (WIDE_BUCKETS if n > _WIDE_N else ()) + MATMUL_BUCKETS:
         if m <= max_m:
             break
+    if _DECODE_ROWS[0] <= m <= _DECODE_ROWS[1] and 0 < n <= _WIDE_N and n * k >= _DECODE_MIN_WEIGHTS:
+        sms = _num_sms(_device_index(device))
+        for c in DECODE_WIDTHS:
+            if 7 * sms <= 8 * triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n) <= 8 * sms:
+                return c
     if cfg.persistent and 0 < n <= _NARROW_N.block_n:
         return _NARROW_N
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
@@ -350,6 +376,9 @@ def tile_config(device: torch.device | None = None) -> dict:
         out["bf16_rule"] = "buckets by M (Hopper: the buckets give the same bits, checked by tests/test_gpu.py)"
         out["bf16_buckets"] = [(m, vars(c)) for m, c in MATMUL_BUCKETS]
         out["bf16_wide_buckets"] = {"columns_over": _WIDE_N, "buckets": [(m, vars(c)) for m, c in WIDE_BUCKETS]}
+        out["bf16_decode_widths"] = {"rows": list(_DECODE_ROWS), "columns_up_to": _WIDE_N,
+                                     "weights_from": _DECODE_MIN_WEIGHTS,
+                                     "widest_covering_7_8_of_the_sms_in_one_wave": [vars(c) for c in DECODE_WIDTHS]}
         out["bf16_few_tiles"] = vars(_FEW_TILES)
         out["bf16_narrow_n"] = vars(_NARROW_N)
     else:
@@ -396,7 +425,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = Non
         return c
     if k == 0:
         return c.zero_()
-    cfg = matmul_config(m, a.dtype, a.device, n)
+    cfg = matmul_config(m, a.dtype, a.device, n, k)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     interp = interpreting()
     # TMA (the bulk tensor copy engine) exists from sm90 on.
