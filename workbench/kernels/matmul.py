@@ -264,13 +264,12 @@ WIDE_BUCKETS: tuple[tuple[int, MatmulConfig], ...] = (
     (512, MatmulConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, persistent=True)),
 )
 # Hopper, bf16, a decode product of 33-256 rows, at most `_WIDE_N` columns and at least `_DECODE_MIN_WEIGHTS`
-# weights (the Qwen3-1.7B shape's q+k+v, o and down): reading its weights is its cost, and the bucket's one tile
-# leaves SMs idle (o at 64 rows in 64 x 64 tiles: 32 tiles on 132 SMs, 6.9 us; in 64 x 16: 128 tiles, 6.0) or
-# spills a second wave (q+k+v at 256 rows in 64 x 64: 256 tiles, 13.3 us; in 64 x 128: 128 tiles, 9.8). So the
-# product takes the widest of these tiles whose grid covers 7/8 of the SMs in one wave, the bucket's where none
-# does (H200, `tune_matmul.py --decode-tiles`: at 64, 128 and 256 rows the rule picks, for each of the three
-# products, the fastest of the 49 tiles). Smaller products are latency-bound and were measured to lose by it
-# (SmolLM2-135M at 256 rows: 1.41 -> 1.53 ms a decode step, with a 144-tile second wave), so they keep the
+# weights (the Qwen3-1.7B shape's q+k+v, o and down): reading its weights is its cost, and one tile for every
+# product of a bucket leaves SMs idle for the narrow ones (o at 64 rows: 32 tiles of 64 x 64 on 132 SMs) and spills
+# a short second wave for the wide ones (q+k+v at 256 rows: 256 tiles). So the product takes the widest of these
+# tiles whose grid covers 7/8 of the SMs in one wave, the bucket's where none does: per product, the fastest tile
+# `tune_matmul.py --decode-tiles` found at 64, 128 and 256 rows. Smaller products (SmolLM2-135M's) are
+# latency-bound and measured slower under the rule without its weight floor and one-wave cap, so they keep the
 # bucket's (BENCHMARKS.md, "Numbers behind the code"). Same chain of k-steps, so the same bits (tests/test_gpu.py).
 DECODE_WIDTHS: tuple[MatmulConfig, ...] = (
     MatmulConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=4),
