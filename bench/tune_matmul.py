@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from timing import gpu_ms  # noqa: E402
 
 from workbench.kernels import matmul as mm  # noqa: E402
+from workbench.kernels import matmul_tiles as mt  # noqa: E402
 
 SHAPES = [(2048, 4096), (2048, 2048), (2048, 12288), (6144, 2048), (2048, 151936)]
 MS = [1, 8, 32, 128, 512, 2048, 8192]
@@ -35,44 +36,44 @@ MS = [1, 8, 32, 128, 512, 2048, 8192]
 LAYER = [(2048, 2048), (2048, 1024), (2048, 1024), (2048, 2048), (2048, 6144), (2048, 6144), (6144, 2048)]
 LAYERS, LM_HEAD = 28, (2048, 151936)
 DECODE_CANDIDATES = [
-    mm.MatmulConfig(16, 64, 128, 8, 4, 4),
-    mm.MatmulConfig(16, 32, 128, 8, 4, 6),
-    mm.MatmulConfig(32, 64, 128, 8, 4, 4),
-    mm.MatmulConfig(64, 64, 64, 8, 4, 4),
-    mm.MatmulConfig(64, 32, 64, 8, 4, 6),
-    mm.MatmulConfig(64, 32, 128, 8, 4, 4),
-    mm.MatmulConfig(64, 64, 128, 8, 4, 4),
-    mm.MatmulConfig(64, 64, 64, 8, 4, 6),
-    mm.MatmulConfig(64, 128, 64, 8, 4, 4),
-    mm.MatmulConfig(128, 64, 64, 8, 4, 4),
-    mm.MatmulConfig(128, 128, 64, 8, 8, 4),
+    mt.MatmulConfig(16, 64, 128, 8, 4, 4),
+    mt.MatmulConfig(16, 32, 128, 8, 4, 6),
+    mt.MatmulConfig(32, 64, 128, 8, 4, 4),
+    mt.MatmulConfig(64, 64, 64, 8, 4, 4),
+    mt.MatmulConfig(64, 32, 64, 8, 4, 6),
+    mt.MatmulConfig(64, 32, 128, 8, 4, 4),
+    mt.MatmulConfig(64, 64, 128, 8, 4, 4),
+    mt.MatmulConfig(64, 64, 64, 8, 4, 6),
+    mt.MatmulConfig(64, 128, 64, 8, 4, 4),
+    mt.MatmulConfig(128, 64, 64, 8, 4, 4),
+    mt.MatmulConfig(128, 128, 64, 8, 8, 4),
 ]
 CANDIDATES = [
-    mm.MatmulConfig(128, 256, 64, 8, 8, 3),
-    mm.MatmulConfig(16, 64, 64, 8, 4, 4),
-    mm.MatmulConfig(16, 64, 64, 8, 4, 6),
-    mm.MatmulConfig(16, 32, 64, 8, 4, 6),
-    mm.MatmulConfig(16, 64, 128, 8, 4, 4),
-    mm.MatmulConfig(16, 128, 64, 8, 4, 4),
-    mm.MatmulConfig(64, 64, 64, 8, 4, 4),
-    mm.MatmulConfig(64, 128, 64, 8, 4, 4),
-    mm.MatmulConfig(128, 128, 64, 8, 4, 4),
-    mm.MatmulConfig(128, 128, 64, 8, 8, 4),
-    mm.MatmulConfig(128, 256, 64, 8, 8, 4),
-    mm.MatmulConfig(256, 128, 64, 8, 8, 3),
-    mm.MatmulConfig(128, 128, 64, 8, 8, 4, persistent=True),
-    mm.MatmulConfig(128, 256, 64, 8, 8, 3, persistent=True),
-    mm.MatmulConfig(256, 128, 64, 8, 8, 3, persistent=True),
+    mt.MatmulConfig(128, 256, 64, 8, 8, 3),
+    mt.MatmulConfig(16, 64, 64, 8, 4, 4),
+    mt.MatmulConfig(16, 64, 64, 8, 4, 6),
+    mt.MatmulConfig(16, 32, 64, 8, 4, 6),
+    mt.MatmulConfig(16, 64, 128, 8, 4, 4),
+    mt.MatmulConfig(16, 128, 64, 8, 4, 4),
+    mt.MatmulConfig(64, 64, 64, 8, 4, 4),
+    mt.MatmulConfig(64, 128, 64, 8, 4, 4),
+    mt.MatmulConfig(128, 128, 64, 8, 4, 4),
+    mt.MatmulConfig(128, 128, 64, 8, 8, 4),
+    mt.MatmulConfig(128, 256, 64, 8, 8, 4),
+    mt.MatmulConfig(256, 128, 64, 8, 8, 3),
+    mt.MatmulConfig(128, 128, 64, 8, 8, 4, persistent=True),
+    mt.MatmulConfig(128, 256, 64, 8, 8, 3, persistent=True),
+    mt.MatmulConfig(256, 128, 64, 8, 8, 3, persistent=True),
 ]
 
 
 def run_with(cfg, a, b):
-    saved = mm.MATMUL_BUCKETS, mm.WIDE_BUCKETS, mm.DECODE_WIDTHS
-    mm.MATMUL_BUCKETS, mm.WIDE_BUCKETS, mm.DECODE_WIDTHS = ((1 << 62, cfg),), (), ()
+    saved = mt.MATMUL_BUCKETS, mt.WIDE_BUCKETS, mt.DECODE_WIDTHS
+    mt.MATMUL_BUCKETS, mt.WIDE_BUCKETS, mt.DECODE_WIDTHS = ((1 << 62, cfg),), (), ()
     try:
         return mm.matmul(a, b)
     finally:
-        mm.MATMUL_BUCKETS, mm.WIDE_BUCKETS, mm.DECODE_WIDTHS = saved
+        mt.MATMUL_BUCKETS, mt.WIDE_BUCKETS, mt.DECODE_WIDTHS = saved
 
 
 def decode() -> None:
@@ -108,7 +109,7 @@ def split_k(a, b, seg: int, bk: int = 128):
     n = b.shape[1]
     splits = triton.cdiv(k, seg)
     parts = torch.empty((splits, m, n), device=a.device, dtype=torch.float32)
-    cfg = mm.MatmulConfig(64, 64, bk, 8, 4, 4)
+    cfg = mt.MatmulConfig(64, 64, bk, 8, 4, 4)
     mm._matmul_kernel[(triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)](
         a, b, parts, m, n, k, seg, a.stride(0), a.stride(1), b.stride(0), b.stride(1), parts.stride(1),
         parts.stride(2), parts.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=8,
@@ -121,7 +122,7 @@ def decode_projections() -> None:
     cuBLAS, the table, narrow 16-column tiles, split-K by 512 and 1,024, and q/k/v and gate/up as one product
     (their weights side by side: the same chains, so the same bits); the byte floor at 3.0 TB/s beside them."""
     dev = "cuda"
-    narrow = mm.MatmulConfig(64, 16, 128, 8, 4, 4)
+    narrow = mt.MatmulConfig(64, 16, 128, 8, 4, 4)
     shapes = {"q": (2048, 2048), "k or v": (2048, 1024), "o": (2048, 2048), "gate or up": (2048, 6144),
               "down": (6144, 2048), "lm_head": LM_HEAD, "q+k+v fused": (2048, 4096), "gate+up fused": (2048, 12288)}
     x = torch.randn(64, 2048, device=dev, dtype=torch.bfloat16)
@@ -151,9 +152,9 @@ def _tile_grid() -> list:
     for bm, bn, bk in itertools.product((16, 32, 64, 128, 256), (16, 32, 64, 128, 256), (64, 128, 256)):
         stages = [s for s in (6, 4, 3) if s * (bm * bk + bk * bn) * 2 <= 200 * 1024]
         if stages and bm * bn <= 128 * 256:
-            grid.append(mm.MatmulConfig(bm, bn, bk, 8, 8 if bm * bn >= 128 * 128 or bm == 256 else 4, stages[0]))
-    return grid + [mm.MatmulConfig(128, 256, 64, 8, 8, 3, persistent=True),
-                   mm.MatmulConfig(128, 128, 64, 8, 8, 4, persistent=True)]
+            grid.append(mt.MatmulConfig(bm, bn, bk, 8, 8 if bm * bn >= 128 * 128 or bm == 256 else 4, stages[0]))
+    return grid + [mt.MatmulConfig(128, 256, 64, 8, 8, 3, persistent=True),
+                   mt.MatmulConfig(128, 128, 64, 8, 8, 4, persistent=True)]
 
 
 def _same_bits(grid: list, run, x: torch.Tensor, ref: torch.Tensor, whose: str) -> list:
@@ -243,7 +244,7 @@ def swiglu_tiles(ms: tuple[int, ...]) -> None:
     for bm, bn, bk in itertools.product((64, 128, 256), (32, 64, 128), (64, 128)):
         stages = [s for s in (6, 4, 3, 2) if s * (bm + 2 * bn) * bk * 2 <= 200 * 1024]
         for warps in (8,) if bm == 256 else (4, 8):
-            grid += [mm.MatmulConfig(bm, bn, bk, 8, warps, stages[0])] if stages else []
+            grid += [mt.MatmulConfig(bm, bn, bk, 8, warps, stages[0])] if stages else []
     x = torch.randn(max(ms), k, device=dev, dtype=torch.bfloat16)
     w = torch.randn(2 * inter, k, device=dev, dtype=torch.bfloat16) / k**0.5
     ref = silu_mul(mm.matmul(x, w[:inter].t()), mm.matmul(x, w[inter:].t()))

@@ -63,6 +63,7 @@ def test_gpu_every_matmul_bucket_gives_the_same_bits():
     """The M buckets (and the wide products' ones) differ in tile shapes and BLOCK_K, TMA and pointer kernels
     in how tiles are loaded: forcing each onto the same rows changes no bit. Backward layouts too."""
     from workbench.kernels import matmul as mm
+    from workbench.kernels import matmul_tiles as mt
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("MATMUL_BUCKETS apply on Hopper (sm90) alone; other GPUs take one config for every M")
@@ -70,16 +71,16 @@ def test_gpu_every_matmul_bucket_gives_the_same_bits():
     x = torch.randn(700, 2048, generator=g).cuda().bfloat16()
     w = (torch.randn(4096, 2048, generator=g) / 45).cuda().bfloat16()
     outs = []
-    saved, saved_wide, saved_decode = mm.MATMUL_BUCKETS, mm.WIDE_BUCKETS, mm.DECODE_WIDTHS
+    saved, saved_wide, saved_decode = mt.MATMUL_BUCKETS, mt.WIDE_BUCKETS, mt.DECODE_WIDTHS
     try:
-        mm.WIDE_BUCKETS, mm.DECODE_WIDTHS = (), ()
-        for cfg in [c for _, c in saved + saved_wide] + list(saved_decode) + [mm._FEW_TILES]:
-            mm.MATMUL_BUCKETS = ((1 << 62, cfg),)
+        mt.WIDE_BUCKETS, mt.DECODE_WIDTHS = (), ()
+        for cfg in [c for _, c in saved + saved_wide] + list(saved_decode) + [mt._FEW_TILES]:
+            mt.MATMUL_BUCKETS = ((1 << 62, cfg),)
             outs.append(mm.matmul(x, w.t()))
             # The pointer kernel against the TMA kernel, in each bucket.
             outs.append(mm.matmul(x, w.t(), tma=False))
     finally:
-        mm.MATMUL_BUCKETS, mm.WIDE_BUCKETS, mm.DECODE_WIDTHS = saved, saved_wide, saved_decode
+        mt.MATMUL_BUCKETS, mt.WIDE_BUCKETS, mt.DECODE_WIDTHS = saved, saved_wide, saved_decode
     for cfg_out in outs[1:]:
         assert torch.equal(cfg_out, outs[0])
     dy = torch.randn(700, 4096, generator=g).cuda().bfloat16()
@@ -144,17 +145,17 @@ def test_gpu_linear_with_bias_rows_bitwise_invariant():
 def test_gpu_matmul_tiles_follow_m_on_hopper_only():
     """The bf16 tile config follows M (the buckets) on sm90 alone, where every bucket gives the same bits; any
     other GPU takes one config for every M. `tile_config` (the environment record) says which rule applies."""
-    from workbench.kernels import matmul as mm
+    from workbench.kernels import matmul_tiles as mt
 
     major, minor = torch.cuda.get_device_capability()
-    cfgs = {mm.matmul_config(m, torch.bfloat16) for m in MS}
-    record = mm.tile_config()
+    cfgs = {mt.matmul_config(m, torch.bfloat16) for m in MS}
+    record = mt.tile_config()
     assert record["capability"] == f"sm{major}{minor}" and record["tma"] == (major >= 9)
     if major == 9:
-        assert len(cfgs) == len(mm.MATMUL_BUCKETS) and "bf16_buckets" in record
+        assert len(cfgs) == len(mt.MATMUL_BUCKETS) and "bf16_buckets" in record
     else:
         assert len(cfgs) == 1 and "bf16_buckets" not in record
-    assert len({mm.matmul_config(m, torch.float32) for m in MS}) == 1
+    assert len({mt.matmul_config(m, torch.float32) for m in MS}) == 1
 
 
 def test_gpu_attention_launches_past_65535_sequence_heads():

@@ -169,7 +169,7 @@ def test_logprobs_are_the_same_bits_with_or_without_the_entropy_sums():
 
 def _bias_linear_op():
     """`linear` with a bias (Qwen2's q/k/v projections) as an Op the generic checks take."""
-    from workbench.kernels import matmul
+    from workbench.kernels import matmul, matmul_tiles
     from workbench.kernels.registry import Op
 
     def make(rows, size, g, device, dtype):
@@ -177,7 +177,7 @@ def _bias_linear_op():
         return x, w, (torch.randn(w.shape[0], generator=g) * 0.5).to(device=device, dtype=dtype)
 
     return Op("linear", matmul.linear_invariant, matmul.linear_standard, matmul.linear_reference, make,
-              row_args=(0,), grad_args=(0, 1, 2), tile_config=matmul.tile_config)
+              row_args=(0,), grad_args=(0, 1, 2), tile_config=matmul_tiles.tile_config)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -198,7 +198,7 @@ def test_linear_with_bias_is_accurate_and_batch_invariant(dtype):
 def _interpreter_dot_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b as the interpreter's `dot_step` must compute it, in torch's elementwise fp32 ops: per BLOCK_K
     block (the K tail zero-filled), fp32 products summed pairwise, (2i, 2i+1) first, then added to acc."""
-    from workbench.kernels.matmul import _INTERPRETER
+    from workbench.kernels.matmul_tiles import _INTERPRETER
 
     bk = _INTERPRETER.block_k
     pad = -a.shape[1] % bk
@@ -348,43 +348,43 @@ def test_interpreter_bits_do_not_follow_the_openblas_kernel():
 def test_matmul_tiles_follow_m_on_hopper_only(monkeypatch):
     """The bf16 buckets (tiles by M) on sm90, whose MMA gives every bucket the same bits; one config for every M
     on any other GPU, so invariance there holds by construction. fp32: one config everywhere."""
-    from workbench.kernels import matmul as mm
+    from workbench.kernels import matmul_tiles as mt
 
-    monkeypatch.setattr(mm, "interpreting", lambda: False)
+    monkeypatch.setattr(mt, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     dev = torch.device("cuda", 0)
     ms = [1, 2, 17, 32, 33, 128, 129, 512, 513, 4096, 1 << 20]
     for cap in [(7, 5), (8, 0), (8, 6), (8, 9), (10, 0), (12, 0)]:
-        monkeypatch.setattr(mm, "_capability", lambda index, cap=cap: cap)
-        cfgs = {mm.matmul_config(m, torch.bfloat16, dev) for m in ms}
+        monkeypatch.setattr(mt, "_capability", lambda index, cap=cap: cap)
+        cfgs = {mt.matmul_config(m, torch.bfloat16, dev) for m in ms}
         assert len(cfgs) == 1 and not cfgs.pop().persistent, cap
-        assert len({mm.matmul_config(m, torch.float32, dev) for m in ms}) == 1
-        cfg = mm.tile_config(dev)
+        assert len({mt.matmul_config(m, torch.float32, dev) for m in ms}) == 1
+        cfg = mt.tile_config(dev)
         assert cfg["capability"] == f"sm{cap[0]}{cap[1]}" and "one config for every M" in cfg["bf16_rule"]
         assert "bf16_buckets" not in cfg and cfg["tma"] == (cap[0] >= 9)
-    monkeypatch.setattr(mm, "_capability", lambda index: (9, 0))
-    want = [next(c for top, c in mm.MATMUL_BUCKETS if m <= top) for m in ms]
-    assert [mm.matmul_config(m, torch.bfloat16, dev) for m in ms] == want
-    assert len(set(want)) == len(mm.MATMUL_BUCKETS)
+    monkeypatch.setattr(mt, "_capability", lambda index: (9, 0))
+    want = [next(c for top, c in mt.MATMUL_BUCKETS if m <= top) for m in ms]
+    assert [mt.matmul_config(m, torch.bfloat16, dev) for m in ms] == want
+    assert len(set(want)) == len(mt.MATMUL_BUCKETS)
     # Up to 512 rows, products wider than _WIDE_N columns (gate+up, the LM head) take the wide table.
-    monkeypatch.setattr(mm, "_num_sms", lambda index: 132)
-    wide = [next((c for top, c in mm.WIDE_BUCKETS if m <= top), w) for m, w in zip(ms, want)]
-    assert [mm.matmul_config(m, torch.bfloat16, dev, n=151936) for m in ms] == wide
+    monkeypatch.setattr(mt, "_num_sms", lambda index: 132)
+    wide = [next((c for top, c in mt.WIDE_BUCKETS if m <= top), w) for m, w in zip(ms, want)]
+    assert [mt.matmul_config(m, torch.bfloat16, dev, n=151936) for m in ms] == wide
     small = [m for m in ms if m <= 512]
-    assert [mm.matmul_config(m, torch.bfloat16, dev, n=mm._WIDE_N) for m in small] == want[:len(small)]
+    assert [mt.matmul_config(m, torch.bfloat16, dev, n=mt._WIDE_N) for m in small] == want[:len(small)]
     # Decode products of 33-256 rows with at least 4M weights: the widest tile whose grid covers 7/8 of the 132
     # SMs in one wave (the Qwen3-1.7B shape's q+k+v, o and down); the bucket's where none does, or for smaller
     # products (SmolLM2's o, 576 x 576), or where K or N is unknown (0).
     qkv, o, down = (4096, 2048), (2048, 2048), (2048, 6144)
     widths = {(64, qkv): 32, (64, o): 16, (64, down): 16, (128, qkv): 64, (128, o): 32, (256, qkv): 128,
               (256, o): 64, (256, down): 64, (200, qkv): 128}
-    assert {key: mm.matmul_config(key[0], torch.bfloat16, dev, *key[1]).block_n for key in widths} == widths
+    assert {key: mt.matmul_config(key[0], torch.bfloat16, dev, *key[1]).block_n for key in widths} == widths
     for m, n, k in [(150, 4096, 2048), (64, 576, 576), (256, 960, 576), (64, 2048, 0), (64, 0, 2048),
                     (32, 4096, 2048), (257, 4096, 2048)]:
-        assert mm.matmul_config(m, torch.bfloat16, dev, n, k) == next(c for top, c in mm.MATMUL_BUCKETS
+        assert mt.matmul_config(m, torch.bfloat16, dev, n, k) == next(c for top, c in mt.MATMUL_BUCKETS
                                                                        if m <= top), (m, n, k)
-    assert len({mm.matmul_config(m, torch.float32, dev) for m in ms}) == 1
-    cfg = mm.tile_config(dev)
+    assert len({mt.matmul_config(m, torch.float32, dev) for m in ms}) == 1
+    cfg = mt.tile_config(dev)
     assert cfg["capability"] == "sm90" and cfg["bf16_buckets"] and cfg["tma"] and "buckets" in cfg["bf16_rule"]
 
 

@@ -15,7 +15,8 @@ from .gumbel import gumbel_argmax
 from .linear_logprobs import linear_logprobs
 from .logprobs import entropy, logprob_rows, logsumexp, token_logprobs, token_logprobs_and_entropy
 from .lora_add import lora_add
-from .matmul import linear, matmul_config
+from .matmul import linear
+from .matmul_tiles import matmul_config
 from .norm_rope import norm_rope
 from .mode import FUSED_ROWWISE, MODES, current_state, get_mode, mode, set_mode
 from .rmsnorm import rms_norm, rms_norm_add

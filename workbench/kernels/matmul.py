@@ -12,7 +12,7 @@ Numerics contract (mode `invariant`):
   bias added in fp32, and the sum cast once: the one rounding cuBLAS's
   bias epilogue and the CPU's addmm give too. The add is elementwise, so
   rows stay independent of the batch.
-- The bf16 tile config may change with M (`MATMUL_BUCKETS`, a fixed table; up to
+- The bf16 tile config may change with M (`matmul_tiles.py`: `MATMUL_BUCKETS`, a fixed table; up to
   512 rows, wide products take `WIDE_BUCKETS`; decode products of 33-256 rows
   `DECODE_WIDTHS`, by their grid's size) on Hopper (sm90) alone, because
   there the per-element chain of k-steps does not depend on the tiles: every
@@ -64,9 +64,6 @@ themselves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cache
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -74,6 +71,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import check_device, check_float, check_same, interpreting, l2_prefetch, pdl_enter, pdl_flags
+from .matmul_tiles import _device_capability, _device_index, _num_sms, matmul_config
 from .mode import get_mode
 
 
@@ -220,69 +218,6 @@ def _matmul_tma_kernel(
             c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
 
 
-@dataclass(frozen=True)
-class MatmulConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
-    persistent: bool = False
-    """One program per SM looping over tiles (TMA path only)."""
-
-
-# Interpreter: its cost is per interpreted program step, not per flop, so wide N/K tiles (a real model's
-# lm_head: 1,728 interpreted steps instead of 27,648 with 32x32x32 tiles); BLOCK_K 64 keeps the tests' K = 96
-# accumulating over two blocks. Fixed, never a function of M: every row goes through the same shapes.
-_INTERPRETER = MatmulConfig(32, 256, 64, group_m=4, num_warps=4, num_stages=1)
-
-# GPU, bf16: (largest M of the bucket, config), chosen by `bench/tune_matmul.py`
-# on an H200. Every candidate config (BLOCK_K 64 or 128, any M/N tiles, warps,
-# stages, persistent or not, TMA or pointer loads) gave the same bits on every
-# row: on Hopper a dot over a K block is a chain of k=16 MMA steps in
-# increasing k, whatever the tiling. That is what lets the tiles follow M, on
-# Hopper alone (`matmul_config` reads the device's capability; other GPUs take
-# `_BF16_ONE`); tests/test_gpu.py checks it again for these buckets. The three decode buckets (M <= 512) were
-# re-chosen on an H100 by `tune_matmul.py --decode-tiles` (46 tile configs with BLOCK_K up to 256, every one of
-# them the table's bits), per bucket the best for the 1.7B shape's q+k+v, o and down products together
-# (BENCHMARKS.md, "Numbers behind the code"); the 256-row entries on an H200 by `--decode-tiles 256`, where the
-# 512-row bucket's tiles had been the compromise between 256 and 512 rows.
-MATMUL_BUCKETS: tuple[tuple[int, MatmulConfig], ...] = (
-    (32, MatmulConfig(16, 64, 256, group_m=8, num_warps=4, num_stages=4)),
-    (256, MatmulConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=6)),
-    (512, MatmulConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=4)),
-    (1 << 62, MatmulConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, persistent=True)),
-)
-# Hopper, bf16, a decode bucket's products wider than `_WIDE_N` columns (gate+up, the LM head): wider tiles win
-# there (same measurement, BENCHMARKS.md, "Numbers behind the code"). Same chain of k-steps, so the same bits (tests/test_gpu.py).
-_WIDE_N = 4096
-WIDE_BUCKETS: tuple[tuple[int, MatmulConfig], ...] = (
-    (32, MatmulConfig(32, 128, 128, group_m=8, num_warps=4, num_stages=4)),
-    (128, MatmulConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=4)),
-    (256, MatmulConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, persistent=True)),
-    (512, MatmulConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, persistent=True)),
-)
-# Hopper, bf16, a decode product of 33-256 rows, at most `_WIDE_N` columns and at least `_DECODE_MIN_WEIGHTS`
-# weights (the Qwen3-1.7B shape's q+k+v, o and down): reading its weights is its cost, and one tile for every
-# product of a bucket leaves SMs idle for the narrow ones (o at 64 rows: 32 tiles of 64 x 64 on 132 SMs) and spills
-# a short second wave for the wide ones (q+k+v at 256 rows: 256 tiles). So the product takes the widest of these
-# tiles whose grid covers 7/8 of the SMs in one wave, the bucket's where none does: per product, the fastest tile
-# `tune_matmul.py --decode-tiles` found at 64, 128 and 256 rows. Smaller products (SmolLM2-135M's) are
-# latency-bound and measured slower under the rule without its weight floor and one-wave cap, so they keep the
-# bucket's (BENCHMARKS.md, "Numbers behind the code"). Same chain of k-steps, so the same bits (tests/test_gpu.py).
-DECODE_WIDTHS: tuple[MatmulConfig, ...] = (
-    MatmulConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=4),
-    MatmulConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=6),
-    MatmulConfig(64, 32, 256, group_m=8, num_warps=4, num_stages=4),
-    MatmulConfig(64, 16, 256, group_m=8, num_warps=4, num_stages=4),
-)
-_DECODE_ROWS = (33, 256)
-_DECODE_MIN_WEIGHTS = 1 << 22
-# Hopper, bf16, where the bucket's tiles would number fewer than the SMs (the weight gradient of a narrow
-# projection: Qwen3-1.7B's k/v dW is [1024, 2048], 64 tiles of 128 x 256 on 132 SMs, 1.75x cuBLAS's time).
-# Same chain of k-steps, so the same bits as the buckets (checked with them in tests/test_gpu.py).
-_FEW_TILES = MatmulConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4)
 # Persistent products with K up to this warp-specialize their tile loop (producer warps issue the TMA loads,
 # consumer warps the MMAs; the chain of k-steps is unchanged): faster at K = 2,048 (the q/k/v/o/gate/up
 # forwards, most input gradients), slower at K = 6,144 and 16,384 (the down projection's forward, the weight
@@ -290,100 +225,12 @@ _FEW_TILES = MatmulConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4)
 # `accumulate`: the loaded C tile on top of the specialized pipeline's buffers needs 273 KiB of shared
 # memory, more than Hopper's 227 KiB.
 _WARP_SPECIALIZE_MAX_K = 4096
-# Hopper, bf16, many rows and at most 32 columns (a LoRA adapter's [tokens, r] products): the bucket's 256
-# columns would be 8-16x wasted MMA work. Same chain of k-steps, so the same bits (tests/test_gpu_lora.py
-# compares the generator's decode, in the small buckets, with the trainer's rows here).
-_NARROW_N = MatmulConfig(128, 32, 64, group_m=8, num_warps=4, num_stages=4)
 # A decode product's programs prefetch this much of K of their weight rows before the PDL wait
 # (`_matmul_tma_kernel`), the same bits at every amount. It pays where products are short (the SmolLM2-135M
 # shape) and is neutral at the Qwen3-1.7B shape; much more was slower: the bytes then arrive long before their
 # turn and crowd the L2 (BENCHMARKS.md, "Numbers behind the code").
 _PREFETCH_K = 256
 _PREFETCH_MAX_M = 512
-# GPU, bf16, any architecture but Hopper: one config for every M, so a row's chain of k-steps cannot
-# depend on M whatever the tensor cores do (the buckets' equality was measured on Hopper only). Not
-# persistent, and small enough in shared memory (3 stages of 64x64 + 64x128 bf16: 72 KiB) for the
-# ~100 KiB of an sm86/sm89/sm120 card. Not tuned.
-_BF16_ONE = MatmulConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=3)
-# GPU, fp32 (IEEE dot, FMA units): one config for every M.
-_FP32 = MatmulConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=2)
-
-
-@cache
-def _capability(device_index: int) -> tuple[int, int]:
-    """(major, minor) compute capability of a CUDA device, read once per device."""
-    return tuple(torch.cuda.get_device_capability(device_index))
-
-
-def _device_index(device: torch.device | None) -> int:
-    index = device.index if device is not None and device.index is not None else None
-    return torch.cuda.current_device() if index is None else index
-
-
-def _device_capability(device: torch.device | None) -> tuple[int, int]:
-    return _capability(_device_index(device))
-
-
-def _uses_buckets(capability: tuple[int, int]) -> bool:
-    """Whether the bf16 tile config may follow M: on Hopper (sm90) alone, where it was measured bitwise."""
-    return capability[0] == 9
-
-
-def matmul_config(m: int, dtype: torch.dtype, device: torch.device | None = None, n: int = 0,
-                  k: int = 0) -> MatmulConfig:
-    """The tile config for a product with `m` rows (and `n` columns and depth `k`, 0: unknown) on `device` (a
-    CUDA device; None: the current one).
-
-    A fixed table. bf16 on Hopper: `MATMUL_BUCKETS` by M (`WIDE_BUCKETS` for up to 512 rows and more than
-    `_WIDE_N` columns; `DECODE_WIDTHS` by the grid's size for 33-256 rows, up to `_WIDE_N` columns and at least
-    `_DECODE_MIN_WEIGHTS` weights),
-    `_NARROW_N` for at most 32 columns, or
-    `_FEW_TILES` where the bucket's tiles would leave SMs idle (every entry gives the same bits there); on
-    any other GPU: one config for every M. fp32 and the interpreter: one config for every M.
-    """
-    if interpreting():
-        return _INTERPRETER
-    if dtype == torch.float32:
-        return _FP32
-    if not _uses_buckets(_device_capability(device)):
-        return _BF16_ONE
-    for max_m, cfg in (WIDE_BUCKETS if n > _WIDE_N else ()) + MATMUL_BUCKETS:
-        if m <= max_m:
-            break
-    if _DECODE_ROWS[0] <= m <= _DECODE_ROWS[1] and 0 < n <= _WIDE_N and n * k >= _DECODE_MIN_WEIGHTS:
-        sms = _num_sms(_device_index(device))
-        for c in DECODE_WIDTHS:
-            if 7 * sms <= 8 * triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n) <= 8 * sms:
-                return c
-    if cfg.persistent and 0 < n <= _NARROW_N.block_n:
-        return _NARROW_N
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    if cfg.persistent and 0 < tiles < _num_sms(_device_index(device)):
-        return _FEW_TILES
-    return cfg
-
-
-def tile_config(device: torch.device | None = None) -> dict:
-    """The tile configs in force here (for the environment record), and which rule picks them."""
-    if interpreting():
-        return {"interpreter": vars(_INTERPRETER)}
-    if not torch.cuda.is_available():
-        return {"no_gpu": "the invariant matmul runs on CUDA or in the interpreter"}
-    major, minor = _device_capability(device)
-    out = {"capability": f"sm{major}{minor}", "fp32": vars(_FP32), "tma": major >= 9}
-    if _uses_buckets((major, minor)):
-        out["bf16_rule"] = "buckets by M (Hopper: the buckets give the same bits, checked by tests/test_gpu.py)"
-        out["bf16_buckets"] = [(m, vars(c)) for m, c in MATMUL_BUCKETS]
-        out["bf16_wide_buckets"] = {"columns_over": _WIDE_N, "buckets": [(m, vars(c)) for m, c in WIDE_BUCKETS]}
-        out["bf16_decode_widths"] = {"rows": list(_DECODE_ROWS), "columns_up_to": _WIDE_N,
-                                     "weights_from": _DECODE_MIN_WEIGHTS,
-                                     "widest_covering_7_8_of_the_sms_in_one_wave": [vars(c) for c in DECODE_WIDTHS]}
-        out["bf16_few_tiles"] = vars(_FEW_TILES)
-        out["bf16_narrow_n"] = vars(_NARROW_N)
-    else:
-        out["bf16_rule"] = "one config for every M (not Hopper: no bucket was measured here)"
-        out["bf16"] = vars(_BF16_ONE)
-    return out
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor | None:
@@ -392,11 +239,6 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor | None:
     if t.stride(1) != 1 or (t.stride(0) * size) % 16 or t.data_ptr() % 16 or t.shape[1] * size < 16:
         return None
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
-
-
-@cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,

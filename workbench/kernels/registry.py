@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import attention, logprobs, lora_add, matmul, rmsnorm, rope, silu_mul
+from . import attention, logprobs, lora_add, matmul, matmul_tiles, rmsnorm, rope, silu_mul
 
 # (small: interpreter-friendly, real: Qwen3-1.7B widths)
 _SIZES = {
@@ -99,7 +99,7 @@ REGISTRY: dict[str, Op] = {
     op.name: op
     for op in (
         Op("linear", matmul.linear_invariant, matmul.linear_standard, matmul.linear_reference,
-           _linear_inputs, row_args=(0,), grad_args=(0, 1), tile_config=matmul.tile_config),
+           _linear_inputs, row_args=(0,), grad_args=(0, 1), tile_config=matmul_tiles.tile_config),
         Op("rms_norm", rmsnorm.rms_norm_invariant, rmsnorm.rms_norm_standard, rmsnorm.rms_norm_reference,
            _rms_inputs, row_args=(0,), grad_args=(0, 1), tile_config=rmsnorm.tile_config),
         Op("silu_mul", silu_mul.silu_mul_invariant, silu_mul.silu_mul_standard, silu_mul.silu_mul_reference,

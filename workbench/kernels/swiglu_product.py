@@ -28,16 +28,8 @@ import triton
 import triton.language as tl
 
 from ._common import interpreting, l2_prefetch, pdl_enter, pdl_flags
-from .matmul import (
-    MatmulConfig,
-    _descriptor,
-    _device_capability,
-    _prefetch_k,
-    _tile_origin,
-    _uses_buckets,
-    dot_step,
-    matmul_config,
-)
+from .matmul import _descriptor, _prefetch_k, _tile_origin, dot_step
+from .matmul_tiles import MatmulConfig, _device_capability, _uses_buckets, matmul_config
 
 # Decode sizes only (larger M runs the packed product, whose persistent tiles are faster there, then silu_mul).
 # Two [BLOCK_N, BLOCK_K] weight tiles a stage: the bucket's tiles with BLOCK_N halved fit the shared memory.
