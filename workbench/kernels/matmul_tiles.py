@@ -20,12 +20,20 @@ from ._common import interpreting
 
 @dataclass(frozen=True)
 class MatmulConfig:
+    """One tile config of the invariant matmul's kernels."""
+
     block_m: int
+    """Rows of an output tile."""
     block_n: int
+    """Columns of an output tile."""
     block_k: int
+    """Depth of one k-step. The interpreter's fixed-order sum follows its blocks; Hopper's MMA chain does not."""
     group_m: int = 8
+    """Row tiles walked together (L2 reuse of the weights' tiles); the launch order only."""
     num_warps: int = 4
+    """Warps a program."""
     num_stages: int = 3
+    """K blocks loaded ahead."""
     persistent: bool = False
     """One program per SM looping over tiles (TMA path only)."""
 
