@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 
 import torch
@@ -34,7 +33,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import copy_gbs, emit, header  # noqa: E402
+from timing import copy_gbs, emit, graph_ms, header  # noqa: E402
 
 ROWS = 64
 """The activation rows a program streams: one decode product's batch-64 tile."""
@@ -60,30 +59,6 @@ def _ingest_kernel(x_desc, w_ptr, out_ptr, K, BLOCK_M: tl.constexpr, BLOCK_K: tl
     tl.store(out_ptr + pid * BLOCK_M * 16 + rows[:, None] * 16 + cols[None, :], acc)
 
 
-def _graph_us(fn, launches: int = 20, reps: int = 20) -> float:
-    """Median us of one of `launches` back-to-back calls of fn, replayed as a CUDA graph (warmed up first)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) / launches * 1e3
-
-
 def intake(sms: int) -> tuple[list[str], float]:
     """The streaming table, and the steady rate an SM (GB/s) with every SM reading: the best staging at the
     longest K and P = sms."""
@@ -103,7 +78,8 @@ def intake(sms: int) -> tuple[list[str], float]:
                 def launch(depth, p=p, desc=desc, w=w, out=out, block_k=block_k, stages=stages):
                     return lambda: _ingest_kernel[(p,)](desc, w, out, depth, BLOCK_M=ROWS, BLOCK_K=block_k,
                                                         num_warps=4, num_stages=stages)
-                us, empty = _graph_us(launch(k)), _graph_us(launch(0))
+                # 20 launches of the same call: every program reads rows that are in the L2 after the first.
+                us, empty = (graph_ms([launch(depth)] * 20) * 1e3 for depth in (k, 0))
                 kb = ROWS * k * 2 / 1024
                 rate = kb * 1.024 / max(us - empty, 1e-3)
                 if k == DEPTHS[-1] and p == sms:

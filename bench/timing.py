@@ -26,11 +26,16 @@ def gpu_ms(make_call: Callable[[], Callable[[], object]], nbytes: int, reps: int
     """make_call() returns a zero-argument call bound to fresh inputs of `nbytes` bytes; median ms per call."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     n_sets = max(1, min(MAX_SETS, -(-L2_MULTIPLE * l2 // max(nbytes, 1))))
-    calls = [make_call() for _ in range(n_sets)]
+    return graph_ms([make_call() for _ in range(n_sets)], reps)
+
+
+def graph_ms(calls: list[Callable[[], object]], reps: int = 20) -> float:
+    """Median ms per call of one CUDA graph that runs `calls` in order (each run once first, outside the graph:
+    compilation, allocator, autotune of the baselines)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for c in calls:  # warm-up: compilation, allocator, autotune of the baselines
+        for c in calls:
             c()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
@@ -46,8 +51,8 @@ def gpu_ms(make_call: Callable[[], Callable[[], object]], nbytes: int, reps: int
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / n_sets)
-    del graph, calls
+        times.append(start.elapsed_time(end) / len(calls))
+    del graph
     return statistics.median(times)
 
 
