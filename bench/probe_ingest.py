@@ -10,7 +10,8 @@ The measurement: P programs (one an SM while P is at most the SM count: the bloc
 each stream the same 64 rows x K of x through TMA, S stages of 64 x BLOCK_K, into a dot against one 16-wide
 weight tile, as a product's consumer would. P runs from 1 to the SM count. With an L2 bound the rate an SM falls
 as P grows; with an intake bound it stays. The same with an empty loop (K = 0) gives the launch's own time, which
-the "streaming" columns leave out. 20 launches in a CUDA graph, the median of 20 replays.
+the "streaming" columns leave out. 20 launches in a CUDA graph, the median of 20 replays. Then 1, 2 or 3
+programs an SM: whether one program's rate is its own pipeline's or the SM's ceiling.
 
 Then the arithmetic it bounds (no GPU): at batch 64 and 256, each Qwen3-1.7B decode product's least bytes an SM
 when every output keeps its whole K chain on one SM (the bits contract: no split K), i.e. an SM's outputs in an
@@ -90,6 +91,32 @@ def intake(sms: int) -> tuple[list[str], float]:
     return lines, steady
 
 
+def per_sm(sms: int) -> list[str]:
+    """An SM's own ceiling: 1, 2 or 3 programs an SM (P = 132 ... 396), each streaming the same rows as above. If
+    one program's rate is its pipeline's (the bytes it keeps in flight, its cost per stage), two on an SM take in
+    more; if it is the SM's intake, they share it."""
+    lines = ["", "Several programs an SM, the same streams. GB/s a program and an SM (streaming only):", "",
+             "| BLOCK_K x stages | K | P | programs an SM | us a launch | empty loop us | GB/s a program "
+             "| GB/s an SM |",
+             "|---|---|---|---|---|---|---|---|"]
+    for block_k, stages in ((128, 2), (128, 4), (256, 2)):
+        w = torch.randn(block_k, 16, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(3 * sms, ROWS, 16, device="cuda", dtype=torch.float32)
+        for k in DEPTHS[1:]:
+            x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
+            desc = TensorDescriptor.from_tensor(x, [ROWS, block_k])
+            for per in (1, 2, 3):
+                def launch(depth, p=per * sms, desc=desc, w=w, out=out, block_k=block_k, stages=stages):
+                    return lambda: _ingest_kernel[(p,)](desc, w, out, depth, BLOCK_M=ROWS, BLOCK_K=block_k,
+                                                        num_warps=4, num_stages=stages)
+                us, empty = (graph_ms([launch(depth)] * 20) * 1e3 for depth in (k, 0))
+                rate = ROWS * k * 2 / 1e3 / max(us - empty, 1e-3)
+                lines.append(f"| {block_k} x {stages} | {k:,} | {per * sms} | {per} | {us:.2f} | {empty:.2f} | "
+                             f"{rate:.0f} | {rate * per:.0f} |")
+                print(lines[-1], flush=True)
+    return lines
+
+
 def least_bytes(m: int, n: int, k: int, sms: int) -> float:
     """The least bytes an SM takes in for an [m, n] product of depth k whose every output keeps its whole K
     chain on one SM: its m * n / sms outputs as an R x C block (R <= m), (R + C) * k * 2 bytes."""
@@ -128,7 +155,7 @@ def main() -> None:
     copy = copy_gbs()[0]
     lines = [header(), f"Copy bandwidth (read + write): {copy:,.0f} GB/s."]
     table, steady = intake(sms)
-    emit(lines + table + bound_table(sms, steady, copy), args.out)
+    emit(lines + table + per_sm(sms) + bound_table(sms, steady, copy), args.out)
 
 
 if __name__ == "__main__":
