@@ -92,7 +92,7 @@ def intake(sms: int) -> tuple[list[str], float]:
 
 
 def per_sm(sms: int) -> list[str]:
-    """An SM's own ceiling: 1, 2 or 3 programs an SM (P = 132 ... 396), each streaming the same rows as above. If
+    """An SM's own ceiling: 1, 2 or 3 programs an SM (P = 1, 2 or 3 x the SMs), each streaming the same rows. If
     one program's rate is its pipeline's (the bytes it keeps in flight, its cost per stage), two on an SM take in
     more; if it is the SM's intake, they share it."""
     lines = ["", "Several programs an SM, the same streams. GB/s a program and an SM (streaming only):", "",

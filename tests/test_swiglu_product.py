@@ -34,8 +34,8 @@ def check_swiglu_product(device, rows, k, inter):
     assert torch.equal(got, want), f"seed {seed}: the fused product differs from the unfused ops"
     assert torch.equal(alone[0], got[rows // 2]), f"seed {seed}: a row alone differs from the same in the batch"
     ref = swiglu_product_reference(x, gate_up)
-    g = (x.double() @ gate_up.double().t()).chunk(2, dim=-1)[0]
-    excess = ((got.double() - ref).abs() - _rounding_bound(g, ref, device)).max().item()
+    gate_fp64 = (x.double() @ gate_up.double().t()).chunk(2, dim=-1)[0]
+    excess = ((got.double() - ref).abs() - _rounding_bound(gate_fp64, ref, device)).max().item()
     assert excess <= 0, f"seed {seed}: the product is further from fp64 than its four bf16 roundings allow ({excess:.3g})"
 
 
