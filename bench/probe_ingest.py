@@ -60,6 +60,16 @@ def _ingest_kernel(x_desc, w_ptr, out_ptr, K, BLOCK_M: tl.constexpr, BLOCK_K: tl
     tl.store(out_ptr + pid * BLOCK_M * 16 + rows[:, None] * 16 + cols[None, :], acc)
 
 
+def _stream(p: int, k: int, desc, w, out, block_k: int, stages: int) -> tuple[float, float, float]:
+    """(us a launch, the empty loop's us, streaming GB/s a program) of p programs each reading the same rows."""
+    def launch(depth):
+        return lambda: _ingest_kernel[(p,)](desc, w, out, depth, BLOCK_M=ROWS, BLOCK_K=block_k, num_warps=4,
+                                            num_stages=stages)
+    # 20 launches of the same call: every program reads rows that are in the L2 after the first.
+    us, empty = (graph_ms([launch(depth)] * 20) * 1e3 for depth in (k, 0))
+    return us, empty, ROWS * k * 2 / 1e3 / max(us - empty, 1e-3)
+
+
 def intake(sms: int) -> tuple[list[str], float]:
     """The streaming table, and the steady rate an SM (GB/s) with every SM reading: the best staging at the
     longest K and P = sms."""
@@ -76,13 +86,8 @@ def intake(sms: int) -> tuple[list[str], float]:
             x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
             desc = TensorDescriptor.from_tensor(x, [ROWS, block_k])
             for p in grid:
-                def launch(depth, p=p, desc=desc, w=w, out=out, block_k=block_k, stages=stages):
-                    return lambda: _ingest_kernel[(p,)](desc, w, out, depth, BLOCK_M=ROWS, BLOCK_K=block_k,
-                                                        num_warps=4, num_stages=stages)
-                # 20 launches of the same call: every program reads rows that are in the L2 after the first.
-                us, empty = (graph_ms([launch(depth)] * 20) * 1e3 for depth in (k, 0))
+                us, empty, rate = _stream(p, k, desc, w, out, block_k, stages)
                 kb = ROWS * k * 2 / 1024
-                rate = kb * 1.024 / max(us - empty, 1e-3)
                 if k == DEPTHS[-1] and p == sms:
                     steady = max(steady, rate)
                 lines.append(f"| {block_k} x {stages} | {k:,} | {p} | {kb:,.0f} | {us:.2f} | {empty:.2f} | "
@@ -106,11 +111,7 @@ def per_sm(sms: int) -> list[str]:
             x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
             desc = TensorDescriptor.from_tensor(x, [ROWS, block_k])
             for per in (1, 2, 3):
-                def launch(depth, p=per * sms, desc=desc, w=w, out=out, block_k=block_k, stages=stages):
-                    return lambda: _ingest_kernel[(p,)](desc, w, out, depth, BLOCK_M=ROWS, BLOCK_K=block_k,
-                                                        num_warps=4, num_stages=stages)
-                us, empty = (graph_ms([launch(depth)] * 20) * 1e3 for depth in (k, 0))
-                rate = ROWS * k * 2 / 1e3 / max(us - empty, 1e-3)
+                us, empty, rate = _stream(per * sms, k, desc, w, out, block_k, stages)
                 lines.append(f"| {block_k} x {stages} | {k:,} | {per * sms} | {per} | {us:.2f} | {empty:.2f} | "
                              f"{rate:.0f} | {rate * per:.0f} |")
                 print(lines[-1], flush=True)
