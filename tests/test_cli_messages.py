@@ -124,7 +124,7 @@ def test_a_config_error_is_one_line_with_a_help_hint(capsys):
     with pytest.raises(SystemExit):
         main(["train", "lr=-1"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and "lr must be a positive number" in err[0] and "--help" in err[1], err
+    assert len(err) == 2 and "lr must be a finite number >= 0" in err[0] and "--help" in err[1], err
     with pytest.raises(SystemExit):
         main(["train", "--steps", "many"])
     err = capsys.readouterr().err.strip().splitlines()

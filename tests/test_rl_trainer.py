@@ -199,7 +199,7 @@ def test_bad_training_inputs(policy, tmp_path):
         TrainConfig(loss="ppo2")
     with pytest.raises(ValueError, match="group_size must be at least 2"):
         TrainConfig(group_size=1)
-    with pytest.raises(ValueError, match="lr must be a positive number"):
+    with pytest.raises(ValueError, match="lr must be a finite number >= 0"):
         TrainConfig(lr=-1.0)
     with pytest.raises(ValueError, match="unknown correction"):
         TrainConfig(correction="magic")

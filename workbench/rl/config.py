@@ -8,7 +8,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ..config import check_at_least_one, check_positive
+from ..config import check_at_least_one
 from ..models.config import RECOMPUTE
 from ..models.lora import PROJECTIONS, LoraConfig
 from .losses import AGGREGATIONS, KL_ESTIMATORS, LossConfig, get_loss
@@ -64,7 +64,7 @@ class TrainConfig:
     """Std of seeded Gaussian noise the generator adds to its logits before sampling: a sampler-trainer mismatch
     of controlled size, measured each step like the kernels' (dose-response experiments; 0: none)."""
     lr: float = 1e-3
-    """AdamW learning rate."""
+    """AdamW learning rate (0 freezes the policy: the frozen-policy probe measures what numerics alone spend)."""
     weight_decay: float = 0.0
     """AdamW's decoupled weight decay."""
     max_grad_norm: float = 0.0
@@ -182,8 +182,7 @@ class TrainConfig:
         if self.group_size < 2:
             raise ValueError(f"group_size must be at least 2 (GRPO compares samples of one prompt), "
                              f"got {self.group_size}")
-        check_positive("lr", self.lr)
-        for name in ("weight_decay", "max_grad_norm", "sampler_noise", "time_limit_s"):
+        for name in ("lr", "weight_decay", "max_grad_norm", "sampler_noise", "time_limit_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
