@@ -3,7 +3,7 @@ log-prob forward's vocabulary chunk and warps, its backward block, and the
 RMSNorm backward's rows per program. The chosen values are written into the
 kernel files by hand; nothing is tuned at run time.
 
-    python bench/tune_rowwise.py
+    python tools/tune/tune_rowwise.py
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))  # bench/timing.py
 from timing import copy_gbs, gpu_ms, with_grad  # noqa: E402
 
 from workbench.kernels import logprobs, rmsnorm  # noqa: E402

@@ -3,7 +3,7 @@ flash backward (cuDNN's on Hopper) on the same tensors. The backward's tiles fix
 gradients' sums, never a forward bit, so they are picked for speed; each candidate's gradients are checked
 against the current config's (bf16 sums in another order: close, not equal).
 
-    python bench/tune_attention.py [--batch 16] [--seq 1024]
+    python tools/tune/tune_attention.py [--batch 16] [--seq 1024]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))  # bench/timing.py
 from timing import gpu_ms
 
 import workbench.kernels.attention  # noqa: F401

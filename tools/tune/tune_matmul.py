@@ -5,12 +5,12 @@ config on every row (a bucket may only be used if it does), (2) its time
 against cuBLAS on the Qwen3-1.7B projection shapes. The chosen table is then
 written into `workbench/kernels/matmul.py` by hand: nothing is tuned at run time.
 
-    python bench/tune_matmul.py            # every candidate on the projection shapes, M = 1 ... 8192
-    python bench/tune_matmul.py --decode   # decode steps: a layer's products + the LM head at M = 64, 128, 256
-    python bench/tune_matmul.py --decode-projections   # each decode product: table, narrow tiles, split-K, fused
-    python bench/tune_matmul.py --decode-tiles [M ...]   # a grid of tiles per decode product and M bucket (or
+    python tools/tune/tune_matmul.py            # every candidate on the projection shapes, M = 1 ... 8192
+    python tools/tune/tune_matmul.py --decode   # decode steps: a layer's products + the LM head at M = 64, 128, 256
+    python tools/tune/tune_matmul.py --decode-projections   # each decode product: table, narrow tiles, split-K, fused
+    python tools/tune/tune_matmul.py --decode-tiles [M ...]   # a grid of tiles per decode product and M bucket (or
                                                          # one bucket of the given Ms), bits checked
-    python bench/tune_matmul.py --swiglu-tiles [M ...]   # the same for the SwiGLU product (gate+up + activation)
+    python tools/tune/tune_matmul.py --swiglu-tiles [M ...]   # the same for the SwiGLU product (gate+up + activation)
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))  # bench/timing.py
 from timing import gpu_ms  # noqa: E402
 
 from workbench.kernels import matmul as mm  # noqa: E402
