@@ -69,3 +69,37 @@ def test_the_published_views_read_the_real_index():
     assert set(table.source) == {"2026-11-24_onoff-blog-vllm-h100_5010901"}, "a variant of the preset counts"
     newest = published_metrics("docs/results", "regime", "on").source.iloc[0]
     assert newest == "2026-11-28_onoff-regime-pilot-h100_cb149ba", "the newest record that ran the arm"
+
+
+def _numbers(cell: str) -> list[float]:
+    return [float(n.replace(",", "")) for n in re.findall(r"(?<![\w.])\d[\d,]*(?:\.\d+)?", cell.replace("`", " "))]
+
+
+def test_every_benchmarks_row_links_its_record_and_the_record_holds_its_figures():
+    """A row of a BENCHMARKS.md table with a `record` column: its record exists, the record's result.json holds the
+    row's figure and its same-run baseline (the first number of each cell), and the row's commit is the record's or
+    one its README names. Floors (peaks, copy bandwidth) are constants of the device, not checked here."""
+    rows = 0
+    header: list[str] = []
+    for line in (ROOT.parents[1] / "BENCHMARKS.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        if "record" in cells:
+            header = cells
+            continue
+        if not cells or not header or set(line) <= set("|-: ") or len(cells) != len(header):
+            header = header if cells else []
+            continue
+        row = dict(zip(header, cells))
+        link = re.search(r"\]\((docs/results/[^)]+?)/?\)", row["record"])
+        assert link, f"BENCHMARKS.md row {row['what']!r} has no record link"
+        folder = ROOT.parents[1] / link.group(1)
+        record = read_record(folder)
+        held = {x for f in record.figures.values() for x in (f.value, f.baseline, f.floor) if x is not None}
+        for column in ("figure", "baseline, same run"):
+            if numbers := _numbers(row[column]):
+                assert numbers[0] in held, \
+                    f"BENCHMARKS.md row {row['what']!r}: {column} {numbers[0]} is not in {folder.name}/result.json"
+        assert row["commit"] == record.commit or row["commit"] in (folder / "README.md").read_text(), \
+            f"BENCHMARKS.md row {row['what']!r}: commit {row['commit']} is not {folder.name}'s"
+        rows += 1
+    assert rows >= 30, f"only {rows} rows with a record found in BENCHMARKS.md"
