@@ -26,6 +26,8 @@ _CARD_START = "<!-- record card: generated from result.json by `python -m workbe
 _CARD_END = "<!-- end of record card -->"
 _LIST_START = "<!-- index: generated from the result.json files by `python -m workbench.records` -->"
 _LIST_END = "<!-- end of index -->"
+HEADLINE = "headline / "
+"""The prefix of the figures BENCHMARKS.md quotes, given with their baselines and floors; the card shows them."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,12 @@ class Record:
         for key in ("question", "device", "commit", "command", "verdict"):
             if not isinstance(data[key], str) or not data[key].strip():
                 raise ValueError(f"{where}: {key} must be a non-empty string")
+        if not isinstance(data.get("preset", ""), str) or not isinstance(data.get("environment", ""), str):
+            raise ValueError(f"{where}: preset and environment are strings")
+        if not isinstance(data.get("smoke", False), bool):
+            raise ValueError(f"{where}: smoke is true or false, got {data['smoke']!r}")
+        if not isinstance(data["figures"], dict):
+            raise ValueError(f"{where}: figures is an object of name -> {{value, unit, baseline?, floor?}}")
         figures = {}
         for name, fig in data["figures"].items():
             try:
@@ -125,12 +133,18 @@ def read_record(folder: str | Path) -> Record:
 
 
 def card(record: Record) -> str:
-    """The README's record card: question, command, environment and verdict as result.json has them."""
+    """The README's record card: question, command, environment, headline figures and verdict as result.json has
+    them."""
     env = ", ".join(p for p in (record.device, f"commit {record.commit}", record.date, record.environment) if p)
+    show = lambda v, unit="": "" if v is None else f"{v:,g} {unit}".strip()  # noqa: E731
+    table = [f"| {name.removeprefix(HEADLINE)} | {show(f.value, f.unit)} | {show(f.baseline, f.unit)} | "
+             f"{show(f.floor, f.unit)} |" for name, f in record.figures.items() if name.startswith(HEADLINE)]
+    if table:
+        table = ["| figure | value | baseline, same run | floor |", "|---|---|---|---|", *table, ""]
     return "\n".join([_CARD_START, "", f"**Question.** {record.question}", "", "**Command.**", "",
                       *(f"    {line}" for line in record.command.splitlines()), "",
-                      f"**Environment.** {env}", "", f"**Verdict.** {record.verdict}", "",
-                      f"Figures: `result.json` ({len(record.figures)} from the tables below).", "", _CARD_END])
+                      f"**Environment.** {env}", "", f"**Verdict.** {record.verdict}", "", *table,
+                      f"All {len(record.figures)} figures of this folder's tables: `result.json`.", "", _CARD_END])
 
 
 def with_card(readme: str, record: Record) -> str:
@@ -172,14 +186,16 @@ def load_index(root: str | Path = "docs/results") -> list[Record]:
             for entry in json.loads(path.read_text())]
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
 def _readme_list(records: list[Record]) -> str:
     lines = [_LIST_START]
     for section in dict.fromkeys(KINDS.values()):
         lines += ["", f"## {section}", "", "| folder | device | question | verdict |", "|---|---|---|---|"]
-        for r in records:
-            if KINDS[r.kind] == section:
-                cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
-                lines.append(f"| [`{r.folder}`]({r.folder}/) | {r.device} | {cell(r.question)} | {cell(r.verdict)} |")
+        lines += [f"| [`{r.folder}`]({r.folder}/) | {r.device} | {_cell(r.question)} | {_cell(r.verdict)} |"
+                  for r in records if KINDS[r.kind] == section]
     return "\n".join([*lines, "", _LIST_END])
 
 

@@ -1,8 +1,9 @@
 """The experiment's report, drawn only from its folder: summary.md (the verdict, the dose-response slope, the
 table of endpoints, the caveats), the figures as SVG and PNG, and the long metrics table, in out_dir/report/;
-`publish` copies that folder to <dest>/<date>_onoff-<preset>-<device>_<sha>/ (docs/results for the records),
+`publish` copies that folder to <dest>/<date>_onoff-<preset>-<device>_<sha>/ (docs/results for the records) with its
+result.json, and regenerates dest's index (`workbench.records`),
 `reissue` rewrites a published folder's statistics from its own files, and `published_results` lists the newest
-published folder per preset for a reader without a GPU."""
+published record per preset, found through that index, for a reader without a GPU."""
 
 from __future__ import annotations
 
