@@ -206,8 +206,11 @@ def generated(root: str | Path = "docs/results") -> dict[Path, str]:
     out = {root / "index.json": json.dumps([_entry(r) for r in records], indent=1, ensure_ascii=False) + "\n"}
     readme = (root / "README.md").read_text() if (root / "README.md").exists() else "# Results\n"
     block = _readme_list(records)
-    out[root / "README.md"] = (re.sub(re.escape(_LIST_START) + ".*?" + re.escape(_LIST_END), lambda _: block,
-                                      readme, flags=re.S) if _LIST_START in readme else f"{readme.rstrip()}\n\n{block}\n")
+    if _LIST_START in readme:
+        pattern = re.escape(_LIST_START) + ".*?" + re.escape(_LIST_END)
+        out[root / "README.md"] = re.sub(pattern, lambda _: block, readme, flags=re.S)
+    else:
+        out[root / "README.md"] = f"{readme.rstrip()}\n\n{block}\n"
     for r in records:
         path = root / r.folder / "README.md"
         out[path] = with_card(path.read_text() if path.exists() else f"# {r.question}\n", r)
