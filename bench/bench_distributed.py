@@ -99,7 +99,8 @@ class Run:
 def rollout_counts(gpus: int) -> list[int]:
     """The rollout ranks of the split runs at N GPUs: every split up to 4 GPUs; beyond, a quarter, a half and three
     quarters of them (each split is two runs of minutes; at the 1.7B shape a step's two halves, generate + score
-    and update, are of one size (BENCHMARKS.md, "Several GPUs"), which puts the best ratio near the middle)."""
+    and update, are of one size (docs/results/2026-11-26_distributed-rollout-scores-2xH200_769c19b), which puts the
+    best ratio near the middle)."""
     if gpus <= 4:
         return list(range(1, gpus))
     return sorted({max(1, gpus // 4), gpus // 2, gpus - max(1, gpus // 4)})

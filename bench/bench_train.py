@@ -176,7 +176,7 @@ def breakdown(weights, modes) -> None:
 
 def _config(text: str) -> tuple[int, str]:
     """'16384', '16384+mlp' or '32768+layers' -> (token budget, what the backward recomputes); '+ckpt' is the
-    earlier name of '+layers' (BENCHMARKS.md's older commands)."""
+    earlier name of '+layers' (the older records' commands, docs/results)."""
     budget, _, what = text.partition("+")
     what = {"": "none", "ckpt": "layers"}.get(what, what)
     if not budget.isdigit() or int(budget) < 1 or what not in RECOMPUTE:

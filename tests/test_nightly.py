@@ -198,11 +198,15 @@ def test_the_nightly_hands_tensorboard_to_the_rl_notebook(tmp_path):
 
 def test_the_newest_published_nightly_with_the_table_is_shown_labelled(tmp_path):
     from workbench.published import published_nightly
+    from workbench.records import Record, write_index, write_record
 
     for name, gpu in (("2026-11-01_nightly-h100_aaa", "NVIDIA H100"), ("2026-11-05_nightly-h200_bbb", "NVIDIA H200"),
                       ("2026-11-09_nightly-h100_ccc", "NVIDIA H100 80GB HBM3"), ("2026-11-12_onoff-h100_ddd", "x")):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "env.json").write_text(json.dumps({"gpu": gpu}))
+        # The kind, device and date come from the record, not from the folder's name.
+        write_record(tmp_path / name, Record(name, "nightly" if "nightly" in name else "rl", "q", {}, gpu, "aaa",
+                                             name[:10], "python -m workbench nightly", "v"))
+    write_index(tmp_path)
     for name in ("2026-11-01_nightly-h100_aaa", "2026-11-05_nightly-h200_bbb", "2026-11-12_onoff-h100_ddd"):
         pd.DataFrame({"op": ["linear"], "mode": ["standard"]}).to_csv(tmp_path / name / "kernel_audit.csv")
     (tmp_path / "2026-11-05_nightly-h200_bbb" / "kernel_audit.png").write_bytes(b"png")
@@ -213,4 +217,4 @@ def test_the_newest_published_nightly_with_the_table_is_shown_labelled(tmp_path)
     assert published_nightly("divergence", root=tmp_path) is None
     real = published_nightly("parity_triangle_pairs", figure="logprob_differences")
     assert real is not None and real.label.startswith("published, GPU, NVIDIA H100") and real.figure.exists(), \
-        "docs/results has a full-scale nightly for notebook 03 to show"
+        "docs/results/index.json lists a full-scale nightly for notebook 03 to show"

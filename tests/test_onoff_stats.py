@@ -18,6 +18,7 @@ from workbench.onoff.paired import compare_paired, holm, sign_flip_p, t_interval
 from workbench.config import write_config
 from workbench.onoff.config import OnOffConfig
 from workbench.onoff.publish import markdown_table, published_results, reissue, write_report
+from workbench.records import Record, write_index, write_record
 from workbench.onoff.stats import (dose_response, dose_slope, reference_arm, regime_table, run_endpoints, summarize,
                                    verdict)
 from workbench.plots import save_figure
@@ -323,6 +324,11 @@ def test_published_results_are_the_newest_folder_per_preset(tmp_path):
     folder("2026-11-24_onoff-blog-smoke-cpu_5010901", device="CPU")
     folder("2026-11-21_onoff-h100_bd5150f")  # before presets were named: not an ON/OFF report of today's form
     folder("2026-12-01_onoff-regime-h100_abcdef0", figures=("reward", "regime_map"))
+    for path in tmp_path.iterdir():  # the index says which folders are ON/OFF reports, of which preset
+        preset = path.name[17:].rsplit("-", 1)[0] if "-" in path.name[17:] else ""
+        write_record(path, Record(path.name, "onoff" if preset else "rl", "q", {}, "x", "abc", path.name[:10], "c",
+                                  "v", preset=preset.removesuffix("-smoke"), smoke=preset.endswith("-smoke")))
+    write_index(tmp_path)
     found = published_results(tmp_path)
     assert [p.folder.name for p in found] == ["2026-12-01_onoff-regime-h100_abcdef0",
                                               "2026-11-24_onoff-blog-h100_5010901"]

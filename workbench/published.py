@@ -1,23 +1,20 @@
 """The published nightly results a notebook shows beside its smoke run when this machine has no GPU.
 
-A full-scale nightly published to docs/results (`<date>_nightly-<device>_<sha>/`, with `env.json` and the tables
-the notebooks wrote) is what the CPU run cannot show: the standard kernels' mismatch at real shapes on a GPU.
-`published_nightly` finds the newest such folder holding a given table and labels it with `published_label`, as the
-ON/OFF notebook's `onoff.publish.published_results` labels its folders.
+A full-scale nightly published to docs/results (a record of kind `nightly`, with the tables the notebooks wrote)
+is what the CPU run cannot show: the standard kernels' mismatch at real shapes on a GPU. `published_nightly` finds
+the newest such record in the index (`workbench.records`) holding a given table and labels it with
+`published_label`, as the ON/OFF notebook's `onoff.publish.published_results` labels its folders.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
+from .records import load_index
 from .tables import project_path
-
-_NIGHTLY = re.compile(r"(?P<date>\d{4}-\d{2}-\d{2})_nightly-(?P<slug>[a-z0-9]+)_(?P<sha>\w+)")
 
 
 def published_label(device: str, date: str) -> str:
@@ -40,14 +37,14 @@ class PublishedNightly:
 
 
 def published_nightly(name: str, figure: str = "", root: str | Path = "docs/results") -> PublishedNightly | None:
-    """The newest published nightly folder under `root` (a relative root is the project's) that has `<name>.csv`,
-    with `<figure>.png` where given and present; None when no folder has that table."""
-    found = [(m["date"], folder.name, folder, m) for folder in project_path(root).glob("*_nightly-*")
-             if (m := _NIGHTLY.fullmatch(folder.name)) and (folder / f"{name}.csv").exists()]
+    """The newest published nightly record in `root`'s index (a relative root is the project's) whose folder has
+    `<name>.csv`, with `<figure>.png` where given and present; None when no record has that table."""
+    found = [r for r in load_index(root)
+             if r.kind == "nightly" and (project_path(root) / r.folder / f"{name}.csv").exists()]
     if not found:
         return None
-    _, _, folder, match = max(found, key=lambda f: f[:2])
-    env = json.loads((folder / "env.json").read_text()) if (folder / "env.json").exists() else {}
+    record = max(found, key=lambda r: (r.date, r.folder))
+    folder = project_path(root) / record.folder
     png = folder / f"{figure}.png"
     return PublishedNightly(folder, pd.read_csv(folder / f"{name}.csv"), png if figure and png.exists() else None,
-                            published_label(env.get("gpu") or match["slug"].upper(), match["date"]))
+                            published_label(record.device, record.date))

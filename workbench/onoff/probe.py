@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..records import load_index
 from ..tables import project_path
 from .config import OnOffConfig
 from .runner import run_on_off
@@ -48,12 +49,15 @@ def probe_table(metrics: pd.DataFrame, cfg: OnOffConfig) -> pd.DataFrame:
 
 
 def published_metrics(root: str | Path, preset: str, arm: str) -> pd.DataFrame:
-    """The long metrics table of `arm` in the newest published experiment of `preset` under root (docs/results; a
-    relative root is the project's) that ran it; an empty table where none did."""
-    for folder in sorted(project_path(root).glob(f"*_onoff-{preset}-*"), reverse=True):
-        path = folder / "metrics.csv.gz"
+    """The long metrics table of `arm` in the newest published ON/OFF record of `preset` (or a variant of it,
+    `<preset>-...`) in root's index (docs/results; a relative root is the project's) that ran it; an empty table
+    where none did."""
+    records = [r for r in load_index(root) if r.kind == "onoff" and (r.preset == preset or
+                                                                     r.preset.startswith(f"{preset}-"))]
+    for record in sorted(records, key=lambda r: (r.date, r.folder), reverse=True):
+        path = project_path(root) / record.folder / "metrics.csv.gz"
         if path.exists():
             table = pd.read_csv(path)
             if (table.variant == arm).any():
-                return table[table.variant == arm].assign(source=folder.name)
+                return table[table.variant == arm].assign(source=record.folder)
     return pd.DataFrame(columns=["step", "metric", "value", "variant", "seed", "source"])

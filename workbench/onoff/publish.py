@@ -1,8 +1,9 @@
 """The experiment's report, drawn only from its folder: summary.md (the verdict, the dose-response slope, the
 table of endpoints, the caveats), the figures as SVG and PNG, and the long metrics table, in out_dir/report/;
-`publish` copies that folder to <dest>/<date>_onoff-<preset>-<device>_<sha>/ (docs/results for the records),
+`publish` copies that folder to <dest>/<date>_onoff-<preset>-<device>_<sha>/ (docs/results for the records) with its
+result.json, and regenerates dest's index (`workbench.records`),
 `reissue` rewrites a published folder's statistics from its own files, and `published_results` lists the newest
-published folder per preset for a reader without a GPU."""
+published record per preset, found through that index, for a reader without a GPU."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pandas as pd
 from ..config import read_config_file
 from ..plots import save_figure
 from ..published import published_label
+from ..records import Figure, Record, load_index, write_index, write_record
 from ..tables import project_path
 from .arms import get_arm
 from .comparison_figures import dose_response_figure, regime_map
@@ -256,7 +258,8 @@ def _threshold_text(summary: pd.DataFrame) -> str:
 
 
 def publish(out_dir: str | Path, dest: str | Path) -> Path:
-    """Copy out_dir's report to dest/<date>_onoff-<preset>-<device>_<sha>/ (writing the report first)."""
+    """Copy out_dir's report to dest/<date>_onoff-<preset>-<device>_<sha>/ (writing the report first), with its
+    result.json, and regenerate dest's index (`workbench.records`)."""
     out = Path(out_dir)
     folder = report(out)
     cfg = OnOffConfig(**read_config_file(out / "config.yaml", OnOffConfig))
@@ -264,15 +267,32 @@ def publish(out_dir: str | Path, dest: str | Path) -> Path:
     device = str(calls.device.iloc[-1])
     slug = (re.search(r"[A-Z]\d{2,4}", device) or re.search(r"\w+", device)).group(0).lower()
     sha = str(calls.git_sha.iloc[-1])[:7]
-    name = f"{datetime.date.today().isoformat()}_onoff-{cfg.preset or 'custom'}{'-smoke' if cfg.smoke else ''}"
-    target = Path(dest) / f"{name}-{slug}_{sha}"
+    date = datetime.date.today().isoformat()
+    preset = cfg.preset or "custom"
+    target = Path(dest) / f"{date}_onoff-{preset}{'-smoke' if cfg.smoke else ''}-{slug}_{sha}"
     if target.exists():
         shutil.rmtree(target)
     shutil.copytree(folder, target)
+    write_record(target, _record(target, cfg, preset, device, sha, date))
+    write_index(dest)
     return target
 
 
-_PUBLISHED = re.compile(r"(?P<date>\d{4}-\d{2}-\d{2})_onoff-(?P<preset>.+)-(?P<slug>[a-z0-9]+)_(?P<sha>\w+)")
+def _record(folder: Path, cfg: OnOffConfig, preset: str, device: str, sha: str, date: str) -> Record:
+    """The published report's result.json: its summary.csv's endpoints per arm and summary.md's verdict."""
+    text = (folder / "summary.md").read_text()
+    verdict = re.search(r"\n## Verdict\n\n(.*?)(?:\n\n|\Z)", text, flags=re.S)
+    summary = pd.read_csv(folder / "summary.csv") if (folder / "summary.csv").exists() else pd.DataFrame()
+    figures = {f"{row.variant} / {column}": Figure(float(row[column]))
+               for _, row in summary.iterrows() for column in _COLUMNS
+               if column in summary and np.isfinite(pd.to_numeric(row[column], errors="coerce"))}
+    return Record(folder=folder.name, kind="onoff", question=text.splitlines()[0].lstrip("# ").strip() or folder.name,
+                  figures=figures, device=device, commit=sha, date=date,
+                  command=f"python -m workbench on-off --preset {preset} (settings in config.yaml)",
+                  verdict=verdict.group(1).replace("\n", " ") if verdict else "see summary.md", preset=preset,
+                  smoke=cfg.smoke)
+
+
 _FIGURE_ORDER = ("regime_map", "dose_response", "reward", "mismatch", "delta_histogram")
 
 
@@ -283,11 +303,11 @@ class Published:
     folder: Path
     """The folder in docs/results."""
     preset: str
-    """The preset it ran (from the folder's name)."""
+    """The preset it ran (its record's)."""
     date: str
-    """The publishing date (from the folder's name)."""
+    """The publishing date (its record's)."""
     device: str
-    """The device its runs ran on (invocations.csv, else the name's device part)."""
+    """The device its runs ran on (invocations.csv, else its record's)."""
     label: str
     """"published, GPU, <device>, <date>": what a reader must see next to these numbers."""
     figures: tuple[Path, ...]
@@ -297,26 +317,26 @@ class Published:
 
 
 def published_results(root: str | Path = "docs/results") -> list[Published]:
-    """The newest published ON/OFF folder of each preset under `root` (a relative root is the project's), smoke
-    folders left out, the regime map's first and then the newest first. A new `<date>_onoff-<preset>-<device>_<sha>`
-    folder is picked up by its name alone."""
-    newest: dict[str, tuple[str, Path, re.Match]] = {}
-    for folder in sorted(project_path(root).glob("*_onoff-*")):
-        match = _PUBLISHED.fullmatch(folder.name)
-        if not match or match["preset"].endswith("-smoke") or not (folder / "summary.md").exists():
+    """The newest published ON/OFF record of each preset in `root`'s index (a relative root is the project's), smoke
+    records left out, the regime map's first and then the newest first. A folder `publish` wrote is picked up through
+    the index it regenerates."""
+    newest: dict[str, Record] = {}
+    for record in load_index(root):
+        if record.kind != "onoff" or record.smoke or not (project_path(root) / record.folder / "summary.md").exists():
             continue
-        key = (match["date"], folder.name)
-        if match["preset"] not in newest or key > newest[match["preset"]][0]:
-            newest[match["preset"]] = (key, folder, match)
+        if record.preset not in newest or (record.date, record.folder) > (newest[record.preset].date,
+                                                                          newest[record.preset].folder):
+            newest[record.preset] = record
     found = []
-    for _, folder, match in newest.values():
+    for record in newest.values():
+        folder = project_path(root) / record.folder
         calls = folder / "invocations.csv"
         devices = pd.read_csv(calls).device.astype(str) if calls.exists() else pd.Series(dtype=str)
-        device = devices.iloc[-1] if len(devices) else match["slug"].upper()
-        label = published_label(device, match["date"])
+        device = devices.iloc[-1] if len(devices) else record.device
+        label = published_label(device, record.date)
         text = (folder / "summary.md").read_text()
         text = re.sub(r"\n## Figures\n.*?(?=\n## |\Z)", "\n", text, flags=re.S)
         figures = tuple(folder / f"{n}.png" for n in _FIGURE_ORDER if (folder / f"{n}.png").exists())
-        found.append(Published(folder, match["preset"], match["date"], device, label, figures,
+        found.append(Published(folder, record.preset, record.date, device, label, figures,
                                f"**{label}** (`{folder.name}`)\n\n{text}"))
     return sorted(found, key=lambda p: (p.preset.startswith("regime"), p.date, p.folder.name), reverse=True)
