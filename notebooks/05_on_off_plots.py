@@ -31,6 +31,7 @@ metrics = ""
 published = "docs/results"
 
 # %%
+# %matplotlib inline
 from IPython.display import Image, Markdown, display
 
 from workbench.env import resolve_device

@@ -27,7 +27,6 @@ import numpy as np
 import pandas as pd
 import torch
 from matplotlib import colormaps
-from matplotlib.cm import ScalarMappable
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
@@ -55,8 +54,9 @@ def sequence(table: pd.DataFrame, arm: str, seq: int, run: str | None = None) ->
     rows = rows.sort_values("pos").reset_index(drop=True)
     delta = rows.sampler_logprob.to_numpy(float) - rows.trainer_logprob.to_numpy(float)
     log_ratio = -delta
+    # k3 >= 0; expm1(x) - x rounds to a few 1e-19 below 0 for |x| near 1e-7.
     return rows.assign(delta=delta, log_ratio=log_ratio, cumulative=np.cumsum(log_ratio),
-                       kl=np.expm1(log_ratio) - log_ratio, differs=delta != 0)
+                       kl=np.maximum(np.expm1(log_ratio) - log_ratio, 0.0), differs=delta != 0)
 
 
 def _run_labels(table: pd.DataFrame) -> pd.Series:
@@ -81,7 +81,8 @@ class Reading:
 
 
 def reading(rows: pd.DataFrame, arm: str, clip: float = CLIP, divergence: pd.DataFrame | None = None) -> Reading:
-    """The first differing token, the sequence ratio against [1 - clip, 1 + clip], the op of the first divergence."""
+    """The first differing token, the sequence ratio against [1 - clip, 1 + clip], the op of the first divergence
+    (`divergence`: arm, first_divergence; with a `source` column, the rows of this sequence's source)."""
     hits = rows.index[rows.differs]
     first = (f"first differing token: position {rows.pos[hits[0]]} ({rows.text[hits[0]]!r}), |Δ log-prob| "
              f"{abs(rows.delta[hits[0]]):.3g}; {len(hits)} of {len(rows)} tokens differ" if len(hits)
@@ -89,9 +90,12 @@ def reading(rows: pd.DataFrame, arm: str, clip: float = CLIP, divergence: pd.Dat
     total = float(rows.cumulative.iloc[-1]) if len(rows) else 0.0
     ratio = math.exp(total)
     inside = 1 - clip <= ratio <= 1 + clip
-    ratio_text = (f"sequence ratio exp(Σ) = {ratio:.6g}: {'inside' if inside else 'OUTSIDE'} the loss's clip "
+    ratio_text = (f"Σ log-ratio {total:.3g}, sequence ratio exp(Σ) = {ratio:.8g}: "
+                  f"{'inside' if inside else 'OUTSIDE'} the loss's clip "
                   f"range [{1 - clip:g}, {1 + clip:g}]" + ("" if inside else ", clipped before any update"))
     op = "first divergence (parity report): not in the report for this arm"
+    if divergence is not None and "source" in divergence and len(rows):  # a report per run: this run's
+        divergence = divergence[divergence.source == rows.source.iloc[0]]
     if divergence is not None and arm in set(divergence.arm):
         op = f"first divergence (parity report): {divergence.set_index('arm').first_divergence[arm]}"
     return Reading(first, ratio_text, op)
@@ -140,10 +144,10 @@ def mismatch_figure(table: pd.DataFrame, arm: str, seq: int = 0, run: str | None
     norm = LogNorm(positive.min(), max(positive.max(), positive.min() * 10)) if len(positive) else LogNorm(1e-8, 1)
     cmap = colormaps["magma_r"]
     _token_strip(top, rows, norm, cmap)
-    if len(positive):
-        strip.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=top, label="|Δ log-prob|", fraction=0.03, pad=0.01)
+    scale = (f"; log colour scale, pale {positive.min():.2g} to dark {positive.max():.2g}" if len(positive) > 1
+             and positive.min() < positive.max() else "")
     top.set_title("tokens coloured by |log-prob(sampler) - log-prob(trainer)| (white: the same bits; outlined in "
-                  "blue: the first that differs)", fontsize=8)
+                  f"blue: the first that differs{scale})", fontsize=8)
     left, right = bottom
     t = rows.pos.to_numpy() + 1
     left.plot(t, rows.cumulative, color="#c51b7d", lw=1.6, marker="o", ms=2.5, gid="cumulative",
@@ -167,10 +171,9 @@ def mismatch_figure(table: pd.DataFrame, arm: str, seq: int = 0, run: str | None
                   transform=left.transAxes, ha="center", fontsize=8, color="0.3",
                   bbox={"facecolor": "white", "alpha": 0.85, "lw": 0})
     left.set(xlabel="position t (generated tokens)", ylabel="cumulative log-ratio")
-    left.legend(fontsize=7, loc="lower left")
+    left.legend(fontsize=7, loc="best", framealpha=0.85)
     right.plot(t, rows.kl, color="#0072b2", lw=1.2, marker="o", ms=2.5, gid="kl")
-    if (rows.kl > 0).any():
-        right.set_yscale("symlog", linthresh=max(float(rows.kl[rows.kl > 0].min()), 1e-12))
+    right.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     right.set(xlabel="position t", ylabel="KL per token (k3)", title=f"mean KL per token {rows.kl.mean():.3g}")
     left.set_title("cumulative log-ratio: a random walk grows as sqrt(t), a bias as t", fontsize=9)
     right.title.set_fontsize(9)
@@ -253,7 +256,7 @@ def live_run(cfg: RecordConfig, progress: bool = True) -> tuple[pd.DataFrame, pd
     params = SamplingParams(temperature=1.0, max_new_tokens=cfg.tokens, seed=cfg.seed, stop_token_ids=stop)
     source = f"live, {'GPU, ' + torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}"
     table = token_table(model, prompts, arms, params, name, source, text, progress)
-    return table, divergence_table(model, arms)
+    return table, divergence_table(model, arms).assign(source=source)
 
 
 def write_record(cfg: RecordConfig) -> Path:
@@ -264,7 +267,7 @@ def write_record(cfg: RecordConfig) -> Path:
     folder = Path(cfg.out) / record_name(env)
     folder.mkdir(parents=True, exist_ok=True)
     table.drop(columns="source").to_csv(folder / TABLE_FILE, index=False)
-    divergence.to_csv(folder / DIVERGENCE_FILE, index=False)
+    divergence.drop(columns="source").to_csv(folder / DIVERGENCE_FILE, index=False)
     (folder / "env.json").write_text(json.dumps({**env, "config": vars(cfg)}, indent=1, default=str))
     return folder
 

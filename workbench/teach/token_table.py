@@ -138,7 +138,8 @@ def published_tokens(root: str | Path = "docs/results") -> PublishedTokens | Non
     env = json.loads((folder / "env.json").read_text()) if (folder / "env.json").exists() else {}
     date = re.match(r"\d{4}-\d{2}-\d{2}", folder.name)
     label = published_label(env.get("gpu") or "CPU", date[0] if date else env.get("date", "undated"))
-    divergence = pd.read_csv(folder / DIVERGENCE_FILE) if (folder / DIVERGENCE_FILE).exists() else None
+    divergence = (pd.read_csv(folder / DIVERGENCE_FILE).assign(source=label) if (folder / DIVERGENCE_FILE).exists()
+                  else None)
     return PublishedTokens(folder, pd.read_csv(folder / TABLE_FILE, keep_default_na=False).assign(source=label),
                            divergence, label)
 
