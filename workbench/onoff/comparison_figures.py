@@ -13,7 +13,7 @@ from matplotlib.ticker import FixedFormatter, FixedLocator, LogLocator, NullLoca
 
 from .figures import NOTE_STYLE, arm_colors, arm_label
 from .paired import ALPHA, t_interval
-from .stats import REFERENCE, dose_slope
+from .stats import REFERENCE, dose_slope, final_steps
 
 _SERIES = ("#c51b7d", "#0072b2", "#e69f00", "#009e73", "#56b4e9", "#d55e00")  # the regime map's (arm, loss) lines
 
@@ -65,8 +65,9 @@ def dose_response_figure(dose: pd.DataFrame) -> Figure:
         x = np.asarray(x, dtype=float)
         return x if zero_at is None else np.where(np.isfinite(x) & (x <= 0), zero_at, x)
 
-    window = dose.attrs.get("window")
-    ylabels = {"final_reward": f"final reward (last {window} steps)" if window else "final reward",
+    window, steps = dose.attrs.get("window"), dose.attrs.get("steps")
+    last = final_steps(steps, window) if window and steps else window
+    ylabels = {"final_reward": f"final reward (last {last} step{'' if last == 1 else 's'})" if last else "final reward",
                "auc": "AUC (mean reward over all steps)"}
     colors = arm_colors(dose.variant)
     fig = Figure(figsize=(9.0, 3.8), layout="constrained")
