@@ -13,7 +13,7 @@ import copy
 import datetime
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -122,9 +122,9 @@ class PublishedTokens:
     """Its folder in docs/results."""
     table: pd.DataFrame
     """The long table, `source` set to the label."""
-    divergence: pd.DataFrame | None = field(default=None)
+    divergence: pd.DataFrame | None
     """Its first-divergence table, where published."""
-    label: str = ""
+    label: str
     """"published, GPU, <device>, <date>"."""
 
 
