@@ -32,9 +32,10 @@ device = "auto"
 run_dir = "runs/notebooks"
 
 # %%
+# %matplotlib inline
 import pandas as pd
 import torch
-from IPython.display import Image, Markdown, display
+from IPython.display import Markdown, display
 
 from workbench.audit import (
     AUDIT_FULL,
@@ -74,14 +75,16 @@ heatmap
 # %% [markdown]
 # ## Published audit (GPU)
 # Shown when this machine has no GPU: the newest published full-scale nightly's audit (Qwen3-1.7B
-# widths, batches up to 1024 rows) and its first divergence, read from `docs/results` as published.
+# widths, batches up to 1024 rows) and its first divergence, read from `docs/results` as published. The heatmap
+# is drawn again from the published tables, with that run's matmul batch variance (notebook 01's product) below.
 
 # %%
-published = published_nightly("kernel_audit", figure="kernel_audit") if dev == "cpu" else None
+published = published_nightly("kernel_audit") if dev == "cpu" else None
 if published:
     display(Markdown(f"**{published.label}** (`{published.folder.name}`)"), audit_summary(published.table))
-    if published.figure:
-        display(Markdown(f"*kernel audit, {published.label}*"), Image(filename=str(published.figure)))
+    matmul = published_nightly("batch_variance")  # notebook 01's product, where that run published it
+    display(audit_heatmap(published.table, title=f"batch invariance per op, {published.label}",
+                          matmul=matmul.table if matmul and matmul.folder == published.folder else None))
 
 # %% [markdown]
 # ## First divergence in the whole model

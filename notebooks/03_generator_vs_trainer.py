@@ -34,6 +34,7 @@ run_dir = "runs/notebooks"
 policy = ""
 
 # %%
+# %matplotlib inline
 import copy
 
 import pandas as pd

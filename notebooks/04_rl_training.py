@@ -54,16 +54,27 @@ from workbench.tables import project_path, save_table
 run_dir = str(project_path(run_dir))  # against the project root, not the kernel's folder
 
 # %%
-configs = {name: preset(name, smoke=smoke, device=device, out_dir=f"{run_dir}/work/on_off/{name}", progress=False,
+configs = {name: preset(name, smoke=smoke, device=device, out_dir=f"{run_dir}/work/on_off/{name}", progress=True,
                         tensorboard=tensorboard, **({"policy": policy} if policy else {}))
            for name in presets.split(",")}
 configs
 
+# %% [markdown]
+# Each preset trains (or reuses) its starting policy, then runs its arms x seeds; a progress bar shows each phase.
+
 # %%
-tables = [run_on_off(cfg).assign(preset=name) for name, cfg in configs.items()]
+tables = []
+for i, (name, cfg) in enumerate(configs.items(), 1):
+    print(f"[{i}/{len(configs)}] preset {name}", flush=True)
+    tables.append(run_on_off(cfg).assign(preset=name))
 metrics = pd.concat(tables, ignore_index=True)
 save_table(metrics, run_dir, "on_off")
 
+# %% [markdown]
+# The verdict per preset. Final reward is defined once (`workbench.onoff.stats.final_reward_words`): the mean reward
+# over each run's last 10 steps, and in a run shorter than 20 steps (a smoke run) its second half, as the verdict
+# says.
+
 # %%
 for name, table in zip(configs, tables):
-    print(f"{name}:", verdict(summarize(table, window=1 if smoke else 10)), "\n")
+    print(f"{name}:", verdict(summarize(table)), "\n")

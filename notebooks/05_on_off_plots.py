@@ -31,13 +31,23 @@ metrics = ""
 published = "docs/results"
 
 # %%
+# %matplotlib inline
 from IPython.display import Image, Markdown, display
 
 from workbench.env import resolve_device
 from workbench.onoff.comparison_figures import dose_response_figure, regime_map
 from workbench.onoff.figures import MISMATCH_PANELS, mismatch_panels, reward_curves
 from workbench.onoff.publish import published_results
-from workbench.onoff.stats import CELL, dose_response, dose_sentence, dose_slope, regime_table, summarize, verdict
+from workbench.onoff.stats import (
+    CELL,
+    FINAL_WINDOW,
+    dose_response,
+    dose_sentence,
+    dose_slope,
+    regime_table,
+    summarize,
+    verdict,
+)
 from workbench.plots import save_figure
 from workbench.tables import load_table, project_path
 
@@ -62,7 +72,7 @@ for result in shown:
 # %%
 table = load_table(metrics or run_dir, "on_off")
 groups = dict(iter(table.groupby("preset"))) if "preset" in table else {"": table}
-window = 1 if smoke else 10
+window = FINAL_WINDOW  # final reward: `stats.final_reward_words` (the second half of a run shorter than 2 windows)
 note = "smoke run: checks the pipeline, not a result" if smoke else ""
 
 # %%

@@ -85,15 +85,15 @@ def test_smoke_nightly_runs_every_notebook(tmp_path):
         assert (folder / "logs" / f"{p.stem}.log").exists()
     env = json.loads((folder / "env.json").read_text())
     assert {"git_sha", "python", "torch", "triton", "cuda", "gpu", "kernel_configs"} <= set(env)
-    for table in ("batch_variance", "kernel_audit", "divergence", "parity_triangle_pairs", "on_off"):
+    for table in ("batch_variance", "kernel_audit", "divergence", "parity_triangle_pairs", "on_off", "token_mismatch"):
         assert (folder / "metrics" / f"{table}.csv").exists(), table
     for figure in ("kernel_audit", "logprob_differences", "on_off_blog", "mismatch_realistic",
                    "dose_response_blog-dose"):
         assert (folder / "figures" / f"{figure}.svg").exists() and (folder / "figures" / f"{figure}.png").exists()
     summary = (folder / "summary.md").read_text()
-    assert f"{len(NOTEBOOKS)} of {len(NOTEBOOKS)} ok" in summary and "parity: pass (4 of 4 checks ran)" in summary
+    assert f"{len(NOTEBOOKS)} of {len(NOTEBOOKS)} ok" in summary and "parity: pass (5 of 5 checks ran)" in summary
     assert "| blog | on |" in summary and "| blog-dose | noise=0.01 |" in summary and "| realistic | off |" in summary
-    assert summary.count("| pass |") == 4
+    assert summary.count("| pass |") == 5
     assert "Smoke scale" in summary and "not results" in summary, "a smoke run says its figures are no results"
     # No GPU: a CPU control beside standard, and the published GPU results beside this run's.
     audit = pd.read_csv(folder / "metrics" / "kernel_audit.csv")
@@ -128,7 +128,7 @@ def test_a_failing_notebook_is_reported_and_the_others_still_run(tmp_path, capsy
     assert list(status.status) == ["ok", "failed", "ok"]
     assert "deliberately broken" in status.error[1]
     summary = (folder / "summary.md").read_text()
-    assert "2 of 3 ok (FAILED)" in summary and "parity: not run (0 of 4 checks ran)" in summary
+    assert "2 of 3 ok (FAILED)" in summary and "parity: not run (0 of 5 checks ran)" in summary
     assert (folder / "executed" / "03_last.ipynb").exists()
     code = main(["nightly", "--scale", "smoke", "--device", "cpu", "--notebooks-dir", str(nbs), "--only", "01", "02",
                  "--out-root", str(tmp_path / "cli"), "--no-progress"])

@@ -36,6 +36,7 @@ from .config import write_config
 from .env import environment_record, git_sha, resolve_device
 from .files import make_folder
 from .models.hub import resolve_model
+from .onoff.stats import final_reward_words, run_endpoints
 from .sweep.grid import finished, mark_finished, parse_grid, point_names, points, swept
 from .tables import load_table
 
@@ -218,20 +219,31 @@ def parity_checks(folder: Path) -> pd.DataFrame:
     check("kernel audit (02): invariant rows bitwise equal in every batch", "kernel_audit", audit)
     check("first divergence (02): whole model, trainer = decode", "divergence", divergence)
     check("generator vs trainer (03): decode = prefill = train", "parity_triangle_pairs", triangle)
+    def tokens(t):
+        inv = t[t.arm == "invariant"]
+        ok = not inv.empty and bool((inv.sampler_logprob == inv.trainer_logprob).all())
+        return ok, "; ".join(f"{arm}: {int((g.sampler_logprob != g.trainer_logprob).sum())} of {len(g)} tokens differ"
+                             for arm, g in t.groupby("arm", sort=False))
+
     check("RL (04): zero differing tokens at every step of the `on` arm", "on_off", rl)
+    check("token view (06): sampler = trainer on every invariant token", "token_mismatch", tokens)
     return pd.DataFrame(checks)
 
 
-def final_rewards(folder: Path, window: int = 10) -> pd.DataFrame | None:
+def final_rewards(folder: Path) -> tuple[pd.DataFrame, str] | None:
+    """Per (preset,) arm: the final reward (`onoff.stats.run_endpoints`, the on-off report's) averaged over seeds,
+    with the definition in words."""
     path = folder / "metrics" / "on_off.csv"
     if not path.exists():
         return None
     t = pd.read_csv(path)
-    r = t[t.metric == "reward_mean"]
-    last = r[r.step > r.step.max() - window]
-    keys = ["preset", "variant"] if "preset" in last else ["variant"]
-    return (last.groupby(keys, sort=False).value.agg(["mean", "count"]).reset_index()
-            .rename(columns={"mean": f"reward, last {window} steps (mean over seeds)", "count": "points"}))
+    groups = t.groupby("preset", sort=False) if "preset" in t else [(None, t)]
+    tables = [run_endpoints(g).assign(preset=name) for name, g in groups]
+    runs = pd.concat(tables, ignore_index=True)
+    keys = ["preset", "variant"] if "preset" in t else ["variant"]
+    table = (runs.groupby(keys, sort=False).final_reward.agg(["mean", "count"]).reset_index()
+             .rename(columns={"mean": "final reward (mean over seeds)", "count": "runs"}))
+    return table, final_reward_words(int(runs.steps.min()))
 
 
 def parity_verdict(checks: pd.DataFrame) -> str:
@@ -285,10 +297,12 @@ def summary_markdown(folder: Path, status: pd.DataFrame, env: dict, scale: str) 
     lines += ["", "| parity check | result | detail |", "|---|---|---|"]
     for r in checks.itertuples(index=False):
         lines.append(f"| {r.check} | {r.result} | {r.detail} |")
-    rewards = final_rewards(folder)
-    if rewards is not None:
+    found = final_rewards(folder)
+    if found is not None:
+        rewards, words = found
         keys = list(rewards.columns[:-2])  # (preset,) arm
-        lines += ["", "| " + " | ".join(keys + list(rewards.columns[-2:])) + " |", "|---" * len(rewards.columns) + "|"]
+        lines += ["", words, "", "| " + " | ".join(keys + list(rewards.columns[-2:])) + " |",
+                  "|---" * len(rewards.columns) + "|"]
         for r in rewards.itertuples(index=False):
             lines.append("| " + " | ".join(map(str, r[:-2])) + f" | {r[-2]:.4f} | {r[-1]} |")
     figures = sorted((folder / "figures").glob("*.png")) if (folder / "figures").exists() else []

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from matplotlib import colormaps
+from matplotlib.colors import Normalize, SymLogNorm
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
@@ -36,33 +37,64 @@ def save_figure(fig: Figure, folder: str | Path, name: str) -> list[Path]:
     return paths
 
 
-def audit_heatmap(table: pd.DataFrame, title: str = "batch invariance per op", note: str = "") -> Figure:
-    """Ops x (mode, batch size): the largest ulp distance of a row in a batch vs the row alone (0 = bitwise).
-    `note` goes under the figure: what a control column is (a mode label may name a dtype, in whose ulps it
-    counts)."""
-    # An op whose batches stop short of an M (attention rows are whole sequences) leaves that cell blank.
-    grid = table.pivot_table(index="op", columns=["mode", "rows"], values="max_ulp", aggfunc="max")
+def _ulp_grid(ax, grid: pd.DataFrame, fig, label: str):
+    """One heatmap of whole ulps: a number in every measured cell, "n/a" in the others; returns its colour bar."""
     values = grid.to_numpy(dtype=float)
-    fig = Figure(figsize=(1.0 + 0.7 * grid.shape[1], 0.8 + 0.45 * grid.shape[0]), layout="constrained")
-    ax = fig.subplots()
-    vmax = max(1.0, float(np.nanmax(values)))
-    image = ax.imshow(values, cmap="Reds", vmin=0, vmax=vmax, aspect="auto")
-    # A word a line: "standard fp32" is wider than its column.
-    ax.set_xticks(range(grid.shape[1]), ["\n".join([*str(m).split(), f"M={r}"]) for m, r in grid.columns], fontsize=8)
-    ax.set_yticks(range(grid.shape[0]), grid.index, fontsize=9)
+    vmax = max(1.0, float(np.nanmax(values))) if np.isfinite(values).any() else 1.0
+    # fp32's ulps run to 10^4 where bf16's are 1: a log scale past 1 ulp keeps a single ulp visible beside them.
+    norm = SymLogNorm(linthresh=1, linscale=0.5, vmin=0, vmax=vmax, base=10) if vmax > 50 else Normalize(0, vmax)
+    image = ax.imshow(values, cmap="Reds", norm=norm, aspect="auto")
     for i, j in zip(*np.nonzero(~np.isnan(values))):
         ax.text(j, i, f"{int(values[i, j])}", ha="center", va="center", fontsize=8,
-                color="white" if values[i, j] > vmax / 2 else "black")
+                color="white" if norm(values[i, j]) > 0.5 else "black")
     for i, j in zip(*np.nonzero(np.isnan(values))):
         ax.text(j, i, "n/a", ha="center", va="center", fontsize=7, color="0.5")
-    bar = fig.colorbar(image, ax=ax, label="max ulp distance to the row alone\n(in the column's dtype)")
-    bar.locator = MaxNLocator(integer=True)   # ulps are whole numbers
-    bar.update_ticks()
-    ax.set_title(f"{title} (0 everywhere = bitwise)", fontsize=10)
+    ax.set_yticks(range(grid.shape[0]), grid.index, fontsize=9)
+    bar = fig.colorbar(image, ax=ax, label=label)
+    if isinstance(norm, Normalize) and not isinstance(norm, SymLogNorm):
+        bar.locator = MaxNLocator(integer=True)   # ulps are whole numbers
+        bar.update_ticks()
+    return bar
+
+
+def audit_heatmap(table: pd.DataFrame, title: str = "batch invariance per op", note: str = "",
+                  matmul: pd.DataFrame | None = None) -> Figure:
+    """Ops x (mode, batch size): the largest ulp distance of a row in a batch vs the row alone (0 = bitwise).
+    `note` goes under the figure: what a control column is (a mode label may name a dtype, in whose ulps it
+    counts). `matmul`, notebook 01's `demo.batch_variance` table (one product at its own width, batches of M rows),
+    adds a panel below: where the audit's shapes happen to show no batch variance in a product, that one may."""
+    # An op whose batches stop short of an M (attention rows are whole sequences) leaves that cell "n/a".
+    grid = table.pivot_table(index="op", columns=["mode", "rows"], values="max_ulp", aggfunc="max")
+    rows = [grid]
+    if matmul is not None and not matmul.empty:
+        long = pd.concat([matmul.assign(mode=m, ulps=matmul[f"{m}_max_ulps"]) for m in ("invariant", "standard")])
+        wide = long.pivot_table(index=["mode", "dtype"], columns="M", values="ulps", aggfunc="max")
+        wide.index = [f"matmul, {m}, {d}" for m, d in wide.index]
+        rows.append(wide)
+    heights = [0.45 * r.shape[0] + 0.9 for r in rows]
+    width = max(1.0 + 0.7 * grid.shape[1], 1.0 + 0.55 * rows[-1].shape[1] + 1.5)
+    fig = Figure(figsize=(width, sum(heights) + 0.4), layout="constrained")
+    axes = fig.subplots(len(rows), 1, height_ratios=heights, squeeze=False)[:, 0]
+    _ulp_grid(axes[0], grid, fig, "max ulp distance to the row alone\n(in the column's dtype)")
+    # A word a line: "standard fp32" is wider than its column.
+    axes[0].set_xticks(range(grid.shape[1]), ["\n".join([*str(m).split(), f"M={r}"]) for m, r in grid.columns],
+                       fontsize=8)
+    axes[0].set_title(f"{title} (0 everywhere = bitwise)", fontsize=10)
     notes = [note] if note else []
-    if np.isnan(values).any():
+    if np.isnan(grid.to_numpy(dtype=float)).any():
         notes.append("n/a: not measured at that batch size (an attention row is a whole sequence, so its batches "
                      "stop at fewer rows)")
+    if len(rows) > 1:
+        wide = rows[1]
+        _ulp_grid(axes[1], wide, fig, "max ulps of row 0\nvs row 0 alone")
+        axes[1].set_xticks(range(wide.shape[1]), [f"M={m}" for m in wide.columns], fontsize=8)
+        axes[1].set_title("one product x[:M] @ W.T (notebook 01): row 0 inside a batch of M vs alone", fontsize=9)
+        linear = table[(table.op == "linear") & (table["mode"] == "standard")]
+        if len(linear) and (linear.max_ulp == 0).all():
+            notes.append("linear is 0 above: at the audit's shapes the standard product happened to run one kernel "
+                         "for every M; the product below did not")
+        notes.append("matmul: the standard product's kernel choice follows M (ulps in its dtype), the invariant "
+                     "one's does not")
     if notes:
         fig.supxlabel("\n".join(notes), fontsize=7, color="0.35")
     return fig

@@ -13,7 +13,7 @@ from matplotlib.ticker import FixedFormatter, FixedLocator, LogLocator, NullLoca
 
 from .figures import NOTE_STYLE, arm_colors, arm_label
 from .paired import ALPHA, t_interval
-from .stats import REFERENCE, dose_slope
+from .stats import REFERENCE, dose_slope, final_steps
 
 _SERIES = ("#c51b7d", "#0072b2", "#e69f00", "#009e73", "#56b4e9", "#d55e00")  # the regime map's (arm, loss) lines
 
@@ -21,22 +21,28 @@ _SERIES = ("#c51b7d", "#0072b2", "#e69f00", "#009e73", "#56b4e9", "#d55e00")  # 
 def _zero_axis(ax, zero_at: float, smallest: float, largest: float) -> None:
     """Log x ticks with KL 0 drawn at `zero_at`, left of a dotted break before the smallest positive KL.
 
-    At most about six labels, none closer to "0 (on)" than a tenth of the axis: decades (every second one past six
-    decades), 1-2-5 steps only within a decade or two.
+    Labels at least an eighth of the axis apart (a label such as "2e-5" is about that wide, so none overprints
+    another or "0 (on)"): decades (1-2-5 steps within a decade or two), thinned from the left; with no such tick in
+    range (one KL, or a narrow spread), the smallest KL itself.
     """
     cut = np.sqrt(zero_at * smallest)
     ax.axvline(cut, color="0.6", lw=0.8, ls=":")
-    left, right = zero_at / 1.6, largest * 1.6
+    margin = 10 ** (0.05 * np.log10(largest / zero_at))  # the outermost points a little inside the frame
+    left, right = zero_at / max(1.6, margin), largest * max(1.6, margin)
     ax.set_xlim(left, right)
     decades = np.log10(largest / smallest)
     subs = (1.0, 2.0, 5.0) if decades < 1 else (1.0,)
-    ticks = [t for t in LogLocator(subs=subs).tick_values(smallest, right) if cut < t <= right]
-    if len(ticks) > 6:
-        ticks = ticks[len(ticks) % 2::2]
-    gap = 0.1 * np.log10(right / left)
-    ticks = [t for t in ticks if np.log10(t / zero_at) >= gap]
+    candidates = [t for t in LogLocator(subs=subs).tick_values(smallest, right) if cut < t <= right]
+    gap = np.log10(right / left) / 8
+    ticks = []
+    for t in candidates:
+        if np.log10(t / (ticks[-1] if ticks else zero_at)) >= gap:
+            ticks.append(t)
+    if not ticks and np.log10(smallest / zero_at) >= gap:
+        ticks = [smallest]
+    labels = [f"{t:.0e}".replace("e-0", "e-") for t in ticks]
     ax.xaxis.set_major_locator(FixedLocator([zero_at, *ticks]))
-    ax.xaxis.set_major_formatter(FixedFormatter(["0 (on)", *(f"{t:.0e}".replace("e-0", "e-") for t in ticks)]))
+    ax.xaxis.set_major_formatter(FixedFormatter(["0 (on)", *labels]))
     ax.xaxis.set_minor_locator(NullLocator())  # minor ticks would suggest a scale across the break
 
 
@@ -59,8 +65,9 @@ def dose_response_figure(dose: pd.DataFrame) -> Figure:
         x = np.asarray(x, dtype=float)
         return x if zero_at is None else np.where(np.isfinite(x) & (x <= 0), zero_at, x)
 
-    window = dose.attrs.get("window")
-    ylabels = {"final_reward": f"final reward (last {window} steps)" if window else "final reward",
+    window, steps = dose.attrs.get("window"), dose.attrs.get("steps")
+    last = final_steps(steps, window) if window and steps else window
+    ylabels = {"final_reward": f"final reward (last {last} step{'' if last == 1 else 's'})" if last else "final reward",
                "auc": "AUC (mean reward over all steps)"}
     colors = arm_colors(dose.variant)
     fig = Figure(figsize=(9.0, 3.8), layout="constrained")

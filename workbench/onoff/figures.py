@@ -16,6 +16,7 @@ import pandas as pd
 from matplotlib import colormaps
 from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator, ScalarFormatter
 from scipy import stats
 
@@ -61,6 +62,46 @@ def arm_colors(variants) -> dict[str, str]:
     others = [a for a in arms if a not in colors and a not in COLORS]
     colors.update({a: _SPARE[i % len(_SPARE)] for i, a in enumerate(others)})
     return {a: COLORS.get(a) or colors[a] for a in arms}
+
+
+_LINESTYLES = ("-", "--", ":", "-.")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+
+
+def arm_styles(arms) -> dict[str, dict]:
+    """Per arm a line style and a marker besides its colour, so that arms drawn exactly on top of one another (`off`
+    on a CPU, where its kernels agree with `on`'s) still show as two: dashes over a solid line, markers at steps
+    staggered between the arms, the first arm wide and pale beneath the others."""
+    # The first arm (the reference) wide and pale underneath: a thinner dashed arm on top of it leaves it visible.
+    return {a: {"ls": _LINESTYLES[i % len(_LINESTYLES)], "marker": _MARKERS[i % len(_MARKERS)],
+                "ms": 7 if i == 0 else 4, "lw": 3.2 if i == 0 else 1.4, "alpha": 0.55 if i == 0 else 1.0,
+                "rank": i} for i, a in enumerate(arms)}
+
+
+def _plot_arm(ax, x, y, color, style: dict, label: str, count: int) -> None:
+    """One arm's line in its style: a marker every few points, arm `rank` of `count` starting one point later."""
+    every = max(1, len(x) // 12)
+    start = (style["rank"] * max(1, every // max(count, 1))) % every
+    ax.plot(x, y, color=color, ls=style["ls"], marker=style["marker"], ms=style["ms"], markevery=(start, every),
+            mfc="white" if style["rank"] % 2 else color, label=label, lw=style["lw"], alpha=style["alpha"])
+
+
+def identical_arms(curves: dict[str, pd.Series]) -> list[tuple[str, str]]:
+    """Pairs of arms whose curves are the same numbers at every step (each later arm with the first it equals)."""
+    pairs, seen = [], []
+    for arm, curve in curves.items():
+        twin = next((a for a in seen if curves[a].index.equals(curve.index) and np.array_equal(
+            curves[a].to_numpy(), curve.to_numpy(), equal_nan=True)), None)
+        if twin is not None:
+            pairs.append((arm, twin))
+        else:
+            seen.append(arm)
+    return pairs
+
+
+def _identical_note(pairs: list[tuple[str, str]]) -> str:
+    return "; ".join(f"{arm_label(a)} is identical to {arm_label(b)} at every step (drawn over it)"
+                     for a, b in pairs)
 
 
 def bootstrap_band(wide, level: float = LEVEL, n: int = BAND_RESAMPLES) -> tuple[np.ndarray, np.ndarray]:
@@ -147,22 +188,30 @@ def reward_curves(table: pd.DataFrame, metrics=("reward_mean",), smooth: int = 1
         raise ValueError(f"none of the metrics {list(wanted)} is in the table; "
                          f"it has {sorted(set(table.metric))[:12]}")
     colors = arm_colors(table.variant)
+    styles = arm_styles(colors)
     fig, axes = _panels(len(metrics))
+    same: dict[tuple[str, str], int] = {}
     for ax, metric in zip(axes, metrics):
         arms = dict(tuple(table[table.metric == metric].groupby("variant")))
+        curves = {}
         for variant in (a for a in colors if a in arms):
             wide = _by_step(arms[variant], smooth)
-            ax.plot(wide.index, wide.mean(axis=1), color=colors[variant], label=arm_label(variant), lw=1.4)
+            curves[variant] = wide.mean(axis=1)
+            _plot_arm(ax, wide.index, curves[variant], colors[variant], styles[variant], arm_label(variant),
+                      len(colors))
             if wide.shape[1] > 1:
                 lo, hi = bootstrap_band(wide.to_numpy())
                 ax.fill_between(wide.index, lo, hi, color=colors[variant], alpha=0.2, lw=0)
+        for pair in identical_arms(curves):
+            same[pair] = same.get(pair, 0) + 1
         _style_steps(ax, title if len(metrics) == 1 and title else TITLES.get(metric, metric))
         if len(metrics) == 1:
             ax.set_ylabel(TITLES.get(metric, metric))
     _legend(fig, axes, title if len(metrics) > 1 else "")
     smoothing = f" after a trailing {smooth}-step average per seed" if smooth > 1 else ""
     how = f"line: mean over seeds{smoothing}\nband: 95% BCa bootstrap CI of that mean per step (none with one seed)"
-    fig.supxlabel(f"{how}\n{note}" if note else how, **NOTE_STYLE)
+    identical = _identical_note([pair for pair, n in same.items() if n == len(metrics)])
+    fig.supxlabel("\n".join(filter(None, (how, identical, note))), **NOTE_STYLE)
     return fig
 
 
@@ -178,7 +227,8 @@ def _with_clip_fraction(table: pd.DataFrame) -> pd.DataFrame:
     return pd.concat([table, total.assign(metric="clip_fraction")], ignore_index=True)
 
 
-def _log_panel_arm(ax, wide: pd.DataFrame, variant: str, color: str, notes: list[str]) -> bool:
+def _log_panel_arm(ax, wide: pd.DataFrame, variant: str, color: str, notes: list[str], style: dict,
+                   count: int) -> bool:
     """Draw one arm on a log-y panel; an arm at exactly 0 has no place on it and gets a note instead.
     Returns whether anything was drawn."""
     values = wide.to_numpy()
@@ -192,7 +242,7 @@ def _log_panel_arm(ax, wide: pd.DataFrame, variant: str, color: str, notes: list
     if (mean <= 0).any():
         notes.append(f"{variant}: 0 at {int((mean <= 0).sum())} of {len(mean)} steps (not drawn)")
     positive = wide.where(wide > 0)
-    ax.plot(wide.index, mean.where(mean > 0), color=color, label=arm_label(variant), lw=1.4)
+    _plot_arm(ax, wide.index, mean.where(mean > 0), color, style, arm_label(variant), count)
     ax.fill_between(wide.index, positive.min(axis=1), positive.max(axis=1), color=color, alpha=0.2, lw=0)
     return True
 
@@ -217,16 +267,19 @@ def mismatch_panels(table: pd.DataFrame, smooth: int = 1, title: str = "") -> Fi
     if not panels:
         raise ValueError(f"no mismatch metric ({[p[0] for p in MISMATCH_PANELS]}) is in the table")
     colors = arm_colors(table.variant)
+    styles = arm_styles(colors)
     fig, axes = _panels(len(panels))
     for ax, (metric, name, log) in zip(axes, panels):
         arms = dict(tuple(table[table.metric == metric].groupby("variant")))
-        notes, drawn = [], False
+        notes, drawn, curves = [], False, {}
         for variant in (a for a in colors if a in arms):
             wide = _by_step(arms[variant], smooth)
+            curves[variant] = wide.mean(axis=1)
             if log:
-                drawn |= _log_panel_arm(ax, wide, variant, colors[variant], notes)
+                drawn |= _log_panel_arm(ax, wide, variant, colors[variant], notes, styles[variant], len(colors))
             else:
-                ax.plot(wide.index, wide.mean(axis=1), color=colors[variant], label=arm_label(variant), lw=1.4)
+                _plot_arm(ax, wide.index, curves[variant], colors[variant], styles[variant], arm_label(variant),
+                          len(colors))
                 if wide.shape[1] > 1:
                     ax.fill_between(wide.index, wide.min(axis=1), wide.max(axis=1), color=colors[variant],
                                     alpha=0.2, lw=0)
@@ -241,9 +294,13 @@ def mismatch_panels(table: pd.DataFrame, smooth: int = 1, title: str = "") -> Fi
                 lo, hi = ax.get_ylim()
                 ax.set_ylim(min(lo, -0.05), max(hi, 1))
                 ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        if notes:  # inside the axes on a white box: clear of the tick labels, readable over a line
-            ax.text(0.02, 0.03, "\n".join(notes), transform=ax.transAxes, va="bottom",
-                    bbox={"facecolor": "white", "alpha": 0.8, "lw": 0, "pad": 1.5}, **NOTE_STYLE)
+        notes += [f"{arm_label(a)} = {arm_label(b)} at every step" for a, b in identical_arms(curves)
+                  if not (log and (curves[a] == 0).all())]
+        if notes:  # a legend of its own, where matplotlib finds the fewest points: not over a line
+            box = ax.legend(handles=[Line2D([], [], ls="none", label=n) for n in notes], loc="best", handlelength=0,
+                            handletextpad=0, fontsize=NOTE_STYLE["fontsize"], labelcolor=NOTE_STYLE["color"],
+                            framealpha=0.85, borderpad=0.3)
+            ax.add_artist(box)  # kept when a one-panel figure adds the arms' legend
         _style_steps(ax, name)
     _legend(fig, axes, title)
     fig.supxlabel("line: mean over seeds; band: min..max over seeds", **NOTE_STYLE)

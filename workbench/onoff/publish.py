@@ -26,7 +26,8 @@ from .comparison_figures import dose_response_figure, regime_map
 from .config import OnOffConfig
 from .figures import delta_histogram, mismatch_panels, reward_curves
 from .runner import collect, finished_runs, total_wall_s
-from .stats import CELL, dose_response, dose_sentence, dose_slope, regime_table, summarize, verdict
+from .stats import (CELL, dose_response, dose_sentence, dose_slope, final_reward_words, regime_table, summarize,
+                    verdict)
 
 # The endpoints a reader compares, in the summary's table: column -> (header, how to print).
 _COLUMNS = {"runs": ("runs", "{:.0f}"), "steps": ("steps", "{:.0f}"), "final_reward": ("final reward", "ci"),
@@ -207,7 +208,7 @@ def _summary_markdown(cfg: OnOffConfig, out: Path, done, summary, dose, figures,
     lines += ["## Endpoints", "",
               f"Means over seeds, [95% t-interval over seeds]; `vs {ref}`: the paired difference in final reward "
               f"[95% paired t-interval]; p (Holm): its exact sign-flip permutation p-value, Holm-adjusted over the "
-              f"arms compared with `{ref}`. Final reward: the last {summary.attrs['window']} steps. "
+              f"arms compared with `{ref}`. {final_reward_words(int(summary.steps.min()), summary.attrs['window'])} "
               + _threshold_text(summary), "", markdown_table(summary), "", "## Arms", ""]
     lines += [f"- `{v}`: {get_arm(v).description}" for v in summary.variant]
     lines += _figure_lines(figures)

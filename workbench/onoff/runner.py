@@ -71,7 +71,7 @@ def starting_policy(cfg: OnOffConfig) -> str:
             raise ValueError(f"{folder} holds a starting policy trained with other settings ({saved}, now {wanted}); "
                              "use another out_dir or pass policy=...")
         return str(folder)
-    _, _, table = train_policy(policy_cfg, folder)
+    _, _, table = train_policy(policy_cfg, folder, progress=cfg.progress)
     table.to_csv(folder / "sft_metrics.csv", index=False)
     record.write_text(json.dumps(wanted, indent=1))
     return str(folder)

@@ -64,10 +64,30 @@ def _ratio_stat(run: pd.DataFrame, name: str) -> pd.Series:
     return run[f"seq_{name}"] if f"seq_{name}" in run else _col(run, name)
 
 
+FINAL_WINDOW = 10
+"""Final reward, everywhere (the nightly summary, notebooks 04 and 05, the on-off report): the mean reward over each
+run's last FINAL_WINDOW steps (`final_steps`, `final_reward_words`)."""
+
+
+def final_steps(steps: int, window: int = FINAL_WINDOW) -> int:
+    """The last steps whose mean reward is a run's final reward: `window`, or the second half of a run shorter than
+    two windows (at least 1), so that its start and final windows do not overlap."""
+    return window if steps >= 2 * window else max(1, steps // 2)
+
+
+def final_reward_words(steps: int, window: int = FINAL_WINDOW) -> str:
+    """The definition in one sentence, saying so where a run of `steps` steps is too short for the full window."""
+    n = final_steps(steps, window)
+    if n == window:
+        return f"Final reward: the mean reward over each run's last {window} steps."
+    return (f"Final reward: the mean reward over each run's last {n} step{'' if n == 1 else 's'} of {steps} (the "
+            f"definition is the last {window}; a run shorter than {2 * window} steps uses its second half).")
+
+
 def _one_run(run: pd.DataFrame, window: int, threshold: float) -> dict:
     """Endpoints of one run: a step-indexed (sorted) frame with one column per metric."""
     n = len(run)
-    w = window if n >= 2 * window else max(1, n // 2)  # start and final windows must not overlap
+    w = final_steps(n, window)
     reward = _col(run, "reward_mean")
     # The full trailing window is required, so a lucky first step or two cannot count as reaching the threshold.
     moving = reward.rolling(w).mean()
@@ -95,7 +115,7 @@ def _one_run(run: pd.DataFrame, window: int, threshold: float) -> dict:
     }
 
 
-def run_endpoints(table: pd.DataFrame, window: int = 10, threshold: float | None = None) -> pd.DataFrame:
+def run_endpoints(table: pd.DataFrame, window: int = FINAL_WINDOW, threshold: float | None = None) -> pd.DataFrame:
     """One row per (variant, seed) with its endpoints (see the module docstring and `summarize`).
 
     `start_reward`/`final_reward` are the mean reward_mean over the first/last `window` steps (half the run when
@@ -129,7 +149,7 @@ def _differences(runs: pd.DataFrame, variants: list[str], reference: str, name: 
     return (wide.loc[variants].to_numpy(dtype=float) - wide.loc[[reference]].to_numpy(dtype=float))
 
 
-def summarize(table: pd.DataFrame, window: int = 10, threshold: float | None = None,
+def summarize(table: pd.DataFrame, window: int = FINAL_WINDOW, threshold: float | None = None,
               reference: str | None = None) -> pd.DataFrame:
     """One row per arm (the reference first): runs, steps, and the endpoints pooled over seeds.
 
@@ -267,9 +287,8 @@ def verdict(summary: pd.DataFrame, reference: str | None = None) -> str:
     window = summary.attrs.get("window")
     family = int((summary.paired_seeds > 0).sum()) if "paired_seeds" in summary else 0
     parts = [_parity_sentence(ref, reference) if ref is not None else f"No `{reference}` arm in this table."]
-    if window is not None:
-        parts.append(f"Final reward is the mean reward over each run's last {window} steps (half the run when "
-                     f"shorter).")
+    if window is not None and len(summary):
+        parts.append(final_reward_words(int(summary.steps.min()), window))
     if ref is not None and family:
         parts.append(f"Differences are arm - `{reference}`, paired by seed. An arm is called higher or lower only "
                      f"when its exact sign-flip permutation p-value"
@@ -281,7 +300,7 @@ def verdict(summary: pd.DataFrame, reference: str | None = None) -> str:
     return " ".join(parts)
 
 
-def dose_response(table: pd.DataFrame, window: int = 10) -> pd.DataFrame:
+def dose_response(table: pd.DataFrame, window: int = FINAL_WINDOW) -> pd.DataFrame:
     """One row per run of the `noise=<sigma>` arms and `on` (sigma 0): variant, seed, sigma, the measured mean
     KL(sampler || trainer), final_reward and auc; sorted by sigma, then seed."""
     arms = [v for v in pd.unique(table.variant) if v == REFERENCE or str(v).startswith(NOISE_PREFIX)]
@@ -289,7 +308,7 @@ def dose_response(table: pd.DataFrame, window: int = 10) -> pd.DataFrame:
     runs["sigma"] = runs.variant.map(noise_sigma).astype(float)
     out = runs[["variant", "seed", "sigma", "kl_mean", "final_reward", "auc"]]
     out = out.sort_values(["sigma", "seed"], kind="stable", ignore_index=True)
-    out.attrs["window"] = window
+    out.attrs.update(window=window, steps=int(runs.steps.min()) if len(runs) else 0)
     return out
 
 
@@ -332,7 +351,7 @@ CELL = ("max_new_tokens", "loss")
 """The columns that name a cell of the regime map (generation length x loss)."""
 
 
-def regime_table(table: pd.DataFrame, window: int = 10, reference: str = REFERENCE) -> pd.DataFrame:
+def regime_table(table: pd.DataFrame, window: int = FINAL_WINDOW, reference: str = REFERENCE) -> pd.DataFrame:
     """The regime map's numbers: one row per (max_new_tokens, loss) cell and arm compared with `reference` there.
 
     `table` is the long metrics table with `max_new_tokens` and `loss` columns. Per row: `seeds` (paired with the

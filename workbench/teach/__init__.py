@@ -1,0 +1,1 @@
+"""Views that teach: the token-level mismatch viewer (`mismatch_view`) over the long table of `token_table`."""
