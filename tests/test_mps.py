@@ -85,3 +85,35 @@ def test_setting_is_checked():
     with pytest.raises(ValueError, match="mps must be one of"):
         OnOffConfig(mps="yes")
     assert OnOffConfig().mps == "auto"
+
+
+def test_tile_choices_follow_shapes_not_the_visible_sms(monkeypatch):
+    """Under a capped MPS share a process sees fewer SMs (25% of an H200: 32). Every tile and split-K choice is
+    sized for PINNED_SMS, so it is the same at any visible count; the control: the same rule sized for the visible
+    count (as before the pin) picks other tiles for the Qwen3-1.7B shape's decode products."""
+    import torch
+
+    from workbench.kernels import matmul as mm
+    from workbench.kernels import matmul_tiles as mt
+
+    monkeypatch.setattr(mt, "interpreting", lambda: False)
+    monkeypatch.setattr(mm, "interpreting", lambda: False)
+    monkeypatch.setattr(mt, "_capability", lambda index: (9, 0))
+    dev = torch.device("cuda", 0)
+    shapes = [(m, n, k) for m in (1, 32, 33, 64, 100, 128, 200, 256, 512, 4096, 65536)
+              for n, k in ((4096, 2048), (2048, 2048), (2048, 6144), (1024, 2048), (151936, 2048), (576, 576),
+                           (16, 4096), (12288, 2048))]
+
+    def choices():
+        return ([mt.matmul_config(m, torch.bfloat16, dev, n, k) for m, n, k in shapes]
+                + [mm.split_k_splits(m, n, k, dev) for m, n, k in ((16, 2048, 1 << 16), (2048, 16, 1 << 16))])
+
+    seen = {}
+    for sms in (132, 114, 66, 33, 32, 16):
+        monkeypatch.setattr(mt, "_num_sms", lambda index, s=sms: s)
+        seen[sms] = choices()
+    assert all(c == seen[132] for c in seen.values()), [s for s, c in seen.items() if c != seen[132]]
+    bucket = dict(mt.MATMUL_BUCKETS)[256]
+    unpinned = [(m, n, k) for m, n, k in shapes if 33 <= m <= 256
+                and mt._hopper_bf16(m, n, k, bucket, 32) != mt._hopper_bf16(m, n, k, bucket, mt.PINNED_SMS)]
+    assert unpinned, "the control: sized for 32 SMs, some decode product would take other tiles"
