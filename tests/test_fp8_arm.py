@@ -126,3 +126,56 @@ def test_off_fp8_mismatches_more_than_the_engine_off(policy, tmp_path):
     assert fp8["sampler_trainer_kl"] > 5 * off["sampler_trainer_kl"], (fp8, off)
     assert fp8["parity_mean_abs_diff"] > 1.5 * off["parity_mean_abs_diff"], (fp8, off)
 
+
+
+def _gpu_policy():
+    """SmolLM2-135M-Instruct where it is in the model cache (scripts/device_onoff.sh STEP=model), else the
+    Qwen3-1.7B shape with random weights."""
+    from workbench.models import load_pretrained
+    from workbench.models.hub import FetchError, fetch_model
+
+    try:
+        return load_pretrained(fetch_model("smollm2-135m-instruct"), device="cuda"), "smollm2-135m-instruct"
+    except FetchError:
+        from helpers import random_gpu_model
+        return random_gpu_model().pack(), "qwen3-1.7B shape, random weights"
+
+
+def _k3(sampler: list[torch.Tensor], trainer: list[torch.Tensor]) -> float:
+    """KL(sampler || trainer) per sampled token (k3: exp(r) - 1 - r, r = trainer - sampler)."""
+    r = torch.cat([t.double().cpu() for t in trainer]) - torch.cat([s.double() for s in sampler])
+    return float((torch.exp(r) - 1 - r).mean())
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_arm_mismatches_more_than_engine_off_and_on_stays_bitwise():
+    """64 prompts x 128 tokens on an H200: `on` (invariant) generator and trainer the same bits; the engine `off`
+    (bf16) mismatches; `off-fp8` (W8A8 on the fp8 tensor cores, torch._scaled_mm) mismatches more. The fp8
+    product agrees with the CPU path's formula up to the fp32 sums' order."""
+    from workbench.generation.parity import random_prompts, trainer_logprobs
+
+    model, name = _gpu_policy()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 576, generator=g).to("cuda", torch.bfloat16)
+    codes, s_w = quantize_weight(torch.randn(960, 576, generator=g).to("cuda", torch.bfloat16) * 0.05)
+    scale = s_w.expand(1, 960).contiguous()
+    on_cores = fp8_linear(x, codes, scale)
+    reference = fp8_linear(x.cpu(), codes.cpu(), scale.cpu())
+    assert torch.allclose(on_cores.float().cpu(), reference.float(), rtol=2**-7, atol=1e-5)
+    prompts = random_prompts(64, model.config.vocab_size, seed=0)
+    params = SamplingParams(max_new_tokens=128, seed=0)
+
+    def arm(sampler, kernels):
+        with mode(*kernels[0], **kernels[1]):
+            out = generate(sampler, prompts, params)
+        with mode(kernels[2]):
+            scored = trainer_logprobs(model, prompts, [c.tokens for c in out.completions])
+        return [c.logprobs for c in out.completions], scored
+
+    gen, train_ = arm(model, (("invariant",), {}, "invariant"))
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(gen, train_)), f"{name}: on is not bitwise"
+    engine = (("standard",), dict(FUSED_ROWWISE), "standard")
+    kl_off = _k3(*arm(model, engine))
+    kl_fp8 = _k3(*arm(Fp8Sampler(model).model, engine))
+    print(f"{name}: KL per token, engine off {kl_off:.3g}, off-fp8 {kl_fp8:.3g}")
+    assert kl_off > 0 and kl_fp8 > 2 * kl_off, (name, kl_off, kl_fp8)
