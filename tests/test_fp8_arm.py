@@ -55,6 +55,11 @@ def test_sampler_holds_its_own_copy_and_leaves_the_trainer_weights():
     attn = layer.self_attn
     assert torch.equal(attn.q_proj.weight_scale[0, :1], attn.v_proj.weight_scale[0, :1])
     assert not torch.equal(attn.q_proj.weight_scale[0, :1], attn.o_proj.weight_scale[0, :1])
+    # The quantized input is shared within a fused parameter's projections: the same values as each alone.
+    assert attn.q_proj.shared is attn.v_proj.shared is not attn.o_proj.shared
+    x = torch.randn(5, source.config.hidden_size).to(torch.bfloat16)
+    attn.q_proj(x)
+    assert torch.equal(attn.k_proj(x), fp8_linear(x, attn.k_proj.weight, attn.k_proj.weight_scale))
     pointers = [b.data_ptr() for b in fp8.model.buffers()]
     with torch.no_grad():
         for p in source.parameters():
