@@ -91,7 +91,7 @@ def _run_record(folder: Path) -> tuple[pd.DataFrame, dict, bytes]:
         step1 = {k: z[k].copy() for k in z.files}
     h = hashlib.sha256()
     last = latest_checkpoint(folder)
-    for f in sorted(p for p in last.rglob("*") if p.is_file() and p.suffix in (".safetensors", ".pt", ".bin")):
+    for f in sorted(last.glob("*.safetensors")):   # masters, optimizer state (state.json names the folder)
         h.update(f.name.encode())
         h.update(f.read_bytes())
     return metrics.reset_index(drop=True), step1, h.digest()

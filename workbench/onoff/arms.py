@@ -8,7 +8,7 @@ generator's log-probs come from and what the update does with them.
 | `off-recompute` | an engine's | standard | the trainer's recomputation | none |
 | `off-tis` | an engine's | standard | recomputed | truncated IS, w = min(pi_old / mu, 2) |
 | `off-mis` | an engine's | standard | recomputed | masked IS, w = 1 inside [1/2, 2], else 0 |
-| `off-fp8` | embedded, an engine's kernels, W8A8 fp8 products (vLLM's default fp8) | standard (bf16) | the sampler's | none |
+| `off-fp8` | an engine's, its products W8A8 fp8 (vLLM's default fp8) | standard (bf16) | the sampler's | none |
 | `off-shapes` | embedded, standard kernels | standard | the sampler's | none |
 | `off-vllm` | vLLM, its own model and default kernels | standard | the sampler's (the blog's exact OFF) | none |
 | `on-vllm` | vLLM running the workbench model, invariant | invariant | the sampler's | none |
