@@ -18,7 +18,9 @@ Numerics contract:
   `torch._scaled_mm` runs it on the fp8 tensor cores with row-wise scales, as vLLM's CUTLASS kernels do, with the
   full fp32 accumulation (`use_fast_accum=False`; vLLM's Hopper kernels use the tensor cores' faster accumulation,
   a further error far below fp8's); elsewhere (CPU, older GPUs) the codes are upcast to fp32, exactly, and
-  multiplied in fp32. The two differ only in the order of the fp32 sums. With a bias (Qwen2's q/k/v) the bias is
+  multiplied in fp32. The two differ only in the order of the fp32 sums. The tensor cores where they exist, not
+  an emulation in bf16: the arm then reads one byte a weight in its decode steps and multiplies as the engine it
+  models does, so its step times are an fp8 engine's too. With a bias (Qwen2's q/k/v) the bias is
   added to the bf16 product (one more rounding; vLLM adds it before its single one).
 So the generator's log-probs are those of a W8A8 model, its bf16 LM head's logits at fp32 log-softmax as the
 other arms, and the trainer's stay bf16 (the mismatch this arm doses: Jet-RL, FP8-RL in
