@@ -41,6 +41,9 @@ Numerics contract (mode `invariant`):
   dimension <= 32: few output tiles, each over all the step's tokens) is
   split over K instead (`matmul_split_k`): fp32 partials summed in torch's
   fixed order; deterministic, and no forward value depends on it.
+- No choice follows the SMs this process sees (a capped MPS share shows fewer): tiles and split-K slices are
+  sized for `matmul_tiles.PINNED_SMS`; only a persistent grid's size follows the visible count, and which
+  program computes a tile moves no bit.
 - Warp specialization (`_WARP_SPECIALIZE_MAX_K`) moves the loads and the MMAs
   to different warps; each tile's chain of k-steps is the same, so the bits
   are (checked on the GPU with the buckets).
@@ -71,7 +74,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import check_device, check_float, check_same, interpreting, l2_prefetch, pdl_enter, pdl_flags
-from .matmul_tiles import _device_capability, _device_index, _num_sms, matmul_config
+from .matmul_tiles import PINNED_SMS, _device_capability, _num_sms, matmul_config
 from .mode import get_mode
 
 
@@ -318,13 +321,14 @@ _NARROW = 32
 
 
 def split_k_splits(m: int, n: int, k: int, device: torch.device | None = None) -> int:
-    """How many K slices `matmul_split_k` cuts a narrow product into: enough programs to fill the GPU twice
-    over, slices of at least 1,024. A function of the shapes alone (so of the micro-batch's token count)."""
+    """How many K slices `matmul_split_k` cuts a narrow product into: enough programs to fill a GPU of PINNED_SMS
+    twice over, slices of at least 1,024. A function of the shapes alone (so of the micro-batch's token count), not
+    of the SMs this process sees: the slices' partial sums are the gradient's bits."""
     if interpreting():
         return max(1, min(4, k // 64))
     cfg = matmul_config(m, torch.bfloat16, device, n)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    return max(1, min(2 * _num_sms(_device_index(device)) // tiles, k // 1024))
+    return max(1, min(2 * PINNED_SMS // tiles, k // 1024))
 
 
 def matmul_split_k(a: torch.Tensor, b: torch.Tensor, accumulate: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,13 @@ does not depend on its M/N tiles (every entry is checked bitwise against the oth
 tiles may follow the product's shape there; every other GPU, fp32 and the interpreter take one config for every M.
 The tables are fixed (no run-time autotuning); `bench/tune_matmul.py` measures them, and BENCHMARKS.md ("Numbers
 behind the code") keeps the measurements that chose them.
+
+Bits contract on what shares the GPU: a choice here is a function of the product's shape, its dtype, the device's
+compute capability and `PINNED_SMS`, never of the SMs this process sees. Under CUDA MPS with
+CUDA_MPS_ACTIVE_THREAD_PERCENTAGE a process sees a share of them (25%: 32 of an H200's 132), and bits measured on
+the H200 changed with the share while the decode widths followed that count (issue 59). Where a choice is sized
+to fill the GPU it is sized for PINNED_SMS; only a persistent kernel's grid (how many programs share out the
+tiles, `matmul.py`) follows the visible count, and which program computes a tile moves no bit.
 """
 
 from __future__ import annotations
@@ -16,6 +23,12 @@ import torch
 import triton
 
 from ._common import interpreting
+
+
+PINNED_SMS = 132
+"""The SM count every tile choice is sized for: an H100 SXM's and an H200's (the GPUs the tables were measured on).
+On a GPU with other SMs (an H100 PCIe's 114, a capped MPS share) the choices stay those of 132 SMs: maybe slower
+there, the same bits everywhere."""
 
 
 @dataclass(frozen=True)
@@ -143,15 +156,19 @@ def matmul_config(m: int, dtype: torch.dtype, device: torch.device | None = None
     for max_m, cfg in (WIDE_BUCKETS if n > _WIDE_N else ()) + MATMUL_BUCKETS:
         if m <= max_m:
             break
+    return _hopper_bf16(m, n, k, cfg, PINNED_SMS)
+
+
+def _hopper_bf16(m: int, n: int, k: int, cfg: MatmulConfig, sms: int) -> MatmulConfig:
+    """The Hopper bf16 choice from the bucket's `cfg`, for a GPU of `sms` SMs (`matmul_config`: PINNED_SMS)."""
     if _DECODE_ROWS[0] <= m <= _DECODE_ROWS[1] and 0 < n <= _WIDE_N and n * k >= _DECODE_MIN_WEIGHTS:
-        sms = _num_sms(_device_index(device))
         for c in DECODE_WIDTHS:
             if 7 * sms <= 8 * triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n) <= 8 * sms:
                 return c
     if cfg.persistent and 0 < n <= _NARROW_N.block_n:
         return _NARROW_N
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    if cfg.persistent and 0 < tiles < _num_sms(_device_index(device)):
+    if cfg.persistent and 0 < tiles < sms:
         return _FEW_TILES
     return cfg
 
@@ -173,6 +190,7 @@ def tile_config(device: torch.device | None = None) -> dict:
                                      "widest_covering_7_8_of_the_sms_in_one_wave": [vars(c) for c in DECODE_WIDTHS]}
         out["bf16_few_tiles"] = vars(_FEW_TILES)
         out["bf16_narrow_n"] = vars(_NARROW_N)
+        out["sms_the_choices_are_sized_for"] = PINNED_SMS
     else:
         out["bf16_rule"] = "one config for every M (not Hopper: no bucket was measured here)"
         out["bf16"] = vars(_BF16_ONE)
@@ -181,4 +199,5 @@ def tile_config(device: torch.device | None = None) -> dict:
 
 @cache
 def _num_sms(device_index: int) -> int:
+    """The SMs this process sees: a persistent grid's size, never a choice of arithmetic (PINNED_SMS)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count

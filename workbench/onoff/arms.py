@@ -8,6 +8,7 @@ generator's log-probs come from and what the update does with them.
 | `off-recompute` | an engine's | standard | the trainer's recomputation | none |
 | `off-tis` | an engine's | standard | recomputed | truncated IS, w = min(pi_old / mu, 2) |
 | `off-mis` | an engine's | standard | recomputed | masked IS, w = 1 inside [1/2, 2], else 0 |
+| `off-fp8` | an engine's, its products W8A8 fp8 (vLLM's default fp8) | standard (bf16) | the sampler's | none |
 | `off-shapes` | embedded, standard kernels | standard | the sampler's | none |
 | `off-vllm` | vLLM, its own model and default kernels | standard | the sampler's (the blog's exact OFF) | none |
 | `on-vllm` | vLLM running the workbench model, invariant | invariant | the sampler's | none |
@@ -56,6 +57,8 @@ class Arm:
     sampler_noise: float = 0.0
     sampler_kernels: str = "trainer"
     """'trainer' or 'engine' (TrainConfig.sampler_kernels)."""
+    sampler_precision: str = "bf16"
+    """'bf16' or 'fp8' (TrainConfig.sampler_precision)."""
 
 
 _ENGINE = {"sampler_kernels": "engine"}
@@ -69,6 +72,8 @@ ARMS: dict[str, Arm] = {
                    **_ENGINE),
     "off-mis": Arm("an engine's kernels, masked importance sampling ([1/2, 2])", "standard", "recompute", "mask",
                    **_ENGINE),
+    "off-fp8": Arm("an engine's kernels with W8A8 fp8 products (vLLM's default fp8), bf16 trainer, old log-probs = "
+                   "the sampler's", "standard", "sampler", sampler_precision="fp8", **_ENGINE),
     "off-shapes": Arm("standard kernels on both sides (only the shapes differ), old log-probs = the sampler's",
                       "standard", "sampler"),
     "off-vllm": Arm("vLLM's own model and default kernels generating, standard trainer", "standard", "sampler",
@@ -98,7 +103,7 @@ def arm_settings(name: str, sequence_level: bool) -> dict:
     arm = get_arm(name)
     settings = {"variant": name, "kernel_mode": arm.kernel_mode, "old_logprobs": arm.old_logprobs,
                 "sampler_noise": arm.sampler_noise, "generator": arm.generator, "vllm_model": arm.vllm_model,
-                "sampler_kernels": arm.sampler_kernels,
+                "sampler_kernels": arm.sampler_kernels, "sampler_precision": arm.sampler_precision,
                 "correction": "none", "correction_cap": CORRECTION_CAP}
     if arm.correction != "none":
         settings["correction"] = f"{arm.correction}-{'sequence' if sequence_level else 'token'}"

@@ -34,6 +34,7 @@ from ..rl.config import TrainConfig
 from ..rl.losses import get_loss
 from ..rl.policy import POLICY_SIZES, PolicyConfig
 from .arms import arm_settings
+from .mps import wanted
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -99,6 +100,9 @@ class OnOffConfig:
     workers: int = 1
     """Runs at once, each in its own process (a small policy leaves most of a GPU idle). Each process keeps its own
     CUDA memory cache: SmolLM2 runs took 4-16 GB each on the H100, and 11 at once ran out of its 80 GB."""
+    mps: str = "auto"
+    """workers > 1 on CUDA: run them under a CUDA MPS daemon of the call's own ('auto': where
+    nvidia-cuda-mps-control exists, else time-sliced with a warning; 'on': required; 'off': never); onoff/mps.py."""
     time_limit_min: float = 0.0
     """Stop after this many minutes: running runs checkpoint at their next step boundary, the rest wait; the
     next call with the same out_dir continues (0: no limit)."""
@@ -127,6 +131,7 @@ class OnOffConfig:
         if self.time_limit_min < 0:
             raise ValueError(f"time_limit_min must be >= 0, got {self.time_limit_min}")
         check_at_least_one(self, "policy_steps", "workers")
+        wanted(self.mps, "cpu", 1)   # the setting's name
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0 (0: four times per run), got {self.checkpoint_every}")
         PolicyConfig(size=self.policy_size, target_accuracy=tuple(self.policy_accuracy), device="cpu")

@@ -8,7 +8,8 @@ and continues what is there, and `time_limit_min` splits an experiment over call
 
 Several runs at once (`workers`) each get a process of their own ('spawn': CUDA and vLLM initialise per
 process; vLLM's batch-invariant mode, once on, patches torch for the whole process, so vLLM runs always
-get one). Their kernels are the same whatever else shares the GPU, so `invariant` runs keep their bits.
+get one). Their kernels are the same whatever else shares the GPU, so `invariant` runs keep their bits. On CUDA
+they run under an MPS daemon of the call's own where `mps` allows (onoff/mps.py), side by side, not time-sliced.
 On a host with several GPUs the `workers` slots are spread evenly over them, and each run takes a free slot's GPU
 as its current device (a run stays on one GPU: they are independent).
 
@@ -41,6 +42,7 @@ from ..rl.config import TrainConfig
 from ..rl.policy import PolicyConfig, train_policy
 from ..rl.trainer import train
 from .config import OnOffConfig
+from .mps import mps_daemon
 
 
 class RunFailed(RuntimeError):
@@ -178,6 +180,8 @@ def run_on_off(cfg: OnOffConfig) -> pd.DataFrame:
         quiet = [dataclasses.replace(run, progress=False) for run in todo]  # one bar per process would interleave
         spawn = multiprocessing.get_context("spawn")
         with contextlib.ExitStack() as stack:
+            # First in, last out: the daemon outlives the pool's workers, which connect to it at their start.
+            stack.enter_context(mps_daemon(cfg.mps, out, resolve_device(cfg.device), cfg.workers))
             gpus = _gpu_slots(stack, spawn, cfg.workers, resolve_device(cfg.device))
             pool = stack.enter_context(ProcessPoolExecutor(max_workers=cfg.workers, mp_context=spawn,
                                                            max_tasks_per_child=1))

@@ -29,6 +29,9 @@ class TrainConfig:
     """The embedded generator's kernels: 'trainer' (the trainer's kernel mode) or 'engine' (with
     kernel_mode='standard': an inference engine's fast path, the norms, SiLU and RoPE fused and rounded once as
     vLLM's kernels do, against the trainer's Hugging Face formulas; see onoff/arms.py)."""
+    sampler_precision: str = "bf16"
+    """The embedded generator's decoder products: 'bf16', or 'fp8' (W8A8 as vLLM's default fp8; with
+    sampler_kernels='engine'; generation/fp8.py)."""
     task: str = "arithmetic"
     """'arithmetic' or 'arithmetic-chat' (synthetic), 'counting' (a long checked chain sized to max_new_tokens),
     'facts' (the blog's five), 'gsm8k', or 'humaneval' / 'humaneval-partial' (code run in the sandbox: every test
@@ -174,6 +177,12 @@ class TrainConfig:
         if self.sampler_kernels == "engine" and (self.kernel_mode != "standard" or self.generator != "embedded"):
             raise ValueError("sampler_kernels='engine' models an inference engine beside a standard trainer: it needs "
                              "kernel_mode='standard' and generator='embedded'")
+        if self.sampler_precision not in ("bf16", "fp8"):
+            raise ValueError(f"sampler_precision must be 'bf16' or 'fp8', got {self.sampler_precision!r}")
+        if self.sampler_precision == "fp8" and (self.sampler_kernels != "engine" or self.adapter != "none"
+                                                or self.rollout_ranks):
+            raise ValueError("sampler_precision='fp8' models an fp8 inference engine beside a bf16 trainer: it needs "
+                             "sampler_kernels='engine', adapter='none' and rollout_ranks=0")
         if self.task not in TASKS:
             raise ValueError(f"unknown task {self.task!r}; choose one of {', '.join(TASKS)}")
         if self.task == "gsm8k" and not self.task_source and default_gsm8k() is None:

@@ -184,6 +184,24 @@ def _clipped_pg(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig):
     return loss, low, high
 
 
+NUMERICS_BAND = 0.2
+"""The band [1 - 0.2, 1 + 0.2] of `_outside_band`'s shares, whatever the loss's own clip (gspo's is 3e-4)."""
+
+
+def _outside_band(logp, old_logp, mask, totals: Totals) -> dict[str, torch.Tensor]:
+    """The share of tokens whose own ratio exp(logp - old) and of sequences whose summed ratio exp(sum logp - old)
+    (the blog loss's) lie outside [1 - 0.2, 1 + 0.2], whatever the advantage's sign and the loss's clip: the part of
+    a 0.2 trust region spent before any update (the frozen-policy probe, lr = 0: numerics alone). Logged by every
+    loss, so the token and the sequence level are measured on the same ratios."""
+    m = mask.to(logp.dtype)
+    log_r = (logp - old_logp).detach()
+    token, seq = torch.exp(log_r), torch.exp((log_r * m).sum(1))
+    lo, hi = 1.0 - NUMERICS_BAND, 1.0 + NUMERICS_BAND
+    token_out = ((token < lo) | (token > hi)) & mask.bool()
+    return {"token_ratio_outside_0.2": _mean(token_out.sum().float(), totals.tokens),
+            "seq_sum_ratio_outside_0.2": _mean(((seq < lo) | (seq > hi)).float().sum(), totals.sequences)}
+
+
 def token_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None, totals: Totals | None = None):
     """PPO-clip on per-token ratios (GRPO, Dr.GRPO, DAPO): returns (loss, stats).
     `weights` [B, T] (off-policy corrections) multiply the per-token loss. Stats, means over the tokens of
@@ -197,7 +215,7 @@ def token_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None, tot
     m = mask.bool()
     n = totals.tokens
     stats = {"ratio_mean": _mean((ratio * m).sum(), n), "clip_low": _mean((low & m).sum().float(), n),
-             "clip_high": _mean((high & m).sum().float(), n)}
+             "clip_high": _mean((high & m).sum().float(), n), **_outside_band(logp, old_logp, mask, totals)}
     return aggregate(loss, mask, cfg.aggregation, cfg.norm, totals), stats
 
 
@@ -223,7 +241,8 @@ def sequence_ppo_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None, 
     loss, low, high = _clipped_pg(ratio, adv, cfg)
     if weights is not None:
         loss = loss * (weights * m).sum(1) / n
-    return loss.sum() / max(totals.sequences, 1), _sequence_stats(ratio, low, high, totals)
+    return loss.sum() / max(totals.sequences, 1), {**_sequence_stats(ratio, low, high, totals),
+                                                   **_outside_band(logp, old_logp, mask, totals)}
 
 
 BLOG_KL_COEF = 0.1
@@ -263,7 +282,7 @@ def blog_loss(logp, old_logp, adv, mask, cfg: LossConfig, weights=None, totals: 
             - BLOG_ENTROPY_COEF * _mean(neg_logp, totals.tokens))
     outside = (ratio < 1.0 - cfg.eps_low) | (ratio > 1.0 + cfg.eps_high)
     stats = {**_sequence_stats(ratio, low, high, totals), "seq_ratio_outside_clip": _mean(outside.float().sum(), s),
-             "seq_kl": _mean(kl.detach().sum(), s)}
+             "seq_kl": _mean(kl.detach().sum(), s), **_outside_band(logp, old_logp, mask, totals)}
     return loss, stats
 
 

@@ -102,7 +102,7 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
         completions = sync.engine.generate(prompts, sampling, request_ids=ids).completions
     else:
         with sampler_kernels(cfg):
-            completions = generate(sync.generator, prompts, sampling, request_ids=ids, keep=run.graphs).completions
+            completions = generate(sync.sampler, prompts, sampling, request_ids=ids, keep=run.graphs).completions
     batch = RolloutBatch.from_generation(prompts, completions, run.tok.pad_token_id or 0, run.device)
     if run.tp_mesh is not None:
         _same_in_group(run.tp_mesh, batch, step)

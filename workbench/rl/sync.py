@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..generation.fp8 import Fp8Sampler
 from ..models import build, copy_weights, load_pretrained, save_pretrained, weights_equal
 from ..models.lora import adapter_flat, adapter_state, attach, base_state, copy_adapters
 from ..models.peft import load_adapter, save_adapter
@@ -36,6 +37,8 @@ class WeightSync:
             attach(self.generator, self.lora)
             if not weights_equal(base_state(self.generator), base):
                 raise RuntimeError("the generator's frozen base differs from the trainer's after its copy")
+        self.fp8: Fp8Sampler | None = None
+        """sampler_precision='fp8': the generator's fp8 copy, refreshed from it at every sync."""
         self.version = 0
         self.moved_bytes = 0
         self.history: list[tuple[int, dict]] = list(lagged or [])
@@ -79,9 +82,22 @@ class WeightSync:
                                "the sync (copy); the sync path is broken")
         return True
 
+    @property
+    def sampler(self):
+        """The model the embedded generator samples with: the generator, or its fp8 copy (sampler_precision)."""
+        return self.generator if self.fp8 is None else self.fp8.model
+
     def __call__(self, version: int) -> None:
-        """Publish the trainer's weights after `version` updates; the generator moves to the version it samples
-        the next step with."""
+        """Publish the trainer's weights after `version` updates; the generator (and its fp8 copy) moves to the
+        version it samples the next step with."""
+        self._publish(version)
+        if self.cfg.sampler_precision == "fp8":
+            if self.fp8 is None:
+                self.fp8 = Fp8Sampler(self.generator)
+            else:
+                self.fp8.load(self.generator)
+
+    def _publish(self, version: int) -> None:
         cfg = self.cfg
         self.version = version
         if cfg.sync == "shared" or self._copy_flat_adapters():

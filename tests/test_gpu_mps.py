@@ -1,0 +1,116 @@
+"""No run's bits depend on what shares its GPU (issue 59), on an H200 with the CUDA MPS tools (skipped without
+them): each test starts an MPS daemon of its own (a private pipe directory, `onoff.mps`).
+
+- A capped share (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25: the process sees 32 SMs) gives an invariant generation and
+  its scoring (the Qwen3-1.7B shape, random weights: its decode products are where the tiles were sized to the SMs)
+  the full share's bits; the control: standard mode's cuBLAS follows the SM count and differs. The unpinned rule
+  (tiles sized to the visible SMs, as before `matmul_tiles.PINNED_SMS`) is printed beside them.
+- Two `on` runs at once under MPS: seed 0's metrics, step-1 log-probs and final weights are those of seed 0 alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from workbench.onoff.mps import CONTROL, mps_daemon
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(shutil.which(CONTROL) is None, reason=f"needs {CONTROL}")]
+
+_CHILD = """
+import hashlib, json, sys
+import torch
+sys.path.insert(0, {tests!r})
+from helpers import random_gpu_model
+from workbench.generation import SamplingParams, generate
+from workbench.generation.parity import random_prompts, trainer_logprobs
+from workbench.kernels import matmul_tiles, mode
+
+model = random_gpu_model().pack()
+prompts = random_prompts(64, model.config.vocab_size, seed=0)
+params = SamplingParams(max_new_tokens=48, seed=0)
+
+def digest(kernels):
+    with mode(kernels):
+        out = generate(model, prompts, params)
+        scored = trainer_logprobs(model, prompts, [c.tokens for c in out.completions])
+    h = hashlib.sha256()
+    for c, s in zip(out.completions, scored):
+        for t in (torch.tensor(c.tokens), c.logprobs, s.cpu()):
+            h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+result = {{"sms": torch.cuda.get_device_properties(0).multi_processor_count,
+           "invariant": digest("invariant"), "standard": digest("standard")}}
+matmul_tiles.PINNED_SMS = result["sms"]   # the rule before the pin: tiles sized to the SMs this process sees
+result["invariant_unpinned"] = digest("invariant")
+print(json.dumps(result))
+"""
+
+
+def _child(extra_env: dict) -> dict:
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, **extra_env, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-c", _CHILD.format(tests=str(root / "tests"))], env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_gpu_capped_mps_share_keeps_the_invariant_bits(tmp_path):
+    with mps_daemon("on", tmp_path, "cuda", 2):
+        full = _child({})
+        capped = _child({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"})
+    print(json.dumps({"full": full, "capped": capped}, indent=1))
+    assert capped["sms"] < full["sms"], "the 25% share should show this process fewer SMs"
+    assert capped["invariant"] == full["invariant"], "invariant bits changed with the MPS share"
+    assert capped["standard"] != full["standard"], "the control: standard mode's cuBLAS should follow the SMs"
+    if capped["invariant_unpinned"] == full["invariant"]:
+        print("note: the unpinned rule gave the same bits here too")
+
+
+_VOLATILE = ("time_", "tokens_per_s")
+
+
+def _run_record(folder: Path) -> tuple[pd.DataFrame, dict, bytes]:
+    """A run's metrics (no timings), its step-1 per-token log-probs and a digest of its last checkpoint's files."""
+    from workbench.rl.checkpoint import latest_checkpoint
+
+    metrics = pd.read_csv(folder / "metrics.csv")
+    metrics = metrics[~metrics.metric.str.startswith(_VOLATILE)].sort_values(["step", "metric"])
+    with np.load(folder / "step1_logprobs.npz") as z:
+        step1 = {k: z[k].copy() for k in z.files}
+    h = hashlib.sha256()
+    last = latest_checkpoint(folder)
+    for f in sorted(last.glob("*.safetensors")):   # masters, optimizer state (state.json names the folder)
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return metrics.reset_index(drop=True), step1, h.digest()
+
+
+def test_gpu_two_runs_at_once_under_mps_keep_each_runs_bits(smollm2, tmp_path):
+    from workbench.onoff.config import OnOffConfig
+    from workbench.onoff.runner import run_on_off
+
+    common = dict(policy=smollm2, arms=("on",), steps=3, task="arithmetic-chat", prompts_per_step=4, group_size=4,
+                  max_new_tokens=64, lr=1e-5, max_grad_norm=1.0, device="cuda", progress=False, checkpoint_every=3)
+    run_on_off(OnOffConfig(**common, seeds=(0, 1), workers=2, mps="on", out_dir=str(tmp_path / "shared")))
+    run_on_off(OnOffConfig(**common, seeds=(0,), workers=1, out_dir=str(tmp_path / "alone")))
+    shared, alone = _run_record(tmp_path / "shared/on-seed0"), _run_record(tmp_path / "alone/on-seed0")
+    pd.testing.assert_frame_equal(shared[0], alone[0], check_exact=True)
+    assert shared[1].keys() == alone[1].keys()
+    for k in alone[1]:
+        assert shared[1][k].tobytes() == alone[1][k].tobytes(), k
+    assert shared[2] == alone[2], "the final weights differ"
+    other = _run_record(tmp_path / "shared/on-seed1")
+    assert not other[0].value.equals(alone[0].value), "the control: another seed's run differs"
+    assert (tmp_path / "shared/mps-log").is_dir()

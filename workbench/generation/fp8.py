@@ -1,0 +1,156 @@
+"""The fp8 sampler (`TrainConfig.sampler_precision='fp8'`, the `off-fp8` arm): the generator runs its decoder's
+products W8A8 in float8_e4m3fn as vLLM's default fp8 (`quantization="fp8"` on a bf16 checkpoint) runs them, beside
+a bf16 trainer; it holds its own fp8 copy of the weights, refreshed from the bf16 generator weights at every sync.
+
+Numerics contract:
+- Which products: every projection of the decoder layers (q/k/v, o, gate/up, down), the ones vLLM's fp8 method
+  quantizes (its linear layers); the embedding, the norms, RoPE, attention and the LM head stay bf16, as in vLLM,
+  and so does the KV cache (vLLM's default `kv_cache_dtype='auto'`: the model's dtype; an fp8 cache is another
+  option there, not modelled here).
+- Weights: one scale per tensor vLLM holds. It loads q/k/v into one fused parameter and gate/up into another and
+  quantizes each whole (`scaled_fp8_quant` with no scale: dynamic per tensor), so q, k and v share one scale and
+  gate and up another: s_w = amax|W| / 448 in fp32, codes q_w = e4m3(W / s_w) (round to nearest even; |W / s_w|
+  <= 448, no saturation).
+- Activations: dynamic per token (vLLM's choice where its CUTLASS fp8 kernels run, Hopper and Ada):
+  s_a = max(amax|x_row| / 448, 1 / (448 * 512)) in fp32, q_a = e4m3(clamp(x / s_a, -448, 448)).
+- Product: y = bf16((q_a @ q_w.T) * s_a * s_w (+ b)): the codes' products are exact (4 significant bits each) and
+  summed in fp32, then scaled and rounded to bf16 once. On a GPU of compute capability 9.0 or newer (H100, H200)
+  `torch._scaled_mm` runs it on the fp8 tensor cores with row-wise scales, as vLLM's CUTLASS kernels do, with the
+  full fp32 accumulation (`use_fast_accum=False`; vLLM's Hopper kernels use the tensor cores' faster accumulation,
+  a further error far below fp8's); elsewhere (CPU, older GPUs) the codes are upcast to fp32, exactly, and
+  multiplied in fp32. The two differ only in the order of the fp32 sums. The tensor cores where they exist, not
+  an emulation in bf16: the arm then reads one byte a weight in its decode steps and multiplies as the engine it
+  models does, so its step times are an fp8 engine's too. With a bias (Qwen2's q/k/v) the bias is
+  added to the bf16 product (one more rounding; vLLM adds it before its single one).
+So the generator's log-probs are those of a W8A8 model, its bf16 LM head's logits at fp32 log-softmax as the
+other arms, and the trainer's stay bf16 (the mismatch this arm doses: Jet-RL, FP8-RL in
+shared/research/anchors_2026-12-02.md, 1.3 and 1.5).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..models import build
+from ..models.transformer import CausalLM
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+"""The largest finite float8_e4m3fn."""
+MIN_TOKEN_SCALE = 1.0 / (FP8_MAX * 512.0)
+"""vLLM's floor on a token's scale (an all-zero row quantizes to zeros, not NaN)."""
+_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
+           ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
+"""Per layer, the projections quantized with one scale (vLLM's fused parameters), by their module."""
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes e4m3 [N, K], scale fp32 []) of one tensor, dynamic per tensor."""
+    w32 = w.detach().float()
+    scale = w32.abs().amax() / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))   # an all-zero weight: codes 0 at any scale
+    return (w32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes e4m3 [M, K], scales fp32 [M, 1]) of the rows of x [M, K], dynamic per token."""
+    x32 = x.float()
+    scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_TOKEN_SCALE)
+    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def _tensor_cores(x: torch.Tensor, n: int) -> bool:
+    """Whether `torch._scaled_mm` runs this product: a GPU of sm90 or newer (row-wise scales), K and N multiples
+    of 16 (its layout rule)."""
+    return (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9 and x.shape[-1] % 16 == 0
+            and n % 16 == 0)
+
+
+def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x[..., K] (bf16) @ (codes[N, K] x scale).T, W8A8 as the module docstring states; bf16 [..., N].
+    scale: fp32 [1, N], the weight's one scale in every column (the row-wise layout `_scaled_mm` reads)."""
+    return _product(x, quantize_rows(x.reshape(-1, codes.shape[1])), codes, scale, bias)
+
+
+def _product(x, quantized, codes, scale, bias):
+    qa, sa = quantized
+    n = codes.shape[0]
+    if _tensor_cores(x, n):
+        y = torch._scaled_mm(qa, codes.t(), scale_a=sa, scale_b=scale, out_dtype=torch.bfloat16,
+                             use_fast_accum=False)
+    else:
+        y = ((qa.float() @ codes.float().t()) * (sa * scale)).to(torch.bfloat16)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], n)
+
+
+class _SharedInput:
+    """The projections of one fused vLLM parameter (q/k/v; gate/up) read the same input: its quantization, done
+    by the first of them, is reused by the others (the same values; 2 of every 3 and 1 of every 2 fewer launches).
+    Held by identity: the held input cannot be freed and another tensor take its place."""
+
+    def __init__(self):
+        self.x, self.quantized = None, None
+
+    def of(self, x: torch.Tensor, k: int):
+        if self.x is not x:
+            self.x, self.quantized = x, quantize_rows(x.reshape(-1, k))
+        return self.quantized
+
+
+class Fp8Linear(nn.Module):
+    """A projection of the fp8 sampler: its codes and scale as buffers (refilled in place by `Fp8Sampler.load`,
+    so a captured decode graph reads the new ones), no parameters. Named `weight` and `lora_A` as `Linear`'s: the
+    q/k/v and gate/up codes are separate tensors, so `packing.packed_projections` finds them unpacked and the
+    model runs each projection through this module."""
+
+    def __init__(self, n_out: int, n_in: int, bias: bool, device, shared: _SharedInput):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros((n_out, n_in), dtype=FP8, device=device))
+        self.register_buffer("weight_scale", torch.ones((1, n_out), dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.zeros(n_out, dtype=torch.bfloat16, device=device) if bias else None)
+        self.lora_A = None
+        self.shared = shared
+
+    def forward(self, x):
+        return _product(x, self.shared.of(x, self.weight.shape[1]), self.weight, self.weight_scale, self.bias)
+
+
+class Fp8Sampler:
+    """The generator's fp8 copy of a bf16 `CausalLM`: `model` is what `generate` samples with; `load(source)`
+    refreshes it from the bf16 generator weights (every sync), never writing to them."""
+
+    def __init__(self, source: CausalLM):
+        cfg, dev = source.config, source.lm_head_weight.device
+        if getattr(source, "lora", None) is not None:
+            raise ValueError("sampler_precision='fp8' quantizes whole weights: it does not run LoRA adapters")
+        self.model = build(cfg, device=dev, dtype=torch.bfloat16, seed=None)
+        for layer in self.model.model.layers:
+            for part, names in _GROUPS:
+                parent, shared = getattr(layer, part), _SharedInput()
+                for name in names:
+                    old = getattr(parent, name)
+                    n_out, n_in = old.weight.shape
+                    setattr(parent, name, Fp8Linear(n_out, n_in, old.bias is not None, dev, shared))
+        self.load(source)
+
+    @torch.no_grad()
+    def load(self, source: CausalLM) -> None:
+        """The fp8 codes and scales of `source`'s projections, and a copy of its other weights, in place."""
+        for mine, theirs in zip(self.model.model.layers, source.model.layers):
+            for part, names in _GROUPS:
+                src = [getattr(getattr(theirs, part), n) for n in names]
+                codes, scale = quantize_weight(torch.cat([p.weight for p in src]))
+                for name, chunk, p in zip(names, codes.split([p.weight.shape[0] for p in src]), src):
+                    dst = getattr(getattr(mine, part), name)
+                    dst.weight.copy_(chunk)
+                    dst.weight_scale.fill_(scale)
+                    if dst.bias is not None:
+                        dst.bias.copy_(p.bias)
+        # The rest (embedding, norms, an untied LM head): the projections hold buffers, not parameters.
+        theirs = dict(source.named_parameters())
+        for name, p in self.model.named_parameters():
+            p.copy_(theirs[name])
