@@ -18,6 +18,7 @@ import threading
 import warnings
 from pathlib import Path
 
+_WANTED = {"memory", "pids"}
 _SLACK_MB = 64
 """Memory a run's group may hold beyond its address space and tmpfs folders: page tables, pipe buffers, slab."""
 
@@ -60,8 +61,9 @@ class SlotGroups:
 
 
 @functools.cache
-def setup(memory_mb: int, tmpfs_mb: int, processes: int) -> SlotGroups | None:
-    """The slot groups, or None with one line saying why not (once per process and limits)."""
+def _parent() -> Path | None:
+    """The trainer's cgroup, with memory and pids handed down to its children; None with one line saying why not
+    (once per process)."""
     try:
         if os.geteuid() != 0:
             raise OSError("the trainer is not root")
@@ -69,22 +71,34 @@ def setup(memory_mb: int, tmpfs_mb: int, processes: int) -> SlotGroups | None:
         if mount is None:
             raise OSError("no cgroup2 file system is mounted")
         own = _own(mount)
-        wanted = {"memory", "pids"}
-        missing = wanted - set((own / "cgroup.controllers").read_text().split())
+        missing = _WANTED - set((own / "cgroup.controllers").read_text().split())
         if missing:
             raise OSError(f"the controllers {', '.join(sorted(missing))} are not delegated to {own}")
-        if wanted - set((own / "cgroup.subtree_control").read_text().split()):
-            (own / "cgroup.subtree_control").write_text("+memory +pids")
-        root = own / f"workbench-sandbox-{os.getpid()}-{memory_mb}-{tmpfs_mb}-{processes}"
-        root.mkdir(exist_ok=True)
-        (root / "cgroup.subtree_control").write_text("+memory +pids")
-        atexit.register(_remove, root)
+        if _WANTED - set((own / "cgroup.subtree_control").read_text().split()):
+            (own / "cgroup.subtree_control").write_text("+memory +pids")  # EBUSY where own holds processes
     except OSError as e:
         warnings.warn(f"sandbox: no memory cgroup ({e.strerror or e}): a run's tmpfs pages, pipes and kernel memory "
                       "are bounded only by the tmpfs size and inode caps, RLIMIT_AS and the seccomp filter (no "
                       "memfd); run the trainer where cgroup v2 delegates memory and pids (docs/sandbox.md)",
-                      stacklevel=2)
+                      stacklevel=3)
         return None
+    return own
+
+
+@functools.cache
+def setup(memory_mb: int, tmpfs_mb: int, processes: int) -> SlotGroups | None:
+    """The slot groups for these limits, or None where the host allows none (`_parent` says why, once)."""
+    own = _parent()
+    if own is None:
+        return None
+    root = own / f"workbench-sandbox-{os.getpid()}-{memory_mb}-{tmpfs_mb}-{processes}"
+    try:
+        root.mkdir(exist_ok=True)
+        (root / "cgroup.subtree_control").write_text("+memory +pids")
+    except OSError as e:
+        warnings.warn(f"sandbox: no memory cgroup ({e}); see docs/sandbox.md", stacklevel=2)
+        return None
+    atexit.register(_remove, root)
     return SlotGroups(root, (memory_mb + tmpfs_mb + _SLACK_MB) << 20, processes)
 
 
