@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -190,22 +192,19 @@ def test_memfd_keyrings_and_namespaces_are_refused(jail):
 def test_concurrent_runs_have_their_own_identity(task, jail):
     """Threads: one run holding every thread its limit allows, while a correct sibling that starts one thread
     is checked (it scored 0 when all runs were nobody). Identity: two runs at once have different uids."""
-    attacker = ("import threading, time\nheld = []\ndef add(a, b):\n    try:\n        while True:\n"
+    attacker = ("def add(a, b):\n    import threading, time\n    held = []\n    threading.stack_size(1 << 16)\n    try:\n        while True:\n"
                 "            t = threading.Thread(target=time.sleep, args=(3,))\n            t.start()\n"
-                "            held.append(t)\n    except RuntimeError:\n        pass\n    time.sleep(2)\n"
+                "            held.append(t)\n    except RuntimeError:\n        pass\n    if held:\n        time.sleep(1.5)\n"
                 "    return len(held)\n")
     sibling = ("import threading\ndef add(a, b):\n    out = []\n    t = threading.Thread(target=lambda: out.append(a + b))"
                "\n    t.start()\n    t.join()\n    return out[0]\n")
     flood = task.submit(attacker, task.items[0])
-    import time
-
-    time.sleep(1)  # the attacker holds its threads by now (ordering only: nothing is timed)
+    time.sleep(0.5)  # the attacker holds its threads by now (ordering only: nothing is timed)
     assert task.rewards([sibling], [task.items[0]]) == [1.0]
-    flood.result()
+    held = flood.result().error  # 'unit 0: returned <threads it held>, expected == 3'
+    assert int(held.split()[3].rstrip(',')) >= FAST.processes - 2, held
     ids = [Future(), Future()]
     uids = Sandbox(FAST, guards=False)
-    import threading
-
     runs = [threading.Thread(target=lambda f=f: f.set_result(uids.run("import os, time\ntime.sleep(0.5)\n"
                                                                        "print(os.getuid())").stdout)) for f in ids]
     for run in runs:
