@@ -2,7 +2,7 @@
 pages, memfd, pipe buffers and the kernel memory the run makes the kernel allocate), so a run that fills it is
 killed by the OOM killer inside its own group, not the trainer; `pids.max` bounds its processes and threads.
 
-Made under the trainer's own cgroup (read from /proc/self/cgroup, on the cgroup2 mount of /proc/self/mountinfo):
+Made beside the trainer's own cgroup (read from /proc/self/cgroup, on the cgroup2 mount of /proc/self/mountinfo):
 `workbench-sandbox-<pid>-<limits>/slot-<n>`. The child joins its slot's group itself, first thing, while it is still root
 (child.py), so everything it starts is inside. Where that cannot be done (no cgroup2 with the memory and pids
 controllers, not root, the trainer's group holding processes so it cannot hand controllers down), `setup`
@@ -62,8 +62,9 @@ class SlotGroups:
 
 @functools.cache
 def _parent() -> Path | None:
-    """The trainer's cgroup, with memory and pids handed down to its children; None with one line saying why not
-    (once per process)."""
+    """Where the slot groups go: beside the trainer's own cgroup (its parent already hands memory and pids down,
+    and a group holding processes cannot), or under it where it is the root of the mount (then it must hold no
+    process, or be the machine's root); None with one line saying why not (once per process)."""
     try:
         if os.geteuid() != 0:
             raise OSError("the trainer is not root")
@@ -74,6 +75,8 @@ def _parent() -> Path | None:
         missing = _WANTED - set((own / "cgroup.controllers").read_text().split())
         if missing:
             raise OSError(f"the controllers {', '.join(sorted(missing))} are not delegated to {own}")
+        if own != mount:  # a sibling: the parent hands memory and pids down already, as own lists them
+            return own.parent
         if _WANTED - set((own / "cgroup.subtree_control").read_text().split()):
             (own / "cgroup.subtree_control").write_text("+memory +pids")  # EBUSY where own holds processes
     except OSError as e:
@@ -88,10 +91,10 @@ def _parent() -> Path | None:
 @functools.cache
 def setup(memory_mb: int, tmpfs_mb: int, processes: int) -> SlotGroups | None:
     """The slot groups for these limits, or None where the host allows none (`_parent` says why, once)."""
-    own = _parent()
-    if own is None:
+    parent = _parent()
+    if parent is None:
         return None
-    root = own / f"workbench-sandbox-{os.getpid()}-{memory_mb}-{tmpfs_mb}-{processes}"
+    root = parent / f"workbench-sandbox-{os.getpid()}-{memory_mb}-{tmpfs_mb}-{processes}"
     try:
         root.mkdir(exist_ok=True)
         (root / "cgroup.subtree_control").write_text("+memory +pids")

@@ -4,19 +4,19 @@ first, by starting a probe child with each candidate (`CANDIDATES`) until one wo
 - 'jail' (a root parent with CAP_SYS_ADMIN): `unshare` makes mount, PID, network and IPC namespaces, and the
   child (child.py, `enter_jail`) builds its own root from empty tmpfs: the interpreter's installation and the
   system's shared libraries bound read-only (the base interpreter's site-packages hidden), private empty
-  /tmp, /var/tmp, /dev/shm and home, four devices, and a /proc of its own PID namespace; then it chroots there
-  and becomes nobody for good. Nothing of the trainer (its files, the installed packages and their data, its
+  /tmp, /var/tmp, /dev/shm and home (each with a size and an inode cap), four devices, and a /proc of its own
+  PID namespace; then it chroots there and becomes its slot's uid for good (SLOT_UID_BASE + slot). Nothing of the trainer (its files, the installed packages and their data, its
   processes, /proc entries, path-named sockets) exists in that view, nor another run's; the mounts vanish with
   the namespace;
 - namespaces without the jail (`unshare`): net (no network: only a loopback that is down, not this machine's)
   and pid (the parent is invisible, `kill -1` reaches only the sandbox, everything in it dies with the child).
   A root parent creates them directly; any other needs a user namespace around them (`--user`);
-- as root, drop to the unprivileged user nobody (`setpriv`): root ignores RLIMIT_NPROC and may read every file;
+- as root, drop to the slot's unprivileged uid (`setpriv`): root ignores RLIMIT_NPROC and may read every file;
 - the child itself: `python -I -S` (isolated: no site, no PYTHON* variables, no user or current folder on
-  sys.path) running `child.py`, which sets the rlimits and the guards.
+  sys.path) running `child.py`, which loads the seccomp filter (syscalls.py) and sets the rlimits and the guards.
 
 Whatever does not work on a machine (no `unshare`, namespaces refused, not root) is left out, and `Isolation`
-says what was active; anything short of the jail is announced with a warning (`weaker_than_jail`). Python
+says what was active; anything short of the jail refuses untrusted code unless accepted by name (`accept`). Python
 3.12's `os.unshare` would spare the binary; this is 3.11.
 """
 
@@ -59,13 +59,14 @@ class Isolation:
     """What isolates a sandboxed child on this machine (`probe` measures it)."""
 
     drop: str
-    """How a root parent's child becomes nobody: 'jail' (in its own root file system, child.py `enter_jail`),
+    """How a root parent's child becomes its slot's uid: 'jail' (in its own root file system, child.py `enter_jail`),
     'direct' (setpriv), or '' (it keeps the parent's user: not root, or dropping did not work)."""
     namespaces: tuple[str, ...]
     """The namespaces the child runs in, of user, mnt, net and pid. With 'user', an unprivileged user creates
-    them (a parent that is not root, or nobody after the drop); without, root does, before the drop."""
+    them (a parent that is not root, or the slot's uid after the drop); without, root does, before the drop."""
     uid: int
-    """The real uid the child runs as outside any namespace (RLIMIT_NPROC counts this user's processes)."""
+    """The real uid the child runs as outside any namespace; where `drop` is set, that of slot 0 (a run in slot n
+    runs as uid + n, so RLIMIT_NPROC counts its own processes only)."""
     guards: bool
     """Whether child.py's audit hook is installed (sockets, processes, signals, ctypes, file access)."""
     seccomp: bool = False
