@@ -54,7 +54,7 @@ def startup_rows(repeats: int) -> list[str]:
         trials.append((f"+ {', '.join(spaces)} namespaces", Isolation("", spaces, os.getuid(), True)))
     if best.drop:
         how = "mount namespace, private root" if best.drop == "jail" else "setpriv"
-        trials.append((f"+ {how}, nobody ({best.drop}): the chain in use here", best))
+        trials.append((f"+ {how}, slot uid ({best.drop}): the chain in use here", best))
     for name, isolation in trials:
         sandbox = Sandbox(isolation=isolation)
         layers.append((name, lambda s=sandbox: s.run("pass")))

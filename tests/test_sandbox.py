@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_sandbox_attacks import accept_the_chain_here  # noqa: F401 (a fixture)
 
 from workbench.rl.config import TrainConfig
 from workbench.rl.tasks import TASKS, make_task

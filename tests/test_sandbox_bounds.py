@@ -14,6 +14,7 @@ import time
 from concurrent.futures import Future
 
 import pytest
+from test_sandbox_attacks import accept_the_chain_here, jail  # noqa: F401 (fixtures)
 
 from workbench.sandbox import HumanEval, Isolation, Limits, Sandbox, launch
 from workbench.sandbox import reading, syscalls
@@ -41,12 +42,6 @@ def task(tmp_path_factory):
     task.close()
 
 
-@pytest.fixture(scope="module")
-def jail():
-    sandbox = Sandbox(FAST, guards=False)
-    if sandbox.isolation.drop != "jail":
-        pytest.skip(launch.weaker_than_jail(sandbox.isolation))
-    return sandbox
 
 
 def test_results_that_would_freeze_the_trainer_score_zero(tmp_path):

@@ -133,6 +133,7 @@ class HumanEval:
         counted in `failures` (this call's count; `failures_total` since the task was made)."""
         if len(completions) != len(problems):
             raise ValueError(f"{len(completions)} completions for {len(problems)} problems")
+        self.pool.sandbox  # noqa: B018 (made here: a chain that refuses untrusted code stops the run, not one reward)
         futures = [self._submit_guarded(c, p) for c, p in zip(completions, problems)]
         rewards = [self._score(future) for future in futures]
         self.failures = sum(r is None for r in rewards)
