@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from concurrent.futures import Future
 
 import pytest
@@ -311,3 +312,22 @@ def test_a_chain_that_cannot_isolate_refuses_untrusted_code(monkeypatch):
     with pytest.warns(UserWarning, match="canonical answer") as said:
         assert Sandbox(FAST).run("print(1)").stdout == b"1\n"
     assert len([w for w in said if "running untrusted code" in str(w.message)]) == 1
+
+
+def test_the_slot_cgroups_or_one_line_saying_why_not(tmp_path, monkeypatch):
+    """Where the host delegates cgroup v2 memory and pids, each slot's group gets memory.max and pids.max (the
+    child joins it first thing); where not, one line says so, once per process."""
+    from workbench.sandbox import cgroup
+
+    groups = cgroup.SlotGroups(tmp_path, 123 << 20, 7)
+    assert groups.path(2) == str(tmp_path / "slot-2") == groups.path(2)
+    assert (tmp_path / "slot-2" / "memory.max").read_text() == str(123 << 20)
+    assert (tmp_path / "slot-2" / "pids.max").read_text() == "7"
+    monkeypatch.setattr(cgroup, "_parent", cgroup._parent.__wrapped__)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        parent = cgroup._parent()
+    if parent is None:
+        assert len(said) == 1 and "no memory cgroup" in str(said[0].message), said
+    else:
+        assert not said and {"memory", "pids"} <= set((parent / "cgroup.subtree_control").read_text().split())
