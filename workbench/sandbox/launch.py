@@ -5,7 +5,7 @@ first, by starting a probe child with each candidate (`CANDIDATES`) until one wo
   child (child.py, `enter_jail`) builds its own root from empty tmpfs: the interpreter's installation and the
   system's shared libraries bound read-only (the base interpreter's site-packages hidden), private empty
   /tmp, /var/tmp, /dev/shm and home (each with a size and an inode cap), four devices, and a /proc of its own
-  PID namespace; then it chroots there and becomes its slot's uid for good (SLOT_UID_BASE + slot). Nothing of the trainer (its files, the installed packages and their data, its
+  PID namespace; then it chroots there and becomes its slot's uid for good (`slot_uid`). Nothing of the trainer (its files, the installed packages and their data, its
   processes, /proc entries, path-named sockets) exists in that view, nor another run's; the mounts vanish with
   the namespace;
 - namespaces without the jail (`unshare`): net (no network: only a loopback that is down, not this machine's)
@@ -39,9 +39,11 @@ from pathlib import Path
 from . import cputime, syscalls
 
 SLOT_UID_BASE = 1_000_000
-"""A root parent's child runs as uid and gid SLOT_UID_BASE + its slot (Sandbox.run: no two runs at once share
-one), so RLIMIT_NPROC, keyrings and file ownership are per run, not shared by all runs as with nobody. No user
-of the machine has these ids; a container that maps only 65,536 ids has no jail (the probe falls back)."""
+SLOTS_PER_PROCESS = 512
+"""A root parent's child runs as uid and gid `slot_uid(slot)`: one per slot of this process (Sandbox.run: no two
+runs at once share a slot) and per process (the pid picks a block of SLOTS_PER_PROCESS), so RLIMIT_NPROC,
+keyrings and file ownership are per run, not shared by all runs as with nobody. No user of the machine has
+these ids; a container that maps only 65,536 ids has no jail (the probe falls back)."""
 ACCEPT_ENV = "WORKBENCH_SANDBOX_ACCEPT"
 """Naming a launch chain that cannot isolate (`Isolation.name`) here lets it run untrusted code anyway."""
 PATH = "/usr/bin:/bin"
@@ -65,8 +67,8 @@ class Isolation:
     """The namespaces the child runs in, of user, mnt, net and pid. With 'user', an unprivileged user creates
     them (a parent that is not root, or the slot's uid after the drop); without, root does, before the drop."""
     uid: int
-    """The real uid the child runs as outside any namespace; where `drop` is set, that of slot 0 (a run in slot n
-    runs as uid + n, so RLIMIT_NPROC counts its own processes only)."""
+    """The real uid the child runs as outside any namespace; where `drop` is set, that of the probe (each run has
+    its own: `slot_uid`, so RLIMIT_NPROC counts its own processes only)."""
     guards: bool
     """Whether child.py's audit hook is installed (sockets, processes, signals, ctypes, file access)."""
     seccomp: bool = False
@@ -92,8 +94,8 @@ class Isolation:
         return "+".join([head if head != "plain" or not spaces else "ns", *spaces])
 
     def describe(self) -> str:
-        who = {"jail": f"{self.uid} + slot, chrooted into a private root of the interpreter only",
-               "direct": f"{self.uid} + slot (setpriv)"}
+        who = {"jail": "one per run (slot_uid), chrooted into a private root of the interpreter only",
+               "direct": "one per run (slot_uid, setpriv)"}
         cpu = ("the whole process tree" if "pid" in self.namespaces and cputime.available()
                else "each process" if not cputime.available() else "the process tree, less what leaves it")
         return (f"uid {who.get(self.drop, f'{self.uid} (the parent user)')}; "
@@ -101,6 +103,14 @@ class Isolation:
                 f"CPU limited for: {cpu}; guards: {'on' if self.guards else 'off'}; "
                 f"seccomp: {'on' if self.seccomp else 'off'}; "
                 "always: rlimits, own session, scrubbed env, temp home")
+
+
+def slot_uid(slot: int) -> int:
+    """The uid (and gid) of a run in `slot` of this process: at most 2**22 pids x 512 slots above 1,000,000, under
+    uid_t's 2**32 - 1."""
+    if not 0 <= slot < SLOTS_PER_PROCESS:
+        raise RuntimeError(f"sandbox: more than {SLOTS_PER_PROCESS} runs at once in one process; use fewer workers")
+    return SLOT_UID_BASE + (os.getpid() % (1 << 22)) * SLOTS_PER_PROCESS + slot
 
 
 CANDIDATES = (("jail", ("mnt", "net", "pid", "ipc")), ("direct", ("net", "pid")),
@@ -202,7 +212,7 @@ def probe(guards: bool) -> Isolation:
                   and (not spaces or (_has("unshare") and (root or "user" in spaces))))
         if not usable:
             continue
-        trial = Isolation(drop, spaces, SLOT_UID_BASE if drop else os.getuid(), guards, syscalls.bpf() is not None)
+        trial = Isolation(drop, spaces, slot_uid(0) if drop else os.getuid(), guards, syscalls.bpf() is not None)
         seen = _run_probe(trial)
         if seen is not None and all(seen[n] != own[n] for n in spaces):
             return trial

@@ -141,7 +141,7 @@ class Sandbox:
             stdin = b"%d\n" % writer + stdin
         passed = (*fds, writer) if channel else tuple(fds)
         slot = _SLOTS.take()
-        uid = self.isolation.uid + slot if self.isolation.drop else self.isolation.uid
+        uid = launch.slot_uid(slot) if self.isolation.drop else self.isolation.uid
         try:
             with tempfile.TemporaryDirectory(prefix="workbench-sandbox-", dir=launch.temp_root(),
                                              ignore_cleanup_errors=True) as tmp:
