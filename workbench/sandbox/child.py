@@ -1,6 +1,8 @@
-"""The first code a sandboxed child runs, before the program it was given: it enters the jail (where the launch
-chain gives it one), lowers the child's resource limits, installs the guards, then runs the program as
-`__main__`.
+"""The first code a sandboxed child runs, before the program it was given: it joins its slot's cgroup (where
+there is one), enters the jail (where the launch chain gives it one), loads the seccomp filter, lowers the
+child's resource limits, installs the guards, then runs the program as `__main__`. ctypes (for mount and prctl)
+leaves sys.modules before the program runs; its classes stay reachable, and every ctypes event is refused by
+the guards.
 
 The parent sends this file's text with `python -I -S -c`, so it runs in a bare interpreter (no site, no
 workbench) and imports only the standard library. argv[1] is its settings (a dict, `marshal`led and in hex:
