@@ -332,3 +332,28 @@ def test_the_slot_cgroups_or_one_line_saying_why_not(tmp_path, monkeypatch):
         assert len(said) == 1 and "no memory cgroup" in str(said[0].message), said
     else:
         assert not said and {"memory", "pids"} <= set((parent / "cgroup.subtree_control").read_text().split())
+
+
+def test_an_unreadable_result_is_a_zero_verdict_and_logged(task, caplog):
+    """The freeze's bytes (x = [x, x] sixty times, 610 bytes of marshal) on a run's channel: the check's verdict
+    is "unreadable result", reward 0, one warning logged, nothing raised."""
+    import marshal
+
+    from workbench.sandbox.checks import run_check
+    from workbench.sandbox.sandbox import RunResult
+
+    x = [1]
+    for _ in range(60):
+        x = [x, x]
+    frame = marshal.dumps(("value", x))
+
+    class Channel:
+        limits = FAST
+
+        def run(self, *args, **kwargs):
+            return RunResult(0, b"", b"", False, False, channel=len(frame).to_bytes(4, "big") + frame)
+
+    with caplog.at_level("WARNING"):
+        result = run_check(Channel(), "", task.items[0].test, "add")
+    assert result.scores() == {"binary": 0.0, "partial": 0.0} and result.error.startswith(reading.UNREADABLE)
+    assert reading.UNREADABLE in caplog.text
