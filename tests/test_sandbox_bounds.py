@@ -18,7 +18,7 @@ import pytest
 from test_sandbox_attacks import accept_the_chain_here, jail  # noqa: F401 (fixtures)
 
 from workbench.sandbox import HumanEval, Isolation, Limits, Sandbox, launch
-from workbench.sandbox import reading, syscalls
+from workbench.sandbox import reading
 
 FAST = Limits(timeout_s=5, cpu_s=3)
 ADD = {"task_id": "Test/add", "entry_point": "add", "prompt": 'def add(a, b):\n    """a + b"""\n',
@@ -162,10 +162,11 @@ def test_kernel_memory_of_a_run_is_bounded(jail):
     assert stored_mb <= 4 * (FAST.inodes >> 10) + 4, result  # 1 KiB of xattr space per inode
 
 
-@pytest.mark.skipif(syscalls.bpf() is None, reason="no seccomp binding here (pip install pyseccomp)")
 def test_memfd_keyrings_and_namespaces_are_refused(jail):
     """memfd (memory outside every tmpfs and RLIMIT_AS), a key added to the user's keyring for a later run to
     read, and new namespaces: the seccomp filter refuses each (guards off, ctypes calls the kernel directly)."""
+    if not jail.isolation.seccomp:
+        pytest.skip("no seccomp binding here (pip install pyseccomp)")
     program = textwrap.dedent("""
         import ctypes, os
         libc = ctypes.CDLL(None, use_errno=True)
