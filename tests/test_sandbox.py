@@ -1,15 +1,15 @@
 """The sandbox and the HumanEval task: hostile completions score 0 and leave this process unharmed, each kernel
 layer holds on its own (guards off), the Python guards hold without the kernel layers, HumanEval's canonical
-solutions pass (and fast enough), partial credit follows its rule, and code is found in completions."""
+solutions pass, partial credit follows its rule, and code is found in completions."""
 
 import json
 import os
 import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from test_sandbox_attacks import accept_the_chain_here  # noqa: F401 (a fixture)
 
 from workbench.rl.config import TrainConfig
 from workbench.rl.tasks import TASKS, make_task
@@ -30,8 +30,6 @@ ADD = {"task_id": "Test/add", "entry_point": "add", "prompt": 'def add(a, b):\n 
        "test": ("def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(0, 0) == 0\n"
                 "    assert True, 'a constant: no unit'\n    assert candidate(-1, 1) == 0\n"
                 "    assert candidate(2, 2) == 4\n")}
-MIN_RATE = 20.0
-"""Canonical HumanEval solutions per second on 2 cores, with the pool's default workers (bench/bench_sandbox.py)."""
 
 
 def _problems(tmp_path, *rows):
@@ -94,10 +92,8 @@ def test_hostile_completions_score_zero_and_this_process_survives(add_task, secr
         "exit": body.format("import sys; sys.exit(0)"),
         "hard exit": body.format("import os; os._exit(0)"),
     }
-    start = time.monotonic()
     rewards = task.rewards(list(hostile.values()), [problem] * len(hostile))
-    assert dict(zip(hostile, rewards)) == dict.fromkeys(hostile, 0.0)
-    assert time.monotonic() - start < 10, "the hostile batch outlived its timeouts"
+    assert dict(zip(hostile, rewards)) == dict.fromkeys(hostile, 0.0) and task.failures == 0
     assert task.reward(body.format("pass"), problem) == 1.0, "the same function, harmless, passes"
     assert os.getppid() > 1 and secret.read_text() == "PRIVATE-KEY-43f1"
 
@@ -131,16 +127,14 @@ def test_instrumenting_refuses_tests_it_cannot_score():
         instrument_test("def check(candidate):\n    assert True\n")
 
 
-def test_canonical_solutions_pass_fast_enough(humaneval):
+def test_canonical_solutions_pass(humaneval):
+    """All 164 (their throughput is bench/bench_sandbox.py's, not a unit test's)."""
     problems = humaneval.items
     assert len(problems) == 164
-    start = time.perf_counter()
     futures = [humaneval.submit(p.answer, p) for p in problems]
     results = [f.result() for f in futures]
-    rate = len(problems) / (time.perf_counter() - start)
     failed = [(p.task_id, r.error) for p, r in zip(problems, results) if r.scores() != {"binary": 1.0, "partial": 1.0}]
     assert not failed
-    assert rate >= MIN_RATE, f"{rate:.1f} canonical solutions/s, under {MIN_RATE} ({humaneval.pool.workers} workers)"
     wrong = [humaneval.submit(p.code + "    return None\n", p) for p in problems[:8]]
     assert all(f.result().scores() == {"binary": 0.0, "partial": 0.0} for f in wrong)
 
@@ -185,9 +179,8 @@ def test_run_limits_output_time_and_environment(sandbox, monkeypatch):
     flood = "import sys\nwhile True: sys.stdout.write('x' * 4096)"
     capped = Sandbox(Limits(timeout_s=5, output_bytes=1 << 16)).run(flood)
     assert capped.output_capped and len(capped.stdout) == 1 << 16 and not capped.timed_out
-    start = time.monotonic()
     slept = Sandbox(Limits(timeout_s=0.5)).run("import time\ntime.sleep(30)")
-    assert slept.timed_out and slept.returncode != 0 and time.monotonic() - start < 3
+    assert slept.timed_out and slept.returncode != 0
     monkeypatch.setenv("WORKBENCH_TEST_TOKEN", "hunter2")
     seen = sandbox.run("import os, json\nprint(json.dumps({'env': dict(os.environ), 'cwd': os.getcwd()}))")
     child = json.loads(seen.stdout)

@@ -1,4 +1,4 @@
-"""Hostile completions against the sandbox, one test per attack class of issue 42: each ends with reward 0 (or no
+"""Hostile completions against the sandbox, one test per attack class of issue 42 (issue 62's: test_sandbox_bounds.py): each ends with reward 0 (or no
 effect), and the trainer's files, processes and other runs unharmed. Where an attack is stopped by the kernel
 (the jail: launch.py), it runs with the Python guards off, so the test shows the kernel layer holds alone."""
 
@@ -48,9 +48,20 @@ def task(tmp_path_factory):
     task.close()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def accept_the_chain_here():
+    """The sandbox tests run on whatever chain this machine has: one short of the jail is accepted by name (the
+    refusal itself is tested in test_sandbox_bounds.py)."""
+    from workbench.sandbox import launch
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(launch.ACCEPT_ENV, launch.probe(True).name)
+        yield
+
+
 @pytest.fixture(scope="module")
 def jail():
-    """The kernel layers alone (guards off); skipped, with the start-up warning, where there is no jail."""
+    """The kernel layers alone (guards off); skipped, saying what is missing, where there is no jail."""
     sandbox = Sandbox(FAST, guards=False)
     if sandbox.isolation.drop != "jail":
         pytest.skip(weaker_than_jail(sandbox.isolation))
@@ -268,20 +279,9 @@ def test_cpu_is_limited_for_the_whole_process_tree(jail, task):
     program = "import os\nfor _ in range(3):\n    if os.fork() == 0:\n        break\nwhile True:\n    pass\n"
     result = spin.run(program)
     assert result.cpu_exceeded and not result.timed_out, result
-    assert result.seconds < 10, result
     checked = run_check(spin, "import os\nos.fork()\ndef add(a, b):\n    while True:\n        pass\n",
                         task.items[0].test, "add")
     assert checked.scores() == ZERO and "CPU" in checked.error, checked
-
-
-def test_a_chain_without_the_jail_is_announced(monkeypatch):
-    """Where the host allows no jail, start-up says what is then reachable and names bubblewrap and nsjail."""
-    from workbench.sandbox import launch
-
-    monkeypatch.setattr(launch, "CANDIDATES", tuple(c for c in launch.CANDIDATES if c[0] != "jail"))
-    with pytest.warns(UserWarning, match="no private file-system view.*bubblewrap.*nsjail"):
-        isolation = launch.probe.__wrapped__(True)
-    assert isolation.drop != "jail"
 
 
 def test_the_parent_reads_only_plain_data():

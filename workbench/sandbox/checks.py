@@ -34,7 +34,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import values
+from . import reading
 from .sandbox import RunResult, Sandbox
 
 UNIT_HOOK = "_wb_unit"
@@ -197,62 +197,68 @@ def _literal(node: ast.expr):
 
 
 def run_check(sandbox: Sandbox, solution: str, test: Test, entry_point: str) -> CheckResult:
-    """Run `solution` (a whole program) against `test` in `sandbox`."""
+    """Run `solution` (a whole program) against `test` in `sandbox`. What the runs send back is read with bounded
+    work (reading.py); a result that cannot be read, or whose verdict fails for any reason, is a failed check
+    with the verdict "unreadable result", never an exception (only the sandbox itself failing raises)."""
     if test.calls:
-        return _run_calls(sandbox, solution, test, entry_point)
-    return _run_judged(sandbox, solution, test, entry_point)
+        runs, grade = _run_calls(sandbox, solution, test, entry_point)
+    else:
+        runs, grade = _run_judged(sandbox, solution, test, entry_point)
+    stopped = next(filter(None, (_stopped(sandbox, run) for run in runs)), "")
+    if stopped:
+        return CheckResult(0, test.units, False, stopped)
+    try:
+        return grade()
+    except Exception as e:  # noqa: BLE001 (bytes from the code under test: whatever goes wrong scores 0)
+        return CheckResult(0, test.units, False, reading.unreadable(f"{type(e).__name__}: {reading.show(str(e))}"))
 
 
-def _run_calls(sandbox: Sandbox, solution: str, test: Test, entry_point: str) -> CheckResult:
+def _run_calls(sandbox: Sandbox, solution: str, test: Test, entry_point: str):
     units = marshal.loads(test.calls)
     job = {"solution": solution, "entry_point": entry_point, "calls": [(args, kw) for args, kw, _, _ in units]}
     result = sandbox.run(_program("harness.py"), marshal.dumps(job), channel=True)
-    stopped = _stopped(sandbox, result)
-    if stopped:
-        return CheckResult(0, test.units, False, stopped)
-    outcomes = _frames(result.channel)
-    if outcomes and isinstance(outcomes[0], tuple) and outcomes[0][:1] == ("solution",):
-        return CheckResult(0, test.units, False, f"solution: {outcomes[0][1:]}")
-    passed, errors = 0, []
-    for index, (_, _, op, expected) in enumerate(units):
-        outcome = outcomes[index] if index < len(outcomes) else None
-        why = _verdict(outcome, op, expected)
-        if why is None:
-            passed += 1
-        elif not errors:
-            errors.append(f"unit {index}: {why}")
-    finished = len(outcomes) == len(units)
-    if not finished and not errors:
-        errors.append(_no_answer(result))
-    return CheckResult(passed, test.units, finished, errors[0] if errors else "")
+
+    def grade() -> CheckResult:
+        outcomes = reading.frames(result.channel, len(units))
+        if outcomes and _failed_to_load(outcomes[0]):
+            return CheckResult(0, test.units, False, f"solution: {reading.show(outcomes[0][1:])}")
+        passed, errors = 0, []
+        for index, (_, _, op, expected) in enumerate(units):
+            why = _verdict(outcomes[index] if index < len(outcomes) else None, op, expected)
+            if why is None:
+                passed += 1
+            elif not errors:
+                errors.append(f"unit {index}: {why}")
+        finished = len(outcomes) == len(units)
+        if not finished and not errors:
+            errors.append(_no_answer(result))
+        return CheckResult(passed, test.units, finished, errors[0] if errors else "")
+
+    return (result,), grade
+
+
+def _failed_to_load(frame) -> bool:
+    return isinstance(frame, tuple) and frame[:1] == ("solution",)
 
 
 def _verdict(outcome, op: str, expected) -> str | None:
-    """None when the unit holds, else why not."""
+    """None when the unit holds, else why not. Types are checked before anything is written out, and what is
+    written goes through `reading.show`."""
     if outcome is None:
         return "no answer (the solution's process ended)"
     if not (isinstance(outcome, tuple) and len(outcome) >= 2 and isinstance(outcome[0], str)):
         return "not an answer"
     kind, value = outcome[0], outcome[1]
     if kind == "raised":
-        return f"raised {value}: {outcome[2] if len(outcome) > 2 else ''}"[:300]
+        return f"raised {reading.show(value)}: {reading.show(outcome[2] if len(outcome) > 2 else '')}"
     if kind != "value" or len(outcome) != 2:
-        return f"returned a {value!r}, which is not plain data"[:300]
+        return f"returned a {reading.show(value)}, which is not plain data"
     holds = {"==": lambda: value == expected, "is": lambda: value is expected,
              "truthy": lambda: bool(value), "falsy": lambda: not value}[op]()
-    return None if holds else f"returned {_short(value)}, expected {op} {_short(expected)}"
+    return None if holds else f"returned {reading.show(value)}, expected {op} {reading.show(expected)}"
 
 
-def _short(value) -> str:
-    """repr cut to 120 characters; an int past Python's limit on int-to-text conversion (4,300 digits) cannot be
-    written out at all, and a completion must not crash the trainer by returning one."""
-    try:
-        return f"{value!r:.120}"
-    except ValueError:
-        return f"an {type(value).__name__} too large to write out"
-
-
-def _run_judged(sandbox: Sandbox, solution: str, test: Test, entry_point: str) -> CheckResult:
+def _run_judged(sandbox: Sandbox, solution: str, test: Test, entry_point: str):
     requests_read, requests_write = os.pipe()
     replies_read, replies_write = os.pipe()
     solver: list[RunResult] = []
@@ -271,19 +277,21 @@ def _run_judged(sandbox: Sandbox, solution: str, test: Test, entry_point: str) -
     thread.join()
     if not solver:
         raise RuntimeError("sandbox: the solution's run failed to start (see the thread's traceback above)")
-    stopped = _stopped(sandbox, solver[0]) or _stopped(sandbox, judged)
-    if stopped:
-        return CheckResult(0, test.units, False, stopped)
-    frames = _frames(judged.channel)
-    verdict = frames[0] if len(frames) == 1 else None
-    if not (isinstance(verdict, tuple) and len(verdict) == 3 and isinstance(verdict[1], list)):
-        return CheckResult(0, test.units, False, f"the judge gave no verdict: {_no_answer(judged)}")
-    finished, passed, error = verdict
-    done = {u for u in passed if isinstance(u, int)} & set(range(test.units))
-    failed = _frames(solver[0].channel)  # the solution's own failure to load, if any
-    if failed and isinstance(failed[0], tuple) and failed[0][:1] == ("solution",):
-        error = f"solution: {failed[0][1:]}"
-    return CheckResult(len(done), test.units, finished is True, str(error))
+
+    def grade() -> CheckResult:
+        frames = reading.frames(judged.channel, 2)
+        verdict = frames[0] if len(frames) == 1 else None
+        if not (isinstance(verdict, tuple) and len(verdict) == 3 and isinstance(verdict[1], list)):
+            return CheckResult(0, test.units, False, f"the judge gave no verdict: {_no_answer(judged)}")
+        finished, passed, error = verdict
+        done = {u for u in passed if type(u) is int} & set(range(test.units))
+        failed = reading.frames(solver[0].channel, 1)  # the solution's own failure to load, if any
+        if failed and _failed_to_load(failed[0]):
+            error = f"solution: {reading.show(failed[0][1:])}"
+        text = error if isinstance(error, str) else reading.show(error)
+        return CheckResult(len(done), test.units, finished is True, text[:300])
+
+    return (solver[0], judged), grade
 
 
 def _stopped(sandbox: Sandbox, result: RunResult) -> str:
@@ -294,22 +302,6 @@ def _stopped(sandbox: Sandbox, result: RunResult) -> str:
     if result.output_capped:
         return f"printed more than {sandbox.limits.output_bytes} bytes"
     return ""
-
-
-def _frames(data: bytes) -> list:
-    """The plain values of the length-prefixed frames in `data` (a frame that is not plain data: None; a
-    truncated tail is dropped)."""
-    found, at = [], 0
-    while at + 4 <= len(data):
-        size = int.from_bytes(data[at:at + 4], "big")
-        if at + 4 + size > len(data):
-            break
-        try:
-            found.append(values.loads(data[at + 4:at + 4 + size]))
-        except ValueError:
-            found.append(None)
-        at += 4 + size
-    return found
 
 
 def _no_answer(result: RunResult) -> str:

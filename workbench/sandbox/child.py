@@ -1,6 +1,8 @@
-"""The first code a sandboxed child runs, before the program it was given: it enters the jail (where the launch
-chain gives it one), lowers the child's resource limits, installs the guards, then runs the program as
-`__main__`.
+"""The first code a sandboxed child runs, before the program it was given: it joins its slot's cgroup (where
+there is one), enters the jail (where the launch chain gives it one), loads the seccomp filter, lowers the
+child's resource limits, installs the guards, then runs the program as `__main__`. ctypes (for mount and prctl)
+leaves sys.modules before the program runs; its classes stay reachable, and every ctypes event is refused by
+the guards.
 
 The parent sends this file's text with `python -I -S -c`, so it runs in a bare interpreter (no site, no
 workbench) and imports only the standard library. argv[1] is its settings (a dict, `marshal`led and in hex:
@@ -18,7 +20,7 @@ import sys
 
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT = 1, 2, 4, 8, 32
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
-_PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
+_PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 1, 38, 22, 2
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
 SCRATCH = ("/tmp", "/var/tmp", "/dev/shm")
 """The world-writable folders a program may expect; in the jail each is a private, empty, size-capped tmpfs."""
@@ -28,17 +30,17 @@ there is no jail (a memory file system, shared with the trainer's /dev/shm users
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
-def enter_jail(jail: dict, size_mb: int) -> None:
+def enter_jail(jail: dict, size_mb: int, inodes: int, libc) -> None:
     """As root, pid 1 of fresh mount, PID, network and IPC namespaces (unshare made them): build a root of empty
     tmpfs with the interpreter, its libraries and the devices bound read-only, private scratch folders and a /proc
     of this PID namespace, chroot into it, and become `jail['uid']` for good (all capabilities go with uid 0;
     no_new_privs; SIGKILL when the launcher dies, which the uid change had cleared).
 
-    The mounts go through libc (ctypes, loaded before the root changes): Python 3.11 has no os.mount, and one
-    `mount` process per folder would cost more than the rest of the start-up. ctypes leaves sys.modules after."""
+    Every tmpfs has a size and an inode count (nr_inodes): tmpfs charges extended attributes to the inode count,
+    so without one a run could pin kernel memory far past its size. The mounts go through libc (ctypes, loaded
+    before the root changes): Python 3.11 has no os.mount, and one `mount` process per folder would cost more
+    than the rest of the start-up."""
     import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
 
     def mount(source, target: str, fstype, flags: int, data: str | None = None) -> None:
         if libc.mount(source and source.encode(), target.encode(), fstype and fstype.encode(),
@@ -48,19 +50,19 @@ def enter_jail(jail: dict, size_mb: int) -> None:
 
     root, uid, safe = jail["root"], jail["uid"], _MS_NOSUID | _MS_NODEV
     mount(None, "/", None, _MS_REC | _MS_PRIVATE)
-    mount("tmpfs", root, "tmpfs", safe, "size=64k,mode=755")
+    mount("tmpfs", root, "tmpfs", safe, "size=64k,nr_inodes=256,mode=755")
     for path in jail["binds"]:
         os.makedirs(root + path, exist_ok=True)
         mount(path, root + path, None, _MS_BIND | _MS_REC)
         mount(None, root + path, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | safe)
     for path in jail["masks"]:  # the base interpreter's installed packages, inside a bound folder
-        mount("tmpfs", root + path, "tmpfs", _MS_RDONLY | safe | _MS_NOEXEC, "size=4k,mode=555")
+        mount("tmpfs", root + path, "tmpfs", _MS_RDONLY | safe | _MS_NOEXEC, "size=4k,nr_inodes=1,mode=555")
     for link, target in jail["links"]:
         os.symlink(target, root + link)
     for path in (*SCRATCH, jail["home"]):
         os.makedirs(root + path, exist_ok=True)
         owner = f",mode=700,uid={uid},gid={uid}" if path == jail["home"] else ",mode=1777"
-        mount("tmpfs", root + path, "tmpfs", safe, f"size={size_mb}m" + owner)
+        mount("tmpfs", root + path, "tmpfs", safe, f"size={size_mb}m,nr_inodes={inodes}" + owner)
     for device in DEVICES:
         open(root + device, "w").close()
         mount(device, root + device, None, _MS_BIND)
@@ -72,10 +74,28 @@ def enter_jail(jail: dict, size_mb: int) -> None:
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
-    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) or libc.prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0):
+    if libc.prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0):
         raise OSError(ctypes.get_errno(), "sandbox jail: prctl failed")
-    for name in [m for m in sys.modules if m == "_ctypes" or m.split(".")[0] == "ctypes"]:
-        del sys.modules[name]
+
+
+def load_filter(bpf: bytes, libc) -> None:
+    """no_new_privs, then the seccomp filter the parent built (syscalls.py: BPF, 8 bytes an instruction)."""
+    import ctypes
+
+    class Program(ctypes.Structure):  # struct sock_fprog
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    code = ctypes.create_string_buffer(bpf, len(bpf))
+    if (libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+            or libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER,
+                          ctypes.byref(Program(len(bpf) // 8, ctypes.addressof(code))), 0, 0)):
+        raise OSError(ctypes.get_errno(), "sandbox: loading the seccomp filter failed")
+
+
+def join_cgroup(path: str) -> None:
+    """Move this process (root still, before anything else starts) into its slot's cgroup (cgroup.py)."""
+    with open(path + "/cgroup.procs", "w") as f:
+        f.write("0")
 
 
 def set_limits(settings: dict) -> None:
@@ -98,16 +118,18 @@ def set_limits(settings: dict) -> None:
 
 
 def install_guards(home: str) -> None:
-    """An audit hook (PEP 578; it cannot be removed once added) refusing processes, signals, sockets, native code,
-    `gc`, tracing and shared memory outright; creating, removing, renaming, truncating, linking or changing
+    """An audit hook (PEP 578; it cannot be removed once added) refusing processes, signals, sockets, every ctypes
+    event, `gc`, tracing and shared memory outright; creating, removing, renaming, truncating, linking or changing
     anything outside `home`; more than MAX_WRITES files opened for writing; and reads outside `home`, the
     standard library and a few devices.
 
-    Everything it reads lives in this closure: frozen sets, tuples, and the C functions of `posix` (a path is
-    resolved with them, not with os.path, whose helpers a program could rebind). Rebinding anything in a module
-    (this one is `__main__`) changes nothing; reaching the closure's cells needs `gc`, which it refuses.
-    Builtins it calls are bound here too. It is still Python-level, which is why the jail (launch.py), not this,
-    is the boundary: docs/sandbox.md."""
+    The hook's frame can be reached (a refused call's traceback holds it), and through it everything the hook
+    reads. So it reads only what cannot be changed: frozen sets, tuples, strings, numbers, builtin functions and
+    types (bound here, so rebinding a builtin or a module's name changes nothing), and a counter that only
+    counts up. No Python function is in its closure (a function's code and its cells can be swapped): paths are
+    resolved inline with the C functions of `posix`. It is still Python-level, which is why the jail and the
+    seccomp filter, not this, are the boundary: docs/sandbox.md."""
+    import itertools
     import posix
 
     denied_events = frozenset({
@@ -118,10 +140,11 @@ def install_guards(home: str) -> None:
         # The network, where no network namespace cuts it off, and name lookups (they leave through libc).
         "socket.__new__", "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyname_ex",
         "socket.gethostbyaddr", "socket.getnameinfo",
-        # Native code, with which every rule here could be undone; tracing and frames, with which a program
-        # rewrites code that runs after it.
-        "ctypes.dlopen", "ctypes.dlsym", "sys.settrace", "sys.setprofile",
+        # Tracing and frames, with which a program rewrites code that runs after it. (Every "ctypes." event,
+        # native code with which every rule here could be undone, is refused by its prefix.)
+        "sys.settrace", "sys.setprofile",
     })
+    # Matched on every dotted component: `pkg._posixshmem` is refused like `_posixshmem`.
     denied_imports = frozenset({"_posixsubprocess", "_ctypes", "ctypes", "gc", "_posixshmem",
                                 "multiprocessing", "_multiprocessing"})
     # Events whose first argument is a path the program changes (a second one too: rename, link, symlink).
@@ -130,71 +153,80 @@ def install_guards(home: str) -> None:
                          "os.chflags", "os.lchflags"})
     two_paths = frozenset({"os.rename", "os.link", "os.symlink"})
     getcwd, lstat, readlink, fspath = posix.getcwd, posix.lstat, posix.readlink, posix.fspath
-    decode = bytes.decode
-    starts, split, rfind = str.startswith, str.split, str.rfind
-    # Builtins too: a program may rebind `builtins.isinstance`, which an unbound name here would look up.
-    is_a, refused, tuple_, int_, bytes_, oserror = isinstance, PermissionError, tuple, int, bytes, OSError
-    sep, kind_mask, link_kind = "/", 0o170000, 0o120000
-    writes, max_writes = [0], MAX_WRITES
-
-    def resolve(path, depth: int = 0) -> str:
-        """The absolute path with every symlink followed (posix functions only)."""
-        path = fspath(path)  # a PathLike's __fspath__ is the program's code: racy, like any check before use
-        if is_a(path, bytes_):
-            path = decode(path, "utf-8", "surrogateescape")
-        if not starts(path, sep):
-            path = getcwd() + sep + path
-        done = ""
-        for part in split(path, sep):
-            if part in ("", "."):
-                continue
-            if part == "..":
-                done = done[:rfind(done, sep)]
-                continue
-            here = done + sep + part
-            try:
-                is_link = (lstat(here).st_mode & kind_mask) == link_kind
-            except oserror:
-                is_link = False
-            if is_link and depth < 40:
-                target = readlink(here)
-                here = resolve(target if starts(target, sep) else done + sep + target, depth + 1)
-            done = here
-        return done or sep
-
-    home_root = resolve(home)
-    readable = tuple_(resolve(p) for p in sys.path if p) + (home_root,)
+    decode, starts, split, rfind = bytes.decode, str.startswith, str.split, str.rfind
+    is_a, refused, int_, bytes_, oserror, backwards, advance = (isinstance, PermissionError, int, bytes, OSError,
+                                                               reversed, next)
+    sep, dot, kind_mask, link_kind = "/", ".", 0o170000, 0o120000
+    writes, max_writes = itertools.count(1), MAX_WRITES
+    home_root = os.path.realpath(home)  # the fixed roots: resolved before any untrusted code runs
+    readable = tuple(os.path.realpath(p) for p in sys.path if p) + (home_root,)
     devices, write_flags, write_modes = frozenset(DEVICES), _WRITE_FLAGS, frozenset("wax+")
 
-    def inside(path: str, roots: tuple) -> bool:
-        for root in roots:
-            if path == root or starts(path, root + sep):
-                return True
-        return False
-
     def guard(event: str, args: tuple) -> None:
-        if event in denied_events:
+        if event in denied_events or starts(event, "ctypes."):
             raise refused(f"sandbox: {event} is not allowed")
-        if event == "import" and args[0] in denied_imports:
-            raise refused(f"sandbox: importing {args[0]} is not allowed")
+        if event == "import":
+            for part in split(args[0], dot):
+                if part in denied_imports:
+                    raise refused(f"sandbox: importing {args[0]} is not allowed")
+            return
+        writing = False
         if event in changes:
-            for path in args[:2 if event in two_paths else 1]:
-                if is_a(path, int_) or not inside(resolve(path), (home_root,)):
-                    raise refused(f"sandbox: {event} outside {home_root} is not allowed")
-        if event == "open":
+            paths = args[:2] if event in two_paths else args[:1]
+        elif event == "open":
             path, mode, flags = args
             if path is None or is_a(path, int_):  # a file descriptor the process already holds
                 return
-            where = resolve(path)
-            writing = (flags or 0) & write_flags != 0
+            paths, writing = (path,), (flags or 0) & write_flags != 0
             for c in mode or "":
                 writing = writing or c in write_modes
-            if writing and not inside(where, (home_root,)):
-                raise refused(f"sandbox: writing {where} is not allowed (only under {home_root})")
-            writes[0] += writing
-            if writes[0] > max_writes:
-                raise refused(f"sandbox: more than {max_writes} files opened for writing")
-            if not writing and not (where in devices or inside(where, readable)):
+        else:
+            return
+        for path in paths:
+            if is_a(path, int_):
+                raise refused(f"sandbox: {event} on a descriptor is not allowed")
+            path = fspath(path)  # a PathLike's __fspath__ is the program's code: racy, like any check before use
+            if is_a(path, bytes_):
+                path = decode(path, "utf-8", "surrogateescape")
+            if not starts(path, sep):
+                path = getcwd() + sep + path
+            # Every symlink followed, with posix functions only (at most 40, as the kernel).
+            todo, done, hops = split(path, sep), "", 0
+            todo.reverse()
+            while todo:
+                part = todo.pop()
+                if part == "" or part == dot:
+                    continue
+                if part == "..":
+                    done = done[:rfind(done, sep)]
+                    continue
+                here = done + sep + part
+                try:
+                    is_link = (lstat(here).st_mode & kind_mask) == link_kind
+                except oserror:
+                    is_link = False
+                if is_link and hops < 40:
+                    hops += 1
+                    target = readlink(here)
+                    if starts(target, sep):
+                        done = ""
+                    todo += backwards(split(target, sep))
+                    continue
+                done = here
+            where = done or sep
+            at_home = where == home_root or starts(where, home_root + sep)
+            if event != "open" or writing:
+                if not at_home:
+                    raise refused(f"sandbox: {event} of {where} is not allowed (only under {home_root})")
+                if writing and advance(writes) > max_writes:
+                    raise refused(f"sandbox: more than {max_writes} files opened for writing")
+                continue
+            if at_home or where in devices:
+                continue
+            for root in readable:
+                if where == root or starts(where, root + sep):
+                    break
+            else:
                 raise refused(f"sandbox: reading {where} is not allowed")
 
     sys.addaudithook(guard)
@@ -202,8 +234,21 @@ def install_guards(home: str) -> None:
 
 def main() -> None:
     settings, program = marshal.loads(bytes.fromhex(sys.argv[1])), sys.argv[2]
-    if settings["jail"]:
-        enter_jail(settings["jail"], settings["file_mb"])
+    if settings["cgroup"]:
+        join_cgroup(settings["cgroup"])
+    if settings["jail"] or settings["seccomp"]:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if settings["jail"]:
+            enter_jail(settings["jail"], settings["file_mb"], settings["inodes"], libc)
+        if settings["seccomp"]:
+            load_filter(settings["seccomp"], libc)
+        elif libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0):
+            raise OSError(ctypes.get_errno(), "sandbox: prctl(no_new_privs) failed")
+        del ctypes, libc  # nothing of them left in this frame, under the program's
+        for name in [m for m in sys.modules if m == "_ctypes" or m.split(".")[0] == "ctypes"]:
+            del sys.modules[name]
     set_limits(settings)
     if settings["guards"]:
         install_guards(settings["home"])

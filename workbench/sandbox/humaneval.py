@@ -13,11 +13,13 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import logging
 import random
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import reading
 from .checks import KINDS, CheckResult, Test, prepare_test, run_check
 from .extract import solution_program
 from .pool import SandboxPool
@@ -25,6 +27,7 @@ from .sandbox import Limits
 
 PROMPT_TEMPLATE = ("Complete the following Python function. Reply with the whole function, with the imports it "
                    "needs, in one ```python code block.\n\n```python\n{code}```\n")
+_LOG = logging.getLogger(__name__)
 FIELDS = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
 
 
@@ -107,6 +110,8 @@ class HumanEval:
         self._order = list(range(len(self.items)))
         random.Random(seed).shuffle(self._order)
         self.pool = SandboxPool(limits, workers)
+        self.failures = self.failures_total = 0
+        """Completions whose check failed (reward 0) in the last `rewards` call, and since the task was made."""
 
     def __len__(self) -> int:
         return len(self.items)
@@ -123,14 +128,38 @@ class HumanEval:
         return self.pool.submit((problem, program), run_check, program, problem.test, problem.entry_point)
 
     def rewards(self, completions: list[str], problems: list[CodeProblem]) -> list[float]:
-        """The rewards of a batch, checked in parallel."""
+        """The rewards of a batch, checked in parallel. Never raises for one completion: one whose check fails
+        for any reason (the sandbox could not start it, its result broke the grader) gets 0, is logged, and is
+        counted in `failures` (this call's count; `failures_total` since the task was made)."""
         if len(completions) != len(problems):
             raise ValueError(f"{len(completions)} completions for {len(problems)} problems")
-        futures = [self.submit(c, p) for c, p in zip(completions, problems)]
-        return [f.result().score(self.kind) for f in futures]
+        self.pool.sandbox  # noqa: B018 (made here: a chain that refuses untrusted code stops the run, not one reward)
+        futures = [self._submit_guarded(c, p) for c, p in zip(completions, problems)]
+        rewards = [self._score(future) for future in futures]
+        self.failures = sum(r is None for r in rewards)
+        self.failures_total += self.failures
+        return [0.0 if r is None else r for r in rewards]
+
+    def _submit_guarded(self, completion: str, problem: CodeProblem) -> Future[CheckResult]:
+        try:
+            return self.submit(completion, problem)
+        except Exception as e:  # noqa: BLE001 (extraction or submission failed: a future holding the error)
+            failed: Future[CheckResult] = Future()
+            failed.set_exception(e)
+            return failed
+
+    def _score(self, future: Future[CheckResult]) -> float | None:
+        """The reward, or None (logged) where the check failed."""
+        try:
+            return future.result().score(self.kind)
+        except Exception as e:  # noqa: BLE001 (one completion's failure must not stop the training step)
+            _LOG.warning("HumanEval: a completion's check failed (reward 0): %s: %s", type(e).__name__,
+                         reading.show(str(e)))
+            return None
 
     def reward(self, completion: str, problem: CodeProblem) -> float:
-        return self.submit(completion, problem).result().score(self.kind)
+        """One completion's reward (0 where its check failed: not counted in `failures`, which is per batch)."""
+        return self._score(self._submit_guarded(completion, problem)) or 0.0
 
     def scores(self, completion: str, problem: CodeProblem) -> dict[str, float]:
         """binary: every assertion passes (HumanEval's pass). partial: the share of assertions that pass."""

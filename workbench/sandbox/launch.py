@@ -4,19 +4,19 @@ first, by starting a probe child with each candidate (`CANDIDATES`) until one wo
 - 'jail' (a root parent with CAP_SYS_ADMIN): `unshare` makes mount, PID, network and IPC namespaces, and the
   child (child.py, `enter_jail`) builds its own root from empty tmpfs: the interpreter's installation and the
   system's shared libraries bound read-only (the base interpreter's site-packages hidden), private empty
-  /tmp, /var/tmp, /dev/shm and home, four devices, and a /proc of its own PID namespace; then it chroots there
-  and becomes nobody for good. Nothing of the trainer (its files, the installed packages and their data, its
+  /tmp, /var/tmp, /dev/shm and home (each with a size and an inode cap), four devices, and a /proc of its own
+  PID namespace; then it chroots there and becomes its slot's uid for good (`slot_uid`). Nothing of the trainer (its files, the installed packages and their data, its
   processes, /proc entries, path-named sockets) exists in that view, nor another run's; the mounts vanish with
   the namespace;
 - namespaces without the jail (`unshare`): net (no network: only a loopback that is down, not this machine's)
   and pid (the parent is invisible, `kill -1` reaches only the sandbox, everything in it dies with the child).
   A root parent creates them directly; any other needs a user namespace around them (`--user`);
-- as root, drop to the unprivileged user nobody (`setpriv`): root ignores RLIMIT_NPROC and may read every file;
+- as root, drop to the slot's unprivileged uid (`setpriv`): root ignores RLIMIT_NPROC and may read every file;
 - the child itself: `python -I -S` (isolated: no site, no PYTHON* variables, no user or current folder on
-  sys.path) running `child.py`, which sets the rlimits and the guards.
+  sys.path) running `child.py`, which loads the seccomp filter (syscalls.py) and sets the rlimits and the guards.
 
 Whatever does not work on a machine (no `unshare`, namespaces refused, not root) is left out, and `Isolation`
-says what was active; anything short of the jail is announced with a warning (`weaker_than_jail`). Python
+says what was active; anything short of the jail refuses untrusted code unless accepted by name (`accept`). Python
 3.12's `os.unshare` would spare the binary; this is 3.11.
 """
 
@@ -36,10 +36,16 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import cputime
+from . import cputime, syscalls
 
-NOBODY = 65534
-"""The uid and gid a root parent's children run as (Debian's nobody/nogroup)."""
+SLOT_UID_BASE = 1_000_000
+SLOTS_PER_PROCESS = 512
+"""A root parent's child runs as uid and gid `slot_uid(slot)`: one per slot of this process (Sandbox.run: no two
+runs at once share a slot) and per process (the pid picks a block of SLOTS_PER_PROCESS), so RLIMIT_NPROC,
+keyrings and file ownership are per run, not shared by all runs as with nobody. No user of the machine has
+these ids; a container that maps only 65,536 ids has no jail (the probe falls back)."""
+ACCEPT_ENV = "WORKBENCH_SANDBOX_ACCEPT"
+"""Naming a launch chain that cannot isolate (`Isolation.name`) here lets it run untrusted code anyway."""
 PATH = "/usr/bin:/bin"
 JAIL_HOME = "/home"
 """The child's home and working folder inside the jail."""
@@ -55,15 +61,18 @@ class Isolation:
     """What isolates a sandboxed child on this machine (`probe` measures it)."""
 
     drop: str
-    """How a root parent's child becomes nobody: 'jail' (in its own root file system, child.py `enter_jail`),
+    """How a root parent's child becomes its slot's uid: 'jail' (in its own root file system, child.py `enter_jail`),
     'direct' (setpriv), or '' (it keeps the parent's user: not root, or dropping did not work)."""
     namespaces: tuple[str, ...]
     """The namespaces the child runs in, of user, mnt, net and pid. With 'user', an unprivileged user creates
-    them (a parent that is not root, or nobody after the drop); without, root does, before the drop."""
+    them (a parent that is not root, or the slot's uid after the drop); without, root does, before the drop."""
     uid: int
-    """The real uid the child runs as outside any namespace (RLIMIT_NPROC counts this user's processes)."""
+    """The real uid the child runs as outside any namespace; where `drop` is set, that of the probe (each run has
+    its own: `slot_uid`, so RLIMIT_NPROC counts its own processes only)."""
     guards: bool
     """Whether child.py's audit hook is installed (sockets, processes, signals, ctypes, file access)."""
+    seccomp: bool = False
+    """Whether the child loads the seccomp filter (syscalls.py) before running anything untrusted."""
 
     def __post_init__(self):
         if self.drop == "jail" and ({"mnt", "pid"} - set(self.namespaces) or "user" in self.namespaces):
@@ -75,14 +84,33 @@ class Isolation:
         """What stops network access: the kernel (a network namespace), else the Python guard only."""
         return "net namespace" if "net" in self.namespaces else ("python guard" if self.guards else "nothing")
 
+    @property
+    def name(self) -> str:
+        """The chain in a word or two, as ACCEPT_ENV takes it: 'jail', 'setpriv+net+pid', 'userns+net+pid', 'plain'."""
+        if self.drop == "jail":
+            return "jail"
+        spaces = [n for n in self.namespaces if n != "user"]
+        head = "setpriv" if self.drop else ("userns" if "user" in self.namespaces else "plain")
+        return "+".join([head if head != "plain" or not spaces else "ns", *spaces])
+
     def describe(self) -> str:
-        who = {"jail": "nobody, chrooted into a private root of the interpreter only", "direct": "nobody (setpriv)"}
+        who = {"jail": "one per run (slot_uid), chrooted into a private root of the interpreter only",
+               "direct": "one per run (slot_uid, setpriv)"}
         cpu = ("the whole process tree" if "pid" in self.namespaces and cputime.available()
                else "each process" if not cputime.available() else "the process tree, less what leaves it")
-        return (f"uid {self.uid} = {who.get(self.drop, 'the parent user')}; "
+        return (f"uid {who.get(self.drop, f'{self.uid} (the parent user)')}; "
                 f"namespaces: {', '.join(self.namespaces) or 'none'}; network blocked by: {self.network}; "
                 f"CPU limited for: {cpu}; guards: {'on' if self.guards else 'off'}; "
+                f"seccomp: {'on' if self.seccomp else 'off'}; "
                 "always: rlimits, own session, scrubbed env, temp home")
+
+
+def slot_uid(slot: int) -> int:
+    """The uid (and gid) of a run in `slot` of this process: at most 2**22 pids x 512 slots above 1,000,000, under
+    uid_t's 2**32 - 1."""
+    if not 0 <= slot < SLOTS_PER_PROCESS:
+        raise RuntimeError(f"sandbox: more than {SLOTS_PER_PROCESS} runs at once in one process; use fewer workers")
+    return SLOT_UID_BASE + (os.getpid() % (1 << 22)) * SLOTS_PER_PROCESS + slot
 
 
 CANDIDATES = (("jail", ("mnt", "net", "pid", "ipc")), ("direct", ("net", "pid")),
@@ -98,9 +126,10 @@ def interpreter() -> tuple[Path, Path]:
     return binary, Path(os.path.realpath(sys.base_prefix))
 
 
-def command(isolation: Isolation, run_dir: Path, settings: dict, program: str) -> tuple[list[str], dict[str, str]]:
-    """(argv, environment) starting `child.py` with `settings` on `program` under `isolation` (the jail's
-    settings are added here: `prepare` made its folders)."""
+def command(isolation: Isolation, run_dir: Path, settings: dict, program: str,
+            uid: int) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) starting `child.py` with `settings` on `program` under `isolation`, as `uid` where the
+    chain drops to another user (the jail's settings are added here: `prepare` made its folders)."""
     binary, _ = interpreter()
     settings = dict(settings, jail=None)
     spaces = isolation.namespaces
@@ -109,9 +138,9 @@ def command(isolation: Isolation, run_dir: Path, settings: dict, program: str) -
     if by_root:
         argv += [_tool("unshare"), *(f for n in by_root for f in _FLAGS[n]), "--"]
     if isolation.drop == "jail":
-        settings["jail"] = dict(jail_view(), root=str(run_dir / "root"), uid=NOBODY, home=JAIL_HOME)
+        settings["jail"] = dict(jail_view(), root=str(run_dir / "root"), uid=uid, home=JAIL_HOME)
     elif isolation.drop:
-        argv += [_tool("setpriv"), f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--no-new-privs"]
+        argv += [_tool("setpriv"), f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs"]
         # Changing uid clears unshare's --kill-child; restored, the child dies with unshare even if it left the
         # process group (os.setsid), and with it the PID namespace.
         argv += ["--pdeathsig", "KILL", "--"] if "pid" in by_root else ["--"]
@@ -141,7 +170,7 @@ def jail_view() -> dict:
     return {"binds": binds, "masks": masks, "links": links}
 
 
-def prepare(run_dir: Path, isolation: Isolation) -> Path:
+def prepare(run_dir: Path, isolation: Isolation, uid: int) -> Path:
     """The child's home (also its working folder) in `run_dir`, reachable by the child's user only; in the jail,
     the empty folder its root is mounted on (its home is then JAIL_HOME, a tmpfs inside)."""
     if isolation.drop == "jail":
@@ -150,8 +179,8 @@ def prepare(run_dir: Path, isolation: Isolation) -> Path:
     home = run_dir / "home"
     home.mkdir(mode=0o700)
     if isolation.drop:
-        os.chmod(run_dir, 0o711)  # nobody passes through to home/ and lists nothing
-        os.chown(home, NOBODY, NOBODY)
+        os.chmod(run_dir, 0o711)  # the child's user passes through to home/ and lists nothing
+        os.chown(home, uid, uid)
     return home
 
 
@@ -183,23 +212,34 @@ def probe(guards: bool) -> Isolation:
                   and (not spaces or (_has("unshare") and (root or "user" in spaces))))
         if not usable:
             continue
-        trial = Isolation(drop, spaces, NOBODY if drop else os.getuid(), guards)
+        trial = Isolation(drop, spaces, slot_uid(0) if drop else os.getuid(), guards, syscalls.bpf() is not None)
         seen = _run_probe(trial)
         if seen is not None and all(seen[n] != own[n] for n in spaces):
-            if drop != "jail":
-                warnings.warn(weaker_than_jail(trial), stacklevel=2)
             return trial
     raise RuntimeError(f"sandbox: not even a plain `{binary} -I -S` child started; check that the interpreter runs")
 
 
 def weaker_than_jail(isolation: Isolation) -> str:
-    """The warning for a launch chain without the jail: what a child can then reach, and how to get more."""
-    return (f"sandbox: no private file-system view here ({isolation.describe()}): it needs a root parent with "
-            "CAP_SYS_ADMIN. Sandboxed code can read every file its user can read (the trainer's files, the "
-            "installed problem data), and reach path-named unix sockets and the scratch folders (/tmp, /dev/shm) "
-            "that other runs use, and sees every process of this machine in /proc. Run the trainer "
-            "inside bubblewrap (bwrap --unshare-all --die-with-parent) or nsjail, or as root in a container: "
-            "docs/sandbox.md")
+    """What a launch chain without the jail leaves open (one line), and how to get the jail."""
+    return (f"no private file-system view ({isolation.describe()}): sandboxed code can read every file its user "
+            "can read (the trainer's files, the installed problem data, so a wrong solution can copy the "
+            "canonical answer), change what its user may change, reach path-named unix sockets and the shared "
+            "scratch folders, and see every process in /proc; the Python guards are then the only wall, and "
+            "they are not one. The jail needs a root parent with CAP_SYS_ADMIN (in a container: "
+            "docs/sandbox.md)")
+
+
+def accept(isolation: Isolation) -> None:
+    """Refuse a chain that cannot isolate (anything but the jail) unless ACCEPT_ENV names it; where it does, say in
+    one line what is then unprotected."""
+    if isolation.drop == "jail":
+        return
+    if isolation.name not in os.environ.get(ACCEPT_ENV, "").split(","):
+        raise RuntimeError(f"sandbox: refusing to run untrusted code on the launch chain '{isolation.name}', the "
+                           f"strongest here: {weaker_than_jail(isolation)}. To run it anyway, set "
+                           f"{ACCEPT_ENV}={isolation.name}")
+    warnings.warn(f"sandbox: running untrusted code on '{isolation.name}' as {ACCEPT_ENV} asks: "
+                  f"{weaker_than_jail(isolation)}", stacklevel=3)
 
 
 def tasks_of(uid: int) -> int:
@@ -221,10 +261,11 @@ def tasks_of(uid: int) -> int:
 def _run_probe(trial: Isolation) -> dict | None:
     with tempfile.TemporaryDirectory(prefix="workbench-sandbox-probe-", dir=temp_root()) as tmp:
         run_dir = Path(tmp)
-        home = prepare(run_dir, trial)
-        settings = {"home": str(home), "cpu_s": 5, "memory_mb": 1024, "file_mb": 1, "nproc": 1 << 20,
-                    "open_files": 64, "guards": trial.guards}
-        argv, env = command(trial, run_dir, settings, _PROBE)
+        home = prepare(run_dir, trial, trial.uid)
+        settings = {"home": str(home), "cpu_s": 5, "memory_mb": 1024, "file_mb": 1, "inodes": 64, "nproc": 1 << 20,
+                    "open_files": 64, "guards": trial.guards, "seccomp": syscalls.bpf() if trial.seccomp else None,
+                    "cgroup": None}
+        argv, env = command(trial, run_dir, settings, _PROBE, trial.uid)
         try:
             done = subprocess.run(argv, check=False, cwd=run_dir, env=env, capture_output=True, timeout=10)
             return json.loads(done.stdout) if done.returncode == 0 else None

@@ -8,17 +8,19 @@ docs/sandbox.md is the threat model.
 
 from __future__ import annotations
 
+import heapq
 import math
 import os
 import selectors
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import cputime, launch
+from . import cgroup, cputime, launch, syscalls
 
 _CHUNK = 1 << 16
 _CPU_POLL_S = 0.05
@@ -44,9 +46,12 @@ class Limits:
     file_mb: int = 16
     """The largest file the child may write (RLIMIT_FSIZE), in MiB; writing past it kills it (SIGXFSZ). In the
     jail also the size of each of its private tmpfs folders (home, /tmp, /var/tmp, /dev/shm)."""
+    inodes: int = 1024
+    """Files, folders, links and nodes in each private tmpfs folder of the jail (its nr_inodes). tmpfs charges
+    extended attributes to the same count (1 KiB an inode), so this also bounds what they hold."""
     processes: int = 64
-    """Processes and threads the child's user may start beyond those it had when the sandbox was made
-    (RLIMIT_NPROC counts every process of the real user, not the child's own)."""
+    """Processes and threads a run may have (RLIMIT_NPROC of its slot's own uid; where the chain keeps the
+    parent's user, beyond the processes that user had when the sandbox was made); pids.max of its cgroup."""
     open_files: int = 64
     """Open file descriptors (RLIMIT_NOFILE)."""
     output_bytes: int = 1 << 20
@@ -75,18 +80,49 @@ class RunResult:
     seconds: float = field(default=0.0, compare=False)
 
 
+class _Slots:
+    """Slot numbers of the runs in flight in this process, lowest free first (every Sandbox draws from one set,
+    so no two runs at once share a uid)."""
+
+    def __init__(self):
+        self._lock, self._free, self._made = threading.Lock(), [], 0
+
+    def take(self) -> int:
+        with self._lock:
+            if self._free:
+                return heapq.heappop(self._free)
+            self._made += 1
+            return self._made - 1
+
+    def give(self, slot: int) -> None:
+        with self._lock:
+            heapq.heappush(self._free, slot)
+
+
+_SLOTS = _Slots()
+
+
 class Sandbox:
     """Runs untrusted Python programs, one child process each. Thread-safe: a pool of threads may share one.
 
-    Making one probes once per process how children can be isolated here (`isolation`; `launch.probe`) and
-    counts the processes of the user the children run as, which RLIMIT_NPROC is set relative to.
+    Making one probes once per process how children can be isolated here (`isolation`; `launch.probe`), refuses
+    a chain short of the jail unless it is accepted by name (`launch.accept`), and sets up the slots' cgroups
+    where the host allows (cgroup.py). Each run takes a free slot: a uid of its own where the chain drops to
+    another user, and a cgroup of its own in the jail.
     """
 
     def __init__(self, limits: Limits | None = None, guards: bool = True, isolation: launch.Isolation | None = None):
-        """`isolation`: None for the strongest that works here; a weaker one to test the fallbacks."""
+        """`isolation`: None for the strongest that works here (refused short of the jail, unless accepted); a
+        weaker one to test the fallbacks (passing one accepts it)."""
         self.limits = limits or Limits()
-        self.isolation = isolation or launch.probe(guards)
-        self._nproc = launch.tasks_of(self.isolation.uid) + self.limits.processes
+        if isolation is None:
+            isolation = launch.probe(guards)
+            launch.accept(isolation)
+        self.isolation = isolation
+        limits = self.limits
+        self._groups = (cgroup.setup(limits.memory_mb, 4 * limits.file_mb, limits.processes)
+                        if isolation.drop == "jail" else None)
+        self._nproc = limits.processes + (0 if isolation.drop else launch.tasks_of(isolation.uid))
         self._count_cpu = cputime.available()
 
     def run(self, program: str, stdin: bytes = b"", channel: bool = False, fds: tuple[int, ...] = ()) -> RunResult:
@@ -104,15 +140,19 @@ class Sandbox:
         if channel:
             stdin = b"%d\n" % writer + stdin
         passed = (*fds, writer) if channel else tuple(fds)
+        slot = _SLOTS.take()
+        uid = launch.slot_uid(slot) if self.isolation.drop else self.isolation.uid
         try:
             with tempfile.TemporaryDirectory(prefix="workbench-sandbox-", dir=launch.temp_root(),
                                              ignore_cleanup_errors=True) as tmp:
                 run_dir = Path(tmp)
-                home = launch.prepare(run_dir, self.isolation)
+                home = launch.prepare(run_dir, self.isolation, uid)
                 settings = {"home": str(home), "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
-                            "file_mb": limits.file_mb, "nproc": self._nproc, "open_files": limits.open_files,
-                            "guards": self.isolation.guards}
-                argv, env = launch.command(self.isolation, run_dir, settings, program)
+                            "file_mb": limits.file_mb, "inodes": limits.inodes, "nproc": self._nproc,
+                            "open_files": limits.open_files, "guards": self.isolation.guards,
+                            "seccomp": syscalls.bpf() if self.isolation.seccomp else None,
+                            "cgroup": self._groups.path(slot) if self._groups else None}
+                argv, env = launch.command(self.isolation, run_dir, settings, program, uid)
                 start = time.monotonic()
                 with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       cwd=run_dir if self.isolation.drop == "jail" else home, env=env,
@@ -130,6 +170,7 @@ class Sandbox:
                         proc.wait()
                 return RunResult(proc.returncode, out, err, timed_out, capped, cpu, back, time.monotonic() - start)
         finally:
+            _SLOTS.give(slot)
             for fd in (*passed, reader):
                 if fd is not None:
                     os.close(fd)
