@@ -35,6 +35,7 @@ from timing import copy_gbs, emit, gpu_ms, header, in_mode, peak_flops  # noqa: 
 
 from workbench.generation import DecodeGraphs, SamplingParams, generate  # noqa: E402
 from workbench.models import KVCache, build, load_pretrained, save_pretrained  # noqa: E402
+from workbench.models.decoding import DecodingModel  # noqa: E402
 
 PROMPT, NEW = 128, 256
 LONG = ((64, 1024), (64, 4096), (256, 1024))
@@ -238,8 +239,8 @@ def prefill(model) -> list[str]:
         with torch.no_grad():
             for name in ("invariant", "standard-fused"):
                 with in_mode(name):
-                    ms[name] = _wall_ms(lambda: model.hidden_states(ids, seq_lens=lens, cache=cache,
-                                                                    start=torch.zeros_like(lens)))
+                    decoding = DecodingModel(model)
+                    ms[name] = _wall_ms(lambda: decoding.hidden_states(ids, lens, cache, torch.zeros_like(lens)))
             with in_mode("standard-fused"):
                 ms["flash"] = _wall_ms(lambda: model.hidden_states(ids, seq_lens=lens))
         tokens = batch * prompt

@@ -38,6 +38,7 @@ from workbench.generation import DecodeGraphs, SamplingParams, generate  # noqa:
 from workbench.generation.generator import DecodeStep, Record  # noqa: E402
 from workbench.generation.sampling import KEYED_SEED, request_keys  # noqa: E402
 from workbench.models import KVCache, build  # noqa: E402
+from workbench.models.decoding import DecodingModel  # noqa: E402
 
 STEPS = 255  # 256 new tokens (bench_generate's): the first comes from the prefill
 # Kernel name fragments -> kind, first match wins (Triton kernels by their function names, cuBLAS/ATen by theirs;
@@ -92,12 +93,13 @@ def replay_ms(model, prompts, mode_name: str) -> tuple[float, float]:
     cache = KVCache.allocate(cfg, b, PROMPT + STEPS + 1, dev)
     times = []
     with in_mode(mode_name), torch.no_grad():
-        model.hidden_states(ids, seq_lens=lens, cache=cache, start=torch.zeros_like(lens))
+        decoding = DecodingModel(model)
+        decoding.hidden_states(ids, lens, cache, torch.zeros_like(lens))
         rows = torch.arange(b, device=dev)
         record = Record.allocate(b, STEPS + 1, dev)
         pending = (ids[:, 0], torch.zeros(b, device=dev), torch.zeros(b, device=dev))
         never = torch.tensor([-1], device=dev)                      # no stop token: every row stays live
-        step = DecodeStep(model, cache, SamplingParams(temperature=1.0, seed=KEYED_SEED), record, never,
+        step = DecodeStep(decoding, cache, SamplingParams(temperature=1.0, seed=KEYED_SEED), record, never,
                           graph=True).load(rows, request_keys(0, rows), pending, lens, 0)
         torch.cuda.synchronize()
         t = time.perf_counter()

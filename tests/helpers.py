@@ -88,7 +88,7 @@ def check_against_fp64(op, args: tuple, on_gpu: bool) -> None:
 
 class PagedSim:
     """A toy of vLLM's KV-cache manager: per-layer page pools (NaN-poisoned, page ids handed out in a
-    random order) and flattened steps over several sequences, for `CausalLM.hidden_states_paged`
+    random order) and flattened steps over several sequences, for `DecodingModel.hidden_states_paged`
     and `attention_paged`."""
 
     def __init__(self, layers: int, n_pages: int, page_size: int, kv_heads: int, head_dim: int,

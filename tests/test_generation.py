@@ -23,7 +23,7 @@ from workbench.generation import (
 from workbench.generation.generator import CACHE_ROUND, compacted_size
 from workbench.generation.sampling import KEYED_SEED, request_keys, sample
 from workbench.kernels import FUSED_ROWWISE, mode
-from workbench.models import build
+from workbench.models import build, copy_weights
 
 PARAMS = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, max_new_tokens=5, seed=3)
 
@@ -112,6 +112,32 @@ def test_stop_tokens_compaction_and_kept_graphs_change_no_bits(model):
     assert (keep.step(2), keep.step(1)) == kept
     assert same_completions(generate(model, prompts, params, keep=keep).completions, free)
     assert keep.step(2) is not kept[0]
+
+
+def test_the_kept_view_follows_the_weights():
+    """`DecodeGraphs` keeps the generator's view of the model (`DecodingModel`, over the packed weights) between
+    calls: a weight update in place (`copy_weights`, as the weight sync does) is read through the same view, a
+    replaced tensor (weights assigned, no longer packed) gets a new view; each call has the bits of a fresh call
+    on the new weights (a stale view would sample with the old ones)."""
+    model = build("tiny", dtype=torch.bfloat16, seed=1)
+    prompts = _prompts([4, 2], seed=7)
+    params = SamplingParams(temperature=0.9, max_new_tokens=2, seed=2)
+    keep = DecodeGraphs()
+    # Cloned: on a CPU a completion's log-probs are views of the kept record, which the next call overwrites.
+    before = [c.logprobs.clone() for c in generate(model, prompts, params, keep=keep).completions]
+    view = keep.decoding
+    other = build("tiny", dtype=torch.bfloat16, seed=2)
+    copy_weights(dict(other.state_dict()), model)
+    after = generate(model, prompts, params, keep=keep).completions
+    assert keep.decoding is view
+    assert same_completions(after, generate(other, prompts, params).completions)
+    assert not any(torch.equal(c.logprobs, lp) for c, lp in zip(after, before)), "the new weights change the bits"
+    third = build("tiny", dtype=torch.bfloat16, seed=3)
+    model.load_state_dict({k: v.clone() for k, v in third.state_dict().items()}, assign=True)
+    assert model.model.layers[0].self_attn.packed() is None
+    replaced = generate(model, prompts, params, keep=keep).completions
+    assert keep.decoding is not view
+    assert same_completions(replaced, generate(third, prompts, params).completions)
 
 
 def test_request_keys_carry_the_seed_bit_for_bit():

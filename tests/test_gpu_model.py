@@ -9,6 +9,7 @@ import torch
 from helpers import rel_err
 from workbench.kernels import attention, attention_with_cache, mode
 from workbench.models import KVCache, build, config
+from workbench.models.decoding import DecodingModel
 
 pytestmark = pytest.mark.gpu
 
@@ -90,8 +91,10 @@ def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _model_triangle(model, lens, prefill: int, steps: int):
-    """Training logits vs prefill + `steps` decode steps, per sequence; returns the max |difference| per stage."""
+    """Training logits vs prefill + `steps` decode steps through the generator's view (`DecodingModel`, built
+    under the caller's modes), per sequence; returns the max |difference| per stage."""
     b, t = len(lens), max(lens)
+    decoding = DecodingModel(model)
     g = torch.Generator(device="cuda").manual_seed(2)
     ids = torch.randint(0, model.config.vocab_size, (b, t), device="cuda", generator=g)
     seq = torch.tensor(lens, device="cuda", dtype=torch.int32)
@@ -101,11 +104,10 @@ def _model_triangle(model, lens, prefill: int, steps: int):
         cache.k.fill_(float("nan"))
         cache.v.fill_(float("nan"))
         first = torch.clamp(seq, max=prefill)
-        pre = model(ids[:, :prefill], seq_lens=first, cache=cache, start=torch.zeros_like(seq)).float()
+        pre = decoding(ids[:, :prefill], first, cache, torch.zeros_like(seq)).float()
         diffs = [max(_maxdiff(pre[i, : min(n, prefill)], train[i, : min(n, prefill)]) for i, n in enumerate(lens))]
         for s in range(prefill, prefill + steps):
-            step = model(ids[:, s : s + 1], seq_lens=torch.ones_like(seq), cache=cache,
-                         start=torch.full_like(seq, s)).float()
+            step = decoding(ids[:, s : s + 1], torch.ones_like(seq), cache, torch.full_like(seq, s)).float()
             live = [i for i, n in enumerate(lens) if s < n]
             diffs.append(max(_maxdiff(step[i, 0], train[i, s]) for i in live))
     return diffs
@@ -164,9 +166,10 @@ def test_gpu_paged_steps_equal_the_training_forward_bitwise(page_size):
                 [(0, (292, 300))]]
     rows = {}
     with mode("invariant"), torch.no_grad():
+        decoding = DecodingModel(model)   # vLLM's model runs its paged steps through this view
         for step in schedule:
             ids, pos, cache = sim.step([(s, seqs[s][a:b]) for s, (a, b) in step])
-            hidden = model.hidden_states_paged(ids, pos, cache)
+            hidden = decoding.hidden_states_paged(ids, pos, cache)
             for (s, (a, b)), h in zip(step, torch.split(hidden, [b - a for _, (a, b) in step])):
                 rows.update({(s, a + i): h[i] for i in range(b - a)})
         ids = torch.zeros((4, max(lens)), dtype=torch.long, device="cuda")
@@ -186,9 +189,8 @@ def test_gpu_paged_steps_equal_the_training_forward_bitwise(page_size):
 @pytest.mark.parametrize("shape", ["qwen3-1.7B", "smollm2-135M", "qwen2-0.5B"])
 def test_gpu_model_backward_at_the_real_shapes(shape):
     """Forward and backward through 4 layers of each shape: gradients the same bits run to run, a
-    sequence's log-probs the same alone and in the batch (a forward without autograd, which runs the unfused
-    q/k norm and rotation where the training forward runs `norm_rope`), gradients close to the standard
-    path's."""
+    sequence's log-probs the same alone (in a forward without autograd, the same path) and in the batch,
+    gradients close to the standard path's."""
     import dataclasses
 
     from workbench.kernels import token_logprobs

@@ -27,6 +27,7 @@ from workbench.models import (
     split_gate_up,
     titan_to_hf,
 )
+from workbench.models.decoding import DecodingModel
 
 TINY = SIZES["tiny"]
 _LLAMA = dataclasses.replace(TINY, model_type="llama", qk_norm=False, rope_theta=10_000.0)
@@ -141,8 +142,10 @@ def test_model_gradients_match_fp64_transformers(name, tmp_path):
 
 
 def _prefill_then_decode(model, ids, lens, prefill: int, cache_len: int, poison: bool):
-    """Logits of every real token: the first `prefill` tokens in one cached step, then one token per step."""
+    """Logits of every real token through the generator's view of the model (`DecodingModel`): the first `prefill`
+    tokens in one cached step, then one token per step."""
     b = ids.shape[0]
+    decoding = DecodingModel(model)
     cache = KVCache.allocate(model.config, b, cache_len, "cpu", dtype=next(model.parameters()).dtype)
     if poison:  # stale memory must never leak in
         cache.k.fill_(float("nan"))
@@ -150,10 +153,10 @@ def _prefill_then_decode(model, ids, lens, prefill: int, cache_len: int, poison:
     out = torch.full((*ids.shape, model.config.vocab_size), float("nan"))
     start = torch.zeros(b, dtype=torch.int32)
     first = torch.clamp(lens, max=prefill).to(torch.int32)
-    out[:, :prefill] = model(ids[:, :prefill], seq_lens=first, cache=cache, start=start).float()
+    out[:, :prefill] = decoding(ids[:, :prefill], first, cache, start).float()
     for t in range(prefill, ids.shape[1]):
-        step = model(ids[:, t:t + 1], seq_lens=torch.ones(b, dtype=torch.int32), cache=cache,
-                     start=torch.full((b,), t, dtype=torch.int32))
+        step = decoding(ids[:, t:t + 1], torch.ones(b, dtype=torch.int32), cache,
+                        torch.full((b,), t, dtype=torch.int32))
         out[:, t] = step[:, 0].float()
     return out
 
@@ -175,24 +178,34 @@ def test_training_prefill_and_decode_logits_are_bitwise_equal():
 
 @pytest.mark.parametrize("name", ["qwen3-tied-gqa2", "qwen2-bias", "llama-untied"])
 def test_packed_products_are_the_bits_of_separate_ones(name):
-    """Forwards without autograd run q/k/v as one product over the packed weights, and gate/up as another: the
-    same logits, bitwise, as the separate products of a training forward; a model moved by .to() holds them
-    apart again and runs them one by one."""
+    """The generator's view of the model (`DecodingModel`) runs q/k/v as one product over the packed weights,
+    and gate/up as another (with the fused norm/rope/cache write): the same logits, bitwise, as the separate
+    products of the model's own forward against a cache, whose real tokens are the training forward's; a model
+    moved by .to() holds them apart again and its view runs them one by one."""
     model = build(VARIANTS[name], dtype=torch.bfloat16, seed=13)
     assert all(layer.self_attn.packed() is not None for layer in model.model.layers)
     assert all(layer.mlp.packed() is not None for layer in model.model.layers)
     ids = _ids(3, 9, TINY.vocab_size, seed=14)
     lens = torch.tensor([9, 4, 7], dtype=torch.int32)
+    zero = torch.zeros(3, dtype=torch.int32)
+
+    def cache(m):
+        return KVCache.allocate(m.config, 3, 9, "cpu", dtype=m.lm_head_weight.dtype)
+
     with mode("invariant"):
         with torch.no_grad():
-            packed = model(ids, seq_lens=lens)
-        separate = model(ids, seq_lens=lens).detach()
+            packed = DecodingModel(model)(ids, lens, cache(model), zero)
+            separate = model(ids, seq_lens=lens, cache=cache(model), start=zero)
+        train = model(ids, seq_lens=lens).detach()
     assert torch.equal(packed, separate)
+    for b, n in enumerate(lens.tolist()):
+        assert torch.equal(packed[b, :n], train[b, :n]), f"sequence {b}"
     moved = model.to(torch.float32)
     assert all(layer.self_attn.packed() is None for layer in moved.model.layers)
     assert all(layer.mlp.packed() is None for layer in moved.model.layers)
     with mode("invariant"), torch.no_grad():
-        torch.testing.assert_close(moved(ids, seq_lens=lens), separate.float(), atol=0.05, rtol=0.05)
+        got = DecodingModel(moved)(ids, lens, cache(moved), zero)
+        torch.testing.assert_close(got, separate.float(), atol=0.05, rtol=0.05)
 
 
 @pytest.mark.parametrize("shape", ["smollm2-135M", "qwen2-0.5B"])
@@ -351,6 +364,7 @@ def test_paged_steps_give_the_training_forward_bits_and_its_logprobs():
     from workbench.kernels import linear, logprob_rows, token_logprobs
 
     model = build("tiny", seed=3)
+    decoding = DecodingModel(model)   # vLLM's model runs its paged steps through this view
     cfg = model.config
     g = torch.Generator().manual_seed(4)
     seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (15, 12, 9)]
@@ -362,7 +376,7 @@ def test_paged_steps_give_the_training_forward_bits_and_its_logprobs():
     with torch.no_grad():
         for step in schedule:
             ids, pos, cache = sim.step([(s, seqs[s][a:b]) for s, (a, b) in step])
-            hidden = model.hidden_states_paged(ids, pos, cache)
+            hidden = decoding.hidden_states_paged(ids, pos, cache)
             for (s, (a, b)), h in zip(step, torch.split(hidden, [b - a for _, (a, b) in step])):
                 for i in range(b - a):
                     rows[(s, a + i)] = h[i]

@@ -19,6 +19,7 @@ import torch
 from ..kernels import current_state, get_mode, linear, pdl
 from ..kernels._common import interpreting
 from ..models import KVCache, CausalLM
+from ..models.decoding import DecodingModel
 from .record_kernel import record_add, record_add_reference
 from .sampling import KEYED_SEED, SamplingParams, request_keys, sample
 
@@ -64,7 +65,7 @@ def _check_prompts(prompts, vocab: int) -> None:
             raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab})")
 
 
-def _next_logits(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
+def _next_logits(model: DecodingModel, hidden: torch.Tensor) -> torch.Tensor:
     return linear(hidden, model.lm_head_weight)                                  # [B, V]
 
 
@@ -109,7 +110,8 @@ class DecodeStep:
     host work in between; `load` refills those buffers, so a later call of the same shape replays the same graph.
     """
 
-    def __init__(self, model: CausalLM, cache: KVCache, params: SamplingParams, record: Record, stop, graph: bool):
+    def __init__(self, model: DecodingModel, cache: KVCache, params: SamplingParams, record: Record, stop,
+                 graph: bool):
         """params: with seed KEYED_SEED; each row's seed is in its key (`request_keys`), loaded as its request id."""
         self.model, self.cache, self.params, self.record, self.stop = model, cache, params, record, stop
         b, dev = cache.k.shape[1], stop.device
@@ -188,22 +190,25 @@ CACHE_ROUND = 64
 
 
 class DecodeGraphs:
-    """One `generate` call's KV caches, record and captured decode steps, kept for the next call of the same shape.
+    """One `generate` call's model view (`DecodingModel`), KV caches, record and captured decode steps, kept for
+    the next call of the same shape.
 
     Without it every call allocates its cache and captures its decode step (one per compaction size) anew; the
     capture walks every launch of the step on the host, tens of milliseconds a graph at the 1.7B shape. vLLM
     captures once, at start-up; passed to `generate`, this does the same for the embedded generator. A call whose
     batch size, cache length (rounded up to CACHE_ROUND), sampling parameters, model tensors and kernel modes are
-    the previous call's replays that call's graphs; any other call replaces them. The memory (the caches of every
+    the previous call's replays that call's graphs on that call's view; any other call builds them anew (a weight
+    replaced rather than updated in place, say by a checkpoint sync, is a new view). The memory (the caches of every
     compaction size, the graphs' pools) stays held between calls: `clear()` returns it, e.g. before an update.
     """
 
     def __init__(self):
         self._key = None
         self._steps: dict[int, DecodeStep] = {}
+        self.decoding: DecodingModel | None = None
 
     def clear(self) -> None:
-        self._key, self._steps = None, {}
+        self._key, self._steps, self.decoding = None, {}, None
 
     def begin(self, model: CausalLM, params: SamplingParams, b: int, max_len: int, graph: bool) -> None:
         """Start a call: keep everything if it has the last call's shape (`_graph_key`), else start empty."""
@@ -218,7 +223,8 @@ class DecodeGraphs:
         self.clear()
         self._key = key
         dev = model.lm_head_weight.device
-        self.model, self.max_len, self.dtype, self.graph = model, max_len, model.lm_head_weight.dtype, graph
+        self.decoding = DecodingModel(model)      # under the call's kernel modes, part of the key
+        self.max_len, self.dtype, self.graph = max_len, model.lm_head_weight.dtype, graph
         self.params = replace(params, seed=KEYED_SEED)
         self.record = Record.allocate(b, params.max_new_tokens, dev)
         self.stop = torch.tensor(params.stop_token_ids or [-1], device=dev)
@@ -226,16 +232,16 @@ class DecodeGraphs:
     def step(self, rows: int) -> DecodeStep:
         """The decode step over `rows` rows and its cache; a kept one's graph replays as captured."""
         if rows not in self._steps:
-            cache = KVCache.allocate(self.model.config, rows, self.max_len, self.stop.device, self.dtype)
-            self._steps[rows] = DecodeStep(self.model, cache, self.params, self.record, self.stop, self.graph)
+            cache = KVCache.allocate(self.decoding.config, rows, self.max_len, self.stop.device, self.dtype)
+            self._steps[rows] = DecodeStep(self.decoding, cache, self.params, self.record, self.stop, self.graph)
         return self._steps[rows]
 
 
 def _graph_key(model: CausalLM, params: SamplingParams, b: int, max_len: int, graph: bool) -> tuple:
-    """What a captured step bakes in: the model's tensors (by address: an in-place weight update is read by the
-    replay, a replaced tensor is not), its LoRA scales, the sampling parameters but the seed (Python constants of
-    the sampler; the seed is in the rows' keys), the kernel modes and PDL switch (which kernels were launched),
-    and the shapes."""
+    """What a captured step and the view it runs bake in: the model's tensors (by address: an in-place weight update
+    is read by the replay, a replaced tensor is not; their packing), its LoRA scales, the sampling parameters but
+    the seed (Python constants of the sampler; the seed is in the rows' keys), the kernel modes and PDL switch
+    (which kernels were launched), and the shapes."""
     state = current_state()
     return (id(model), tuple((t.data_ptr(), t.shape, t.dtype) for t in (*model.parameters(), *model.buffers())),
             tuple(getattr(m, "lora_scale", None) for m in model.modules()), replace(params, seed=0), b,
@@ -282,10 +288,10 @@ def generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams,
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    hidden = model.hidden_states(ids, seq_lens=lens, cache=cache, start=torch.zeros_like(lens))  # [B, P, H]
+    hidden = keep.decoding.hidden_states(ids, lens, cache, torch.zeros_like(lens))                # [B, P, H]
     last = hidden[torch.arange(b, device=dev), lens.long() - 1]                                  # [B, H]
     # Randomness is keyed by (seed, request id, index of the new token): not by batch or prompt length.
-    tok, lp, slp = sample(_next_logits(model, last), params, req, torch.zeros_like(req))
+    tok, lp, slp = sample(_next_logits(keep.decoding, last), params, req, torch.zeros_like(req))
     sync()
     t1 = time.perf_counter()
 

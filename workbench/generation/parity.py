@@ -19,6 +19,7 @@ import torch
 from .. import bf16
 from ..kernels import token_logprobs
 from ..models import KVCache, CausalLM
+from ..models.decoding import DecodingModel
 from .generator import generate
 from .sampling import SamplingParams, sampled_logprobs
 
@@ -30,7 +31,8 @@ def trainer_logprobs(model: CausalLM, prompts: list[list[int]], completions: lis
 
     With `params`, of the tempered, truncated distribution sampled from (`Completion.sampled_logprobs`);
     without, of the model's own distribution (`Completion.logprobs`). `path` 'train' is the training
-    forward; 'prefill' runs the same batch through a fresh KV cache, as the generator's prefill does.
+    forward; 'prefill' runs the same batch through a fresh KV cache on the generator's view of the model
+    (`DecodingModel`), as the generator's prefill does.
     """
     if len(prompts) != len(completions):
         raise ValueError(f"trainer_logprobs: {len(prompts)} prompts but {len(completions)} completions")
@@ -46,7 +48,7 @@ def trainer_logprobs(model: CausalLM, prompts: list[list[int]], completions: lis
         logits = model(ids, seq_lens=lens)                          # [B, T, V]
     else:
         cache = KVCache.allocate(model.config, len(seqs), ids.shape[1], dev, model.lm_head_weight.dtype)
-        logits = model(ids, seq_lens=lens, cache=cache, start=torch.zeros_like(lens))
+        logits = DecodingModel(model)(ids, lens, cache, torch.zeros_like(lens))
     # The token at t + 1 is scored by the logits at t.
     targets = torch.roll(ids, -1, dims=1)
     lp = token_logprobs(logits, targets) if params is None else sampled_logprobs(logits, targets, params)

@@ -8,9 +8,9 @@ numbers; every number of the model comes from the workbench kernels.
   Each decoder layer holds one of vLLM's `Attention` layers only so that vLLM allocates and binds
   the paged KV cache and builds that metadata; its kernels never run.
 - `forward` wraps the metadata and the layers' caches as a `PagedKVCache` and runs
-  `CausalLM.hidden_states_paged`: our matmul, norms, RoPE, `paged_kv_write` and
-  `attention_paged`. In `invariant` mode a token's hidden state has the bits the trainer's forward
-  gives it, whatever vLLM batches it with, chunks or pages.
+  `DecodingModel.hidden_states_paged` (the generator's view of the model, built once): our matmul,
+  norms, RoPE, `paged_kv_write` and `attention_paged`. In `invariant` mode a token's hidden state has
+  the bits the trainer's forward gives it, whatever vLLM batches it with, chunks or pages.
 - Decode steps run in vLLM's full CUDA graphs (`VLLMGenerator`): nothing here reads a tensor on the host,
   and a padded request (kv_len 0, no query row, slot -1) reads and writes nothing.
 - `compute_logits` returns, in place of logits, `logprob_rows` of our logits at the sampling
@@ -32,6 +32,7 @@ import torch
 from ..kernels import current_state, linear, logprob_rows, mode
 from ..models import CausalLM
 from ..models.checkpoint import config_from_hf
+from ..models.decoding import DecodingModel
 from ..models.transformer import PagedKVCache
 
 ARCHITECTURE = "WorkbenchCausalLM"
@@ -86,8 +87,11 @@ class WorkbenchCausalLM(CausalLM):
                                                  cache_config=vllm_config.cache_config, prefix=name)
             self.layer_names.append(name)
         # q/k/v and gate/up as one product each, as in the embedded generator (`models/packing.py`): vLLM builds
-        # the model in its dtype on its device, then `load_weights` copies into the packed views.
+        # the model in its dtype on its device, then `load_weights` copies into the packed views, in place, which
+        # the view built here reads.
         self.pack()
+        with self._mode():
+            self.decoding = DecodingModel(self)
 
     def _cache(self) -> PagedKVCache | _NoCache:
         from vllm.forward_context import get_forward_context
@@ -122,7 +126,7 @@ class WorkbenchCausalLM(CausalLM):
         if inputs_embeds is not None:
             raise NotImplementedError("the workbench model in vLLM takes token ids, not embeddings")
         with self._mode():
-            return self.hidden_states_paged(input_ids, positions, self._cache())        # [N, H]
+            return self.decoding.hidden_states_paged(input_ids, positions, self._cache())  # [N, H]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 log-prob rows [n, V] at `sampling_temperature` (see the module docstring)."""

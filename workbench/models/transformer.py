@@ -6,7 +6,9 @@ biases (Qwen2), tied or untied embeddings, the RoPE base and scaling, the head w
 
 The same module serves the trainer (a full forward over a right-padded batch)
 and the generator (prefill and decode against a static, preallocated KV cache):
-in `invariant` mode a token's logits are the same bits either way.
+in `invariant` mode a token's logits are the same bits either way. Its own forward has one
+path, each projection its own product; the generator's fast paths (packed products, fused
+kernels) are chosen once, by the view it holds (`decoding.DecodingModel`).
 
 Parameter names are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`),
 so a HF state dict loads as is; see `checkpoint.py` for files and torchtitan names.
@@ -40,11 +42,9 @@ from ..kernels import (
     paged_kv_write,
     rms_norm,
     rms_norm_add,
-    rope_cache_write,
     rope_cos_sin,
     rope_inv_freq,
     silu_mul,
-    swiglu_product,
 )
 from .config import RECOMPUTE, ModelConfig, config
 from .packing import pack_projections, packed_projections
@@ -146,8 +146,8 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
 
     def pack(self) -> None:
-        """q/k/v's weights (and biases) in one buffer (`pack_projections`): one product in forwards without
-        autograd (`packed`)."""
+        """q/k/v's weights (and biases) in one buffer (`pack_projections`): one product in the generator's forward
+        (`DecodingModel`)."""
         pack_projections((self.q_proj, self.k_proj, self.v_proj))
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -155,43 +155,40 @@ class Attention(nn.Module):
         narrow k and v products of a decode step are mostly fixed cost."""
         return packed_projections((self.q_proj, self.k_proj, self.v_proj))
 
-    def _fuses(self) -> bool:
-        """Whether the modes in force are the ones `rope_cache_write` and `norm_rope` have the bits of (invariant
+    def fuses(self) -> bool:
+        """Whether the modes in force are the ones `norm_rope` and `rope_cache_write` have the bits of (invariant
         norm and rope)."""
         return get_mode("apply_rope") == "invariant" and (not self.qk_norm or get_mode("rms_norm") == "invariant")
 
     def forward(self, x, cos, sin, seq_lens, cache=None, layer=0, start=None, end=None):
-        """end: start + seq_lens with a static cache, added once per forward rather than once per layer (each add
-        is a launch of its own in a decode step)."""
+        """The training forward, each projection its own product (also the reference forward against a cache;
+        the generator runs `DecodingModel`'s). end: start + seq_lens with a cache, added once per forward rather
+        than once per layer (each add is a launch of its own in a decode step)."""
         b, t, _ = x.shape                                                   # x [B, T, H]
-        qkv = None if torch.is_grad_enabled() else self.packed()
-        if qkv is None:
-            q = self.q_proj(x).view(b, t, self.hq, self.d)                  # [B, T, Hq, D]
-            k = self.k_proj(x).view(b, t, self.hkv, self.d)                 # [B, T, Hkv, D]
-            v = self.v_proj(x).view(b, t, self.hkv, self.d)                 # [B, T, Hkv, D]
-        else:
-            q, k, v = linear(x, *qkv).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-            q, k, v = q.view(b, t, self.hq, self.d), k.view(b, t, self.hkv, self.d), v.view(b, t, self.hkv, self.d)
-            if isinstance(cache, KVCache) and self._fuses():
-                norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
-                q = rope_cache_write(q, k, v, cos, sin, cache.k[layer], cache.v[layer], start, *norms)
-                o = attention_with_cache(q, cache.k[layer], cache.v[layer], start, end)
-                return self.o_proj(o.reshape(b, t, self.hq * self.d))
-            if self.qk_norm:  # the norm reads rows of one stride; rope and attention take any strides
-                q, k = q.contiguous(), k.contiguous()
-        if self.qk_norm and torch.is_grad_enabled() and self._fuses():
-            # A training forward: norm and rotation in one pass each way, the unfused ops' bits (a forward
-            # without autograd keeps the norm modules, which the parity audit hooks).
+        q = self.q_proj(x).view(b, t, self.hq, self.d)                      # [B, T, Hq, D]
+        k = self.k_proj(x).view(b, t, self.hkv, self.d)                     # [B, T, Hkv, D]
+        v = self.v_proj(x).view(b, t, self.hkv, self.d)                     # [B, T, Hkv, D]
+        if self.qk_norm and self.fuses():
+            # Norm and rotation in one pass each way, the unfused ops' bits.
             q = norm_rope(q, self.q_norm.weight, cos, sin, self.q_norm.eps)
             k = norm_rope(k, self.k_norm.weight, cos, sin, self.k_norm.eps)
         else:
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)         # cos, sin [B, T, D/2]
+            q, k = self.norm_rotate(q, k, cos, sin)
+        return self.attend(q, k, v, seq_lens, cache, layer, start, end)
+
+    def norm_rotate(self, q, k, cos, sin):
+        """q and k through the norm modules (qk_norm), then rotated (cos, sin [B, T, D/2])."""
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def attend(self, q, k, v, seq_lens, cache, layer, start, end):
+        """Attention over the batch (no cache) or the cache (the step's K/V written, then read), then o_proj."""
+        b, t = q.shape[:2]
         if cache is None:
             o = attention(q, k, v, seq_lens)                                # [B, T, Hq, D]
         else:
-            o = cache.attend(layer, q, k, v, start, end)                    # K/V written, then read
+            o = cache.attend(layer, q, k, v, start, end)
         return self.o_proj(o.reshape(b, t, self.hq * self.d))               # [B, T, H]
 
 
@@ -203,7 +200,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def pack(self) -> None:
-        """gate's and up's weights in one buffer (`pack_projections`): one product in forwards without autograd."""
+        """gate's and up's weights in one buffer (`pack_projections`): one product in the generator's forward."""
         pack_projections((self.gate_proj, self.up_proj))
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -211,19 +208,7 @@ class MLP(nn.Module):
         return packed_projections((self.gate_proj, self.up_proj))
 
     def forward(self, x):
-        packed = None if torch.is_grad_enabled() else self.packed()
-        if packed is None:
-            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))  # [B, T, I] -> [B, T, H]
-        # A decode step's gate and up products each leave most SMs idle at batch 64; as one product they fill
-        # them, and at decode sizes the activation runs in that product's epilogue (the same bits).
-        gate_up = packed[0]                                                  # [2I, H]
-        fused = None
-        if get_mode("linear") == "invariant" and get_mode("silu_mul") == "invariant":
-            fused = swiglu_product(x, gate_up)                               # [B, T, I], or None: not here
-        if fused is None:
-            gate, up = linear(x, gate_up).chunk(2, dim=-1)                   # silu_mul reads strided halves
-            fused = silu_mul(gate, up)
-        return self.down_proj(fused)
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))  # [B, T, I] -> [B, T, H]
 
 
 class DecoderLayer(nn.Module):
@@ -235,21 +220,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, residual, cos, sin, seq_lens, cache=None, layer=0, start=None, recompute_mlp=False,
-                end=None):
+                end=None, sublayers=None):
         """The residual stream as (x, residual), the stream being x + residual: each add is fused into the
         norm that reads its sum (`RMSNorm.add`), one pass over the rows instead of two, the same bits as
         `h = h + sublayer(norm(h))`. Layer 0 gets residual None (the stream is the embeddings).
 
-        recompute_mlp: keep only the MLP's input and recompute its products in the backward."""
+        recompute_mlp: keep only the MLP's input and recompute its products in the backward.
+        sublayers: (attention, mlp) to run instead of this layer's modules (`DecodingModel`'s paths)."""
+        attn, mlp = (self.self_attn, self.mlp) if sublayers is None else sublayers
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.add(x, residual)
-        x = self.self_attn(h, cos, sin, seq_lens, cache, layer, start, end)
+        x = attn(h, cos, sin, seq_lens, cache, layer, start, end)
         h, residual = self.post_attention_layernorm.add(x, residual)
         if recompute_mlp:
-            return checkpoint(self.mlp, h, use_reentrant=False, context_fn=_same_mode()), residual
-        return self.mlp(h), residual
+            return checkpoint(mlp, h, use_reentrant=False, context_fn=_same_mode()), residual
+        return mlp(h), residual
 
 
 class DecoderStack(nn.Module):
@@ -291,8 +278,7 @@ class CausalLM(nn.Module):
 
     def pack(self) -> CausalLM:
         """Every attention's q/k/v weights in one buffer, and every MLP's gate/up weights in another
-        (`pack_projections`): one product for each group in the forwards that record no autograd graph
-        (generation, scoring)."""
+        (`pack_projections`): one product for each group in the generator's forward (`DecodingModel`)."""
         for layer in self.model.layers:
             layer.self_attn.pack()
             layer.mlp.pack()
@@ -306,8 +292,9 @@ class CausalLM(nn.Module):
         return rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling, device=device)
 
     def hidden_states(self, input_ids, seq_lens=None, cache: KVCache | None = None, start=None,
-                      recompute: str = "none"):
-        """Final-norm hidden states [B, T, H]; see `forward`.
+                      recompute: str = "none", sublayers=None):
+        """Final-norm hidden states [B, T, H]; see `forward`. sublayers: per layer the (attention, mlp) to run
+        instead of its modules (`DecodingModel`'s paths).
 
         recompute (training forwards): what the backward recomputes instead of keeping. 'none'; 'mlp': each
         MLP's gate/up products and silu(gate)*up (at the 1.7B shape half the activations, for ~15% more
@@ -330,25 +317,28 @@ class CausalLM(nn.Module):
         cos, sin = rope_cos_sin(positions, self.inv_freq(dev))             # [B, T, D/2] fp32
         x, residual = embedding(input_ids, self.model.embed_tokens.weight), None  # [B, T, H]
         end = None if cache is None else start + seq_lens                   # [B]: each row's keys after the step
-        grad = torch.is_grad_enabled()
         for i, layer in enumerate(self.model.layers):
-            if recompute == "layers" and grad:
+            # Without autograd `checkpoint` runs the layer as it is (it keeps nothing to recompute).
+            if recompute == "layers":
                 x, residual = checkpoint(layer, x, residual, cos, sin, seq_lens, use_reentrant=False,
                                          context_fn=_same_mode())
             else:
                 x, residual = layer(x, residual, cos, sin, seq_lens, cache, i, start,
-                                    recompute_mlp=recompute == "mlp" and grad, end=end)
+                                    recompute_mlp=recompute == "mlp", end=end,
+                                    sublayers=None if sublayers is None else sublayers[i])
         return self.model.norm.add(x, residual)[0]
 
-    def hidden_states_paged(self, input_ids, positions, cache: PagedKVCache):
-        """Final-norm hidden states [N, H] of a flattened step (input_ids, positions [N]) over a paged cache.
+    def hidden_states_paged(self, input_ids, positions, cache: PagedKVCache, sublayers=None):
+        """Final-norm hidden states [N, H] of a flattened step (input_ids, positions [N]) over a paged cache;
+        sublayers as in `hidden_states`.
 
         In `invariant` mode row n has the bits the training forward gives that token.
         """
         cos, sin = rope_cos_sin(positions[None], self.inv_freq(positions.device))  # [1, N, D/2] fp32
         x, residual = embedding(input_ids, self.model.embed_tokens.weight)[None], None  # [1, N, H]
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, cos, sin, None, cache, i, None)
+            x, residual = layer(x, residual, cos, sin, None, cache, i, None,
+                                sublayers=None if sublayers is None else sublayers[i])
         return self.model.norm.add(x, residual)[0][0]
 
     def forward(self, input_ids, seq_lens=None, cache: KVCache | None = None, start=None):
