@@ -153,8 +153,8 @@ def compare(cfg: CompareConfig) -> pd.DataFrame:
     table = parity_table([c.sampled_logprobs if tempered else c.logprobs for c in out.completions], recomputed,
                          tokens)
     table.to_csv(folder / "comparison.csv", index=False)
-    controls = cfg.dtype == "float32" or cfg.sampler_kernels == "engine"
-    if device == "cpu" and cfg.kernel_mode == "standard" and not controls and parity_summary(table)["bitwise_identical"]:
+    control = cfg.dtype == "float32" or cfg.sampler_kernels == "engine"
+    if device == "cpu" and cfg.kernel_mode == "standard" and not control and parity_summary(table)["bitwise_identical"]:
         _say("on a CPU the bf16 standard kernels can agree token for token (cuBLAS and FlashAttention are what "
              "differ on a GPU); --sampler-kernels engine (the `off` arm's generator) or --dtype float32 (notebook "
              "03's control) shows the mismatch here")

@@ -67,7 +67,7 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
     if os.environ.get("RANK", "0") != "0":   # rank 0 alone writes the run's files, so it alone claims the folder
         return _train(cfg, fresh=False)
     out = Path(cfg.out_dir)
-    with claim(out, "train", holds=RUN_FILES, resume=cfg.resume,
+    with claim(cfg.out_dir, "train", holds=RUN_FILES, resume=cfg.resume,
                resumable=lambda: latest_checkpoint(out) is not None) as folder:
         last = latest_checkpoint(out) if cfg.resume else None
         if last is not None and (at := json.loads((last / "state.json").read_text())["step"]) >= cfg.steps:
@@ -123,7 +123,7 @@ def interrupted(cfg: TrainConfig) -> str:
     last = latest_checkpoint(out)
     if last is None:
         again = f"delete {out}, then run" if out.exists() else "run"
-        return f"nothing to resume: no checkpoint was written in {out} yet; {again} the same command again to start over"
+        return f"nothing to resume: no checkpoint was written in {out} yet; {again} the same command to start over"
     return (f"{last_good(out)}, the metrics up to now in {out / 'metrics.csv'}; continue with: python -m workbench "
             f"train --config {out / 'config.yaml'} --resume")
 
