@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -26,10 +28,15 @@ SMALL = ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "2"
          "--no-progress"]
 
 
+def _env() -> dict:
+    # this checkout first; the rest of the path kept (conftest.py's tests/subprocess_site, for the interpreter)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 def _holder(folder: Path) -> subprocess.Popen:
     """Another process holding `folder` through the same function the commands use, until its stdin closes."""
     proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            text=True, env=_env())
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -81,6 +88,37 @@ def test_a_folder_another_process_holds_is_refused_in_one_line(command, tmp_path
     assert not (folder / LOCK).exists(), "a holder that ends releases the folder"
 
 
+@pytest.mark.slow
+def test_two_real_train_processes_into_one_folder(policy, tmp_path):
+    """The issue's case: a second `train` with another learning rate into the folder of one still running is refused
+    in one line; the first, interrupted (SIGINT, as a terminal's Ctrl-C), checkpoints its step and says how to go on;
+    resumed with no steps left it has nothing to do."""
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "workbench", "train", "--policy", policy, "--out-dir", str(out), "--steps", "500",
+            "--checkpoint-every", "100", *SMALL]
+    first = subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics.csv").exists():   # step 1 done: the run is well under way
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.2)
+        config = (out / "config.yaml").read_text()
+        second = subprocess.run([*argv, "--lr", "1e-3"], env=_env(), capture_output=True, text=True, timeout=300)
+        err = second.stderr.strip().splitlines()
+        assert second.returncode == 2 and len(err) == 1 and f"is in use by train (pid {first.pid} on" in err[0], err
+        assert (out / "config.yaml").read_text() == config, "the refused process wrote nothing"
+        first.send_signal(signal.SIGINT)
+        _, err = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert first.returncode == 130, err
+    at = int(re.search(r"interrupted; the last good checkpoint \(step (\d+)\)", err).group(1))
+    assert 0 < at < 100 and "--resume" in err, "checkpointed at the step the Ctrl-C came in, not at step 100"
+    done = subprocess.run([sys.executable, "-m", "workbench", "train", "--config", str(out / "config.yaml"),
+                           "--resume", "--steps", str(at)], env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and f"nothing to do: the run is at step {at}" in done.stdout, done.stderr
+
+
 def test_a_killed_holders_lock_is_taken_over_with_a_notice(tmp_path, capsys):
     holder = _holder(tmp_path / "run")
     holder.kill()
@@ -96,7 +134,7 @@ def test_a_killed_holders_lock_is_taken_over_with_a_notice(tmp_path, capsys):
 
 def _holder_attempt(folder: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", _HOLD, str(folder)], input="", capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+                          env=_env(), timeout=60)
 
 
 def test_a_failed_claim_in_a_new_folder_leaves_nothing(tmp_path):
@@ -116,7 +154,7 @@ def test_train_refuses_a_folder_holding_a_run_unless_resumed(found, tmp_path, ca
     before = _tree(out)
     assert main(COMMANDS["train"](out)) == 2
     line = _one_line(capsys)
-    assert f"{out} already holds a run ({found}): continue it with --resume" in line, line
+    assert f"{out} already holds a run ({found}): continue it with resume=True (--resume)" in line, line
     assert main([*COMMANDS["train"](out), "--resume"]) == 2
     line = _one_line(capsys)
     assert "wrote no checkpoint yet" in line and "delete that folder to start over" in line, line

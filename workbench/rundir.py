@@ -151,7 +151,7 @@ def _check(folder: Path, holds: tuple[str, ...], resume: bool, resumable: Callab
     found = [name for name in holds if (folder / name).exists()]
     if not resume:
         if found:
-            resumed = " continue it with --resume, or" if resumable is not None else ""
+            resumed = " continue it with resume=True (--resume), or" if resumable is not None else ""
             raise ValueError(f"{folder} already holds {what} ({found[0]}):{resumed} give another {option} "
                              "(or delete that folder)")
         return
@@ -159,7 +159,8 @@ def _check(folder: Path, holds: tuple[str, ...], resume: bool, resumable: Callab
         if found:
             raise ValueError(f"resume: {folder} holds {what} that wrote no checkpoint yet ({found[0]}), so there is "
                              f"nothing to resume from: delete that folder to start over, or give another {option}")
-        raise ValueError(f"resume: {folder} holds no run to resume; run without --resume first")
+        raise FileNotFoundError(f"resume: no checkpoint in {folder}, which holds no run to resume; run without "
+                                "resume first")
 
 
 @contextlib.contextmanager
@@ -167,9 +168,10 @@ def claim(out_dir: str | os.PathLike, command: str, *, option: str = "--out-dir"
           what: str = "a run", resume: bool = False, resumable: Callable[[], bool] | None = None,
           config: bool = True) -> Iterator[Claim]:
     """`out_dir` made, locked for the block, and checked: refused (a one-line ValueError) when another process holds
-    it; when any of `holds` is in it and not `resume`; when `resume` and `resumable()` is false (nothing to resume);
-    with `config`, when its config.yaml was not written by a run. `option` names the setting in messages. A block
-    that fails leaves no folder the claim made and nothing wrote into."""
+    it; when any of `holds` is in it and not `resume`; when `resume` and `resumable()` is false (nothing to resume;
+    FileNotFoundError where the folder holds no run at all); with `config`, when its config.yaml was not written by
+    a run. `option` names the setting in messages. A block that fails leaves no folder the claim made and nothing
+    wrote into."""
     raw = os.fspath(out_dir)
     created = not Path(raw).exists() if raw.strip() else False
     folder = make_folder(raw)
