@@ -174,8 +174,8 @@ COMMANDS = {
 CONFIGURABLE = {"train": "lr=3e-6 steps=200", "on-off": "seeds=[0,1,2] arms=[on,off]", "nightly": "scale=smoke"}
 """The commands that take --config FILE and key=value overrides, each with an example of the overrides."""
 
-RESUMES = {name: "the runs so far are kept (each checkpointed at its last step); run the same command again to "
-                 "continue" for name in ("on-off", "sweep")}
+RESUMES = {name: "the finished runs are kept and the others go on from their last checkpoint: run the same command "
+                 "again to continue" for name in ("on-off", "sweep")}
 """What a Ctrl-C keeps, for the commands that continue where they stopped."""
 
 DESCRIPTION = ("workbench: on-policy RL of language models whose generator and trainer compute the same log-probs "

@@ -35,8 +35,8 @@ import pandas as pd
 from .config import write_config
 from .env import environment_record, git_sha, resolve_device
 from .files import make_folder
-from .rundir import claim
 from .models.hub import resolve_model
+from .rundir import claim
 from .sweep.grid import finished, mark_finished, parse_grid, point_names, points, swept
 from .tables import load_table
 
