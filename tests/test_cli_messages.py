@@ -112,12 +112,14 @@ def test_compare_on_a_cpu_shows_the_mismatch_with_the_notebooks_controls(tmp_pat
     def run(*options):
         main(["compare", "--device", "cpu", "--tokens", "6", "--out-dir", str(tmp_path), *options])
         out, err = capsys.readouterr()
-        return re.search(r"different tokens (\d+) / 6", out).group(1), err
+        return re.search(r"different tokens (\d+) / 6", out).group(1), out, err
 
-    same, err = run("--kernel-mode", "standard")
+    same, _, err = run("--kernel-mode", "standard")
     assert same == "0" and "--sampler-kernels engine (the `off` arm's generator) or --dtype float32" in err
-    assert run("--kernel-mode", "standard", "--sampler-kernels", "engine")[0] != "0"
-    assert run("--kernel-mode", "standard", "--dtype", "float32")[0] != "0"
+    differ, out, _ = run("--kernel-mode", "standard", "--sampler-kernels", "engine")
+    assert differ != "0" and out.startswith("embedded generator (an engine's kernels) vs trainer (standard kernels)")
+    differ, out, _ = run("--kernel-mode", "standard", "--dtype", "float32")
+    assert differ != "0" and out.startswith("embedded generator vs trainer (standard kernels, fp32)")
     assert run("--dtype", "float32")[0] == "0"
     with pytest.raises(SystemExit):
         main(["compare", "--sampler-kernels", "engine"])

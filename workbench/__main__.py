@@ -116,11 +116,11 @@ def _nightly(cfg: NightlyConfig, args) -> int:
 
 
 def _compare(cfg: CompareConfig, args) -> int:
-    from .compare import compare
+    from .compare import compare, describe
     from .generation import format_report, parity_summary
 
     table = compare(cfg)
-    print(f"{cfg.backend} generator vs trainer ({cfg.kernel_mode} kernels), {len(table)} tokens:")
+    print(f"{describe(cfg)}, {len(table)} tokens:")
     print(format_report(table, n=len(table)))
     if parity_summary(table)["bitwise_identical"] or cfg.kernel_mode == "standard":
         return 0

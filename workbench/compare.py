@@ -6,6 +6,10 @@ report per token the id, both log-probs in decimal and as fp32 bits in hex, the 
 and the bitwise summary. Both sides score the model's own distribution (temperature 1), except
 at another temperature with a backend that reports the tempered log-probs (the embedded
 generator, vLLM running the workbench model): then both score the distribution sampled from.
+
+On a CPU the bf16 standard kernels can agree token for token (what differs on a GPU is cuBLAS and FlashAttention);
+the controls the notebooks use show the mismatch there: `sampler_kernels='engine'` (the `off` arm's generator, an
+inference engine's fused norms, SiLU and RoPE) and `dtype='float32'` (notebook 03's `standard fp32`).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ class CompareConfig:
     checkpoint: str = ""
     """A model: a registry name (smollm2-135m-instruct), a checkpoint folder or a hub id; empty: a tiny random model."""
     prompt: str = PROMPT
-    """Prompt text (needs the checkpoint's tokenizer); ignored when prompt_ids is given."""
+    """Prompt text (needs the checkpoint's tokenizer: refused with the random checkpoint, which has none); ignored
+    when prompt_ids is given."""
     chat_template: bool = True
     """Wrap the prompt text in the tokenizer's chat template (instruct models), where it has one."""
     prompt_ids: tuple[int, ...] = ()
@@ -85,6 +90,13 @@ class CompareConfig:
         if not self.checkpoint and not self.prompt_ids and self.prompt != PROMPT:
             raise ValueError("the default random checkpoint has no tokenizer to read --prompt with: give a "
                              "--checkpoint that has one (e.g. smollm2-135m-instruct), or the prompt as --prompt-ids")
+
+
+def describe(cfg: CompareConfig) -> str:
+    """What is compared with what, for the report's head line."""
+    engine = " (an engine's kernels)" if cfg.sampler_kernels == "engine" else ""
+    fp32 = ", fp32" if cfg.dtype == "float32" else ""
+    return f"{cfg.backend} generator{engine} vs trainer ({cfg.kernel_mode} kernels{fp32})"
 
 
 def _say(message: str) -> None:
