@@ -132,6 +132,40 @@ def test_a_killed_holders_lock_is_taken_over_with_a_notice(tmp_path, capsys):
     assert not (tmp_path / "run" / LOCK).exists()
 
 
+def test_without_flock_the_record_decides(tmp_path, capsys, monkeypatch):
+    """A file system without flock (ENOLCK): a live holder on this host keeps the folder, a dead one's is taken."""
+    import errno
+    import json
+    import socket
+
+    import workbench.rundir as rundir
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(rundir.fcntl, "flock", no_flock)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for pid, refused in ((sleeper.pid, True), (_dead_pid(), False)):
+            (tmp_path / LOCK).write_text(json.dumps({"command": "holder", "pid": pid, "host": socket.gethostname(),
+                                                     "started": "then"}))
+            if refused:
+                with pytest.raises(ValueError, match=f"is in use by holder \\(pid {pid} on"), claim(tmp_path, "x"):
+                    pass
+            else:
+                with claim(tmp_path, "x"):
+                    assert f"taking over the lock left by holder (pid {pid} on" in _one_line(capsys)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", ""])
+    proc.wait()
+    return proc.pid
+
+
 def _holder_attempt(folder: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", _HOLD, str(folder)], input="", capture_output=True, text=True,
                           env=_env(), timeout=60)
