@@ -64,16 +64,16 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
 
     With `time_limit_s`, the run may stop early (checkpointed): the table then ends before cfg.steps. out_dir is
     locked while the run writes into it (`rundir.claim`); one that holds a run is refused unless resumed."""
-    if os.environ.get("RANK", "0") != "0":   # rank 0 alone writes the run's files, so it alone claims the folder
-        return _train(cfg, fresh=False)
-    out = Path(cfg.out_dir)
+    out, main = Path(cfg.out_dir), os.environ.get("RANK", "0") == "0"
+    # Rank 0 alone writes the run's files, so it alone claims the folder; every rank decides whether there is work.
     with claim(cfg.out_dir, "train", holds=RUN_FILES, resume=cfg.resume,
-               resumable=lambda: latest_checkpoint(out) is not None) as folder:
+               resumable=lambda: latest_checkpoint(out) is not None) if main else contextlib.nullcontext() as folder:
         last = latest_checkpoint(out) if cfg.resume else None
         if last is not None and (at := json.loads((last / "state.json").read_text())["step"]) >= cfg.steps:
-            print(f"nothing to do: the run is at step {at} ({out}, steps={cfg.steps})", flush=True)
+            if main:
+                print(f"nothing to do: the run is at step {at} ({out}, steps={cfg.steps})", flush=True)
             return pd.read_csv(last / "metrics.csv")   # nothing trained, nothing written
-        return _train(cfg, fresh=folder.created)
+        return _train(cfg, fresh=main and folder.created)
 
 
 def _train(cfg: TrainConfig, fresh: bool) -> pd.DataFrame:
