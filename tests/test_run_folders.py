@@ -85,6 +85,7 @@ def test_a_folder_another_process_holds_is_refused_in_one_line(command, tmp_path
     finally:
         holder.stdin.close()
         assert holder.wait(30) == 0
+        holder.stdout.close()
     assert not (folder / LOCK).exists(), "a holder that ends releases the folder"
 
 
@@ -123,6 +124,8 @@ def test_a_killed_holders_lock_is_taken_over_with_a_notice(tmp_path, capsys):
     holder = _holder(tmp_path / "run")
     holder.kill()
     holder.wait(30)
+    holder.stdin.close()
+    holder.stdout.close()
     assert (tmp_path / "run" / LOCK).exists(), "a killed holder leaves its record"
     with claim(tmp_path / "run", "second"):
         line = _one_line(capsys)
