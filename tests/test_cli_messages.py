@@ -48,7 +48,8 @@ def test_yaml_on_off_are_arm_names_and_still_booleans_for_bool_fields(tmp_path):
 
 @pytest.mark.parametrize("argv", [["train", "--out-dir", "{file}/run"], ["train", "--out-dir", "{file}"],
                                   ["nightly", "--out-root", "{file}/nightly", "--only", "01"],
-                                  ["sweep", "train", "seed=0,1", "--out-root", "{file}/sweep"]])
+                                  ["sweep", "train", "seed=0,1", "--out-root", "{file}/sweep"],
+                                  ["on-off", "--out-dir", "{file}/run", "--smoke"], ["on-off", "--out-dir", "{file}"]])
 def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path, capsys, argv):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -66,6 +67,63 @@ def test_a_read_only_output_folder_is_one_line(tmp_path, capsys):
     ro.mkdir(mode=0o555)
     assert main(["train", "--out-dir", str(ro / "run")]) == 2
     assert "cannot create output folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["train"], ["on-off", "--smoke"], ["train-policy"]])
+def test_a_read_only_file_system_is_one_line(argv, tmp_path, capsys, monkeypatch):
+    """As root no folder is read-only, so the file system's refusal is what mkdir raises on one (EROFS)."""
+    import errno
+    from pathlib import Path
+
+    def read_only(self, *a, **k):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    where = str(tmp_path / "ro" / "run")
+    assert main([*argv, "--out" if argv[0] == "train-policy" else "--out-dir", where]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"cannot create output folder {where}: Read-only file system" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_config_that_is_a_folder_or_binary_is_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(tmp_path)])
+    assert f"config file {tmp_path} is a folder; give a file" in capsys.readouterr().err
+    binary = tmp_path / "run.yaml"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
+    for command in ("train", "on-off", "nightly"):
+        with pytest.raises(SystemExit):
+            main([command, "--config", str(binary)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 2 and f"config file {binary} is not text: byte 0 is not UTF-8" in err[0], err
+
+
+def test_compare_refuses_a_prompt_the_random_checkpoint_cannot_read(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["compare", "--prompt", "What is 2+2?", "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()[0]
+    assert "the default random checkpoint has no tokenizer to read --prompt with" in err and "--prompt-ids" in err
+    assert not any(tmp_path.iterdir()), "refused before anything ran"
+
+
+def test_compare_on_a_cpu_shows_the_mismatch_with_the_notebooks_controls(tmp_path, capsys):
+    """The bf16 standard kernels agree on a CPU; the engine's generator and the fp32 control differ, and the
+    invariant kernels stay bitwise in fp32 too (the control's negative: it is the kernels, not the dtype)."""
+    def run(*options):
+        main(["compare", "--device", "cpu", "--tokens", "6", "--out-dir", str(tmp_path), *options])
+        out, err = capsys.readouterr()
+        return re.search(r"different tokens (\d+) / 6", out).group(1), out, err
+
+    same, _, err = run("--kernel-mode", "standard")
+    assert same == "0" and "--sampler-kernels engine (the `off` arm's generator) or --dtype float32" in err
+    differ, out, _ = run("--kernel-mode", "standard", "--sampler-kernels", "engine")
+    assert differ != "0" and out.startswith("embedded generator (an engine's kernels) vs trainer (standard kernels)")
+    differ, out, _ = run("--kernel-mode", "standard", "--dtype", "float32")
+    assert differ != "0" and out.startswith("embedded generator vs trainer (standard kernels, fp32)")
+    assert run("--dtype", "float32")[0] == "0"
+    with pytest.raises(SystemExit):
+        main(["compare", "--sampler-kernels", "engine"])
+    assert "needs kernel_mode='standard'" in capsys.readouterr().err
 
 
 def test_a_failed_setup_leaves_no_stub_folder(tmp_path, capsys):

@@ -39,10 +39,12 @@ def _demo(cfg: BatchVarianceConfig, args) -> int:
 
 
 def _train_policy(cfg: PolicyConfig, args) -> int:
-    from .rl.policy import free_folder, train_policy
+    from .rl.policy import train_policy
+    from .rundir import POLICY_FILES, claim
 
-    free_folder(args.out)   # before minutes of training, not after
-    _, _, table = train_policy(cfg, args.out, progress=True)
+    # Before minutes of training, not after; locked until the policy is saved.
+    with claim(args.out, "train-policy", option="--out", holds=POLICY_FILES, what="a policy", config=False):
+        _, _, table = train_policy(cfg, args.out, progress=True)
     acc = table[table.metric == "accuracy"]
     print(acc[["step", "value"]].rename(columns={"value": "greedy accuracy"}).to_string(index=False))
     print(f"saved to {args.out}")
@@ -76,9 +78,16 @@ def _train(cfg: TrainConfig, args) -> int:
 def _on_off(cfg: OnOffConfig, args) -> int:
     from .onoff.publish import publish, report
     from .onoff.runner import run_on_off
+    from .rundir import claim
 
-    run_on_off(cfg)
-    folder = publish(cfg.out_dir, cfg.publish) if cfg.publish else report(cfg.out_dir)
+    with claim(cfg.out_dir, "on-off"):   # the runs and their report, one process
+        run_on_off(cfg)
+        try:
+            folder = publish(cfg.out_dir, cfg.publish) if cfg.publish else report(cfg.out_dir)
+        except Exception as e:  # noqa: BLE001  the runs are written: the report's failure must not read as theirs
+            raise RunFailed(f"the runs are kept in {cfg.out_dir}, but their report failed ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}); run the same command again to retry "
+                            "it (finished runs are not run again)") from e
     print((folder / "summary.md").read_text())
     print(f"report: {folder}; metrics: {cfg.out_dir}/metrics.csv")
     return 0
@@ -107,11 +116,11 @@ def _nightly(cfg: NightlyConfig, args) -> int:
 
 
 def _compare(cfg: CompareConfig, args) -> int:
-    from .compare import compare
+    from .compare import compare, describe
     from .generation import format_report, parity_summary
 
     table = compare(cfg)
-    print(f"{cfg.backend} generator vs trainer ({cfg.kernel_mode} kernels), {len(table)} tokens:")
+    print(f"{describe(cfg)}, {len(table)} tokens:")
     print(format_report(table, n=len(table)))
     if parity_summary(table)["bitwise_identical"] or cfg.kernel_mode == "standard":
         return 0
@@ -164,6 +173,10 @@ COMMANDS = {
 
 CONFIGURABLE = {"train": "lr=3e-6 steps=200", "on-off": "seeds=[0,1,2] arms=[on,off]", "nightly": "scale=smoke"}
 """The commands that take --config FILE and key=value overrides, each with an example of the overrides."""
+
+RESUMES = {name: "the finished runs are kept and the others go on from their last checkpoint: run the same command "
+                 "again to continue" for name in ("on-off", "sweep")}
+"""What a Ctrl-C keeps, for the commands that continue where they stopped."""
 
 DESCRIPTION = ("workbench: on-policy RL of language models whose generator and trainer compute the same log-probs "
                "bit for bit, and the tools to see, measure and teach the mismatch they otherwise have. "
@@ -230,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return fn(cfg, args)
     except KeyboardInterrupt:   # Ctrl-C: what was kept, not the interpreter's traceback
-        kept = interrupted(cfg) if args.command == "train" else "stopped"
+        kept = interrupted(cfg) if args.command == "train" else RESUMES.get(args.command, "stopped")
         print(f"python -m workbench {args.command}: interrupted; {kept}", file=sys.stderr)
         return 130
     except (ValueError, FileNotFoundError, FloatingPointError, ParityError, BackendUnavailable, FetchError,

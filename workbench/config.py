@@ -25,6 +25,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from .files import read_text
+
 T = TypeVar("T")
 
 
@@ -146,13 +148,12 @@ def check_values(where: str, values: dict, cls: type) -> dict:
 def read_config_file(path: str | Path, cls: type) -> dict:
     """A run's settings from a .yaml/.yml or .toml file (a flat table of `cls`'s fields), typed and checked."""
     p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"config file {p} does not exist")
+    text = read_text(p, "config file")
     try:
         if p.suffix in (".yaml", ".yml"):
-            data = _load_yaml(p.read_text())
+            data = _load_yaml(text)
         elif p.suffix == ".toml":
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(text)
         else:
             raise ValueError(f"config file {p}: unknown format {p.suffix!r}; use .yaml, .yml or .toml")
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:

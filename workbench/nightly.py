@@ -37,6 +37,7 @@ from .env import environment_record, git_sha, resolve_device
 from .files import make_folder
 from .models.hub import resolve_model
 from .onoff.stats import final_reward_words, run_endpoints
+from .rundir import claim
 from .sweep.grid import finished, mark_finished, parse_grid, point_names, points, swept
 from .tables import load_table
 
@@ -325,10 +326,12 @@ def run_nightly(cfg: NightlyConfig) -> tuple[Path, pd.DataFrame, bool]:
     smoke = cfg.scale == "smoke" or (cfg.scale == "auto" and resolve_device(cfg.device) == "cpu")
     axes = notebook_grid(cfg.grid, paths) if cfg.grid else None  # a bad grid is refused before any folder is made
     make_folder(cfg.out_root)
-    if axes is not None:
-        return run_grid(cfg, axes, paths, smoke)
-    folder = run_folder(cfg.out_root)
-    return (folder, *run_notebooks(folder, cfg, paths, smoke))
+    # The run's folder (a grid's root) is locked while the notebooks write into it: a second process is refused.
+    folder = grid_folder(cfg, axes) if axes is not None else run_folder(cfg.out_root)
+    with claim(folder, "nightly", option="--out-root"):
+        if axes is not None:
+            return run_grid(cfg, axes, paths, smoke)
+        return (folder, *run_notebooks(folder, cfg, paths, smoke))
 
 
 def run_notebooks(folder: Path, cfg: NightlyConfig, paths: list[Path], smoke: bool,
@@ -380,11 +383,15 @@ def notebook_grid(items: tuple[str, ...], paths: list[Path]) -> dict[str, list]:
     return axes
 
 
+def grid_folder(cfg: NightlyConfig, axes) -> Path:
+    """A grid's folder: out_root/grid-<swept parameters>_<git sha>."""
+    return Path(cfg.out_root) / f"grid-{'-'.join(swept(axes)) or 'single'}_{git_sha()}"
+
+
 def run_grid(cfg: NightlyConfig, axes, paths: list[Path], smoke: bool) -> tuple[Path, pd.DataFrame, bool]:
     """The notebooks at every point of the grid `axes` (`notebook_grid` of cfg.grid), each point in its own folder;
     returns (grid folder, status of every point's notebooks, all passed)."""
-    fields, grid = swept(axes), points(axes)
-    root = Path(cfg.out_root) / f"grid-{'-'.join(fields) or 'single'}_{git_sha()}"
+    fields, grid, root = swept(axes), points(axes), grid_folder(cfg, axes)
     tables, passed = [], True
     for name, point in zip(point_names(grid, fields), grid):
         print(f"grid point {name}", flush=True)

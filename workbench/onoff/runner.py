@@ -41,6 +41,7 @@ from ..rl.checkpoint import config_changes, latest_checkpoint
 from ..rl.config import TrainConfig
 from ..rl.policy import PolicyConfig, train_policy
 from ..rl.trainer import train
+from ..rundir import claim, start_over
 from .config import OnOffConfig
 from .mps import mps_daemon
 
@@ -117,6 +118,8 @@ def execute(run: TrainConfig, deadline: float, keep_checkpoints: bool, first: bo
             return "waiting"
         remaining = 1e-3
     resume = latest_checkpoint(Path(run.out_dir)) is not None
+    if not resume:   # a run stopped before its first checkpoint starts over (train refuses a folder holding one)
+        start_over(run.out_dir)
     table = train(dataclasses.replace(run, resume=resume, time_limit_s=remaining))
     steps = int(table.step.max())
     if steps < run.steps:
@@ -159,10 +162,14 @@ def _gpu_slots(stack: contextlib.ExitStack, spawn, workers: int, device: str):
 def run_on_off(cfg: OnOffConfig) -> pd.DataFrame:
     """Every (arm, seed) run of cfg not finished yet; returns the long table of every run in out_dir (also
     out_dir/metrics.csv). A run that fails does not stop the others: the first failure is raised at the end,
-    after the tables are written."""
+    after the tables are written. out_dir is locked meanwhile: a second process is refused."""
+    with claim(cfg.out_dir, "on-off"):
+        return _run_on_off(cfg)
+
+
+def _run_on_off(cfg: OnOffConfig) -> pd.DataFrame:
     started, t0 = datetime.datetime.now(), time.time()
     out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     write_config(cfg, out / "config.yaml")
     policy = starting_policy(cfg)
     deadline = t0 + 60 * cfg.time_limit_min if cfg.time_limit_min else 0.0

@@ -19,7 +19,6 @@ from tqdm.auto import tqdm
 
 from ..config import check_at_least_one, check_positive
 from ..env import resolve_device
-from ..files import make_folder
 from ..generation import SamplingParams, generate
 from ..kernels import mode
 from ..models import ModelConfig, build, copy_weights, save_pretrained
@@ -184,16 +183,6 @@ def train_policy(cfg: PolicyConfig, out_dir: str | Path | None = None, progress:
     if out_dir is not None:
         save_policy(model, tokenizer, out_dir)
     return model, tokenizer, table
-
-
-def free_folder(out_dir: str | Path) -> Path:
-    """`out_dir`, created, if it holds no policy yet; else a ValueError (a second policy would overwrite the first
-    without a trace)."""
-    out = Path(out_dir)
-    taken = [n for n in ("config.json", "model.safetensors") if (out / n).exists()]
-    if taken:
-        raise ValueError(f"{out} already holds a policy ({taken[0]}); give another --out, or delete that folder")
-    return make_folder(out)
 
 
 def save_policy(model, tokenizer, out_dir: str | Path) -> Path:

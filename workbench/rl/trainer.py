@@ -36,6 +36,7 @@ bit for bit.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import time
@@ -47,6 +48,7 @@ from tqdm.auto import tqdm
 
 from ..generation import generate
 from ..kernels import mode
+from ..rundir import RUN_FILES, claim, deferred_interrupt
 from .checkpoint import last_good, latest_checkpoint
 from .config import TrainConfig
 from .logprobs import score
@@ -60,9 +62,22 @@ __all__ = ["ParityError", "Run", "interrupted", "train", "train_step", "train_we
 def train(cfg: TrainConfig) -> pd.DataFrame:
     """Run GRPO-family training; returns the long metrics table (also written to out_dir/metrics.csv).
 
-    With `time_limit_s`, the run may stop early (checkpointed): the table then ends before cfg.steps."""
+    With `time_limit_s`, the run may stop early (checkpointed): the table then ends before cfg.steps. out_dir is
+    locked while the run writes into it (`rundir.claim`); one that holds a run is refused unless resumed."""
+    out, main = Path(cfg.out_dir), os.environ.get("RANK", "0") == "0"
+    # Rank 0 alone writes the run's files, so it alone claims the folder; every rank decides whether there is work.
+    with claim(cfg.out_dir, "train", holds=RUN_FILES, resume=cfg.resume,
+               resumable=lambda: latest_checkpoint(out) is not None) if main else contextlib.nullcontext() as folder:
+        last = latest_checkpoint(out) if cfg.resume else None
+        if last is not None and (at := json.loads((last / "state.json").read_text())["step"]) >= cfg.steps:
+            if main:
+                print(f"nothing to do: the run is at step {at} ({out}, steps={cfg.steps})", flush=True)
+            return pd.read_csv(last / "metrics.csv")   # nothing trained, nothing written
+        return _train(cfg, fresh=main and folder.created)
+
+
+def _train(cfg: TrainConfig, fresh: bool) -> pd.DataFrame:
     start = time.perf_counter()
-    fresh = not Path(cfg.out_dir).exists()
     try:
         run = Run(cfg)
     except BaseException:   # a bad setting found while setting up: leave no folder holding config.yaml alone
@@ -74,7 +89,8 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
     bar = tqdm(total=cfg.steps, initial=run.start_step, disable=not cfg.progress or not run.dp.is_main,
                desc=f"train ({cfg.variant or cfg.kernel_mode}, seed {cfg.seed})")
     try:
-        with mode(cfg.kernel_mode), run.pipeline.stop_on_error() if run.pipeline else contextlib.nullcontext():
+        with mode(cfg.kernel_mode), run.pipeline.stop_on_error() if run.pipeline else contextlib.nullcontext(), \
+                deferred_interrupt(run.world.world_size == 1) as stop:   # ranks must stop at one step: one process
             for step in range(run.start_step + 1, cfg.steps + 1):
                 reward, differing = train_step(run, step)
                 bar.set_postfix(reward=f"{reward:.3f}", differing=differing)
@@ -82,9 +98,11 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
                 # One decision for every rank, or the ranks that go on would wait for the others forever.
                 late = time.perf_counter() - start > cfg.time_limit_s
                 out_of_time = bool(cfg.time_limit_s) and run.trainers.any(late)
-                if step % cfg.checkpoint_every == 0 or step == cfg.steps or out_of_time:
+                if step % cfg.checkpoint_every == 0 or step == cfg.steps or out_of_time or stop.requested:
                     run.checkpoint(step)
                 run.log.write()   # metrics.csv current after every step, also when the process is killed
+                if stop.requested and step < cfg.steps:   # Ctrl-C: checkpointed at this step's end
+                    raise KeyboardInterrupt
                 if out_of_time and step < cfg.steps:
                     if run.dp.is_main:
                         print(f"{cfg.out_dir}: time limit ({cfg.time_limit_s:.0f} s) reached after step {step} of "
@@ -104,7 +122,8 @@ def interrupted(cfg: TrainConfig) -> str:
     out = Path(cfg.out_dir)
     last = latest_checkpoint(out)
     if last is None:
-        return f"nothing to resume: no checkpoint was written in {out} yet; run the same command again to start over"
+        again = f"delete {out}, then run" if out.exists() else "run"
+        return f"nothing to resume: no checkpoint was written in {out} yet; {again} the same command to start over"
     return (f"{last_good(out)}, the metrics up to now in {out / 'metrics.csv'}; continue with: python -m workbench "
             f"train --config {out / 'config.yaml'} --resume")
 

@@ -27,7 +27,8 @@ from ..env import resolve_device
 from ..generation import SamplingParams, generate
 from ..kernels import mode
 from ..models import encode_prompt, load_pretrained, load_tokenizer, resolve_model
-from .policy import answer_batch, free_folder, save_policy, supervised_step
+from ..rundir import POLICY_FILES, claim
+from .policy import answer_batch, save_policy, supervised_step
 from .tasks import make_task
 
 
@@ -98,14 +99,9 @@ def warm_start(cfg: WarmStartConfig, out_dir: str | Path, progress: bool = False
     cfg.steps pass), save it to `out_dir` (which must hold no policy yet); returns the long metrics table (also
     out_dir/warm_start_metrics.csv): the loss every step, the sampled start reward before training and at each
     measurement."""
-    fresh = not Path(out_dir).exists()
-    out = free_folder(out_dir)
-    try:
-        return _warm_start(cfg, out, progress)
-    except BaseException:   # a failure (or Ctrl-C) before the save leaves no empty folder behind
-        if fresh and not any(out.iterdir()):
-            out.rmdir()
-        raise
+    # Locked until saved; a failure (or Ctrl-C) before the save leaves no empty folder behind.
+    with claim(out_dir, "warm-start", option="--out", holds=POLICY_FILES, what="a policy", config=False) as folder:
+        return _warm_start(cfg, folder.folder, progress)
 
 
 def _warm_start(cfg: WarmStartConfig, out: Path, progress: bool) -> pd.DataFrame:

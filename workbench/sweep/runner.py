@@ -25,12 +25,12 @@ from typing import Any
 import pandas as pd
 
 from ..config import write_config
-from ..files import make_folder
 from ..onoff.config import OnOffConfig, preset_base
 from ..onoff.runner import RunFailed, run_on_off
 from ..rl.checkpoint import latest_checkpoint
 from ..rl.config import TrainConfig
 from ..rl.trainer import train
+from ..rundir import claim, start_over
 from .grid import FINISHED, finished, format_value, mark_finished, parse_grid, point_names, points, swept, write_atomic
 
 
@@ -51,8 +51,11 @@ class Experiment:
 
 
 def _train(cfg: TrainConfig) -> bool:
-    # A point cut short left checkpoints in its folder: the trainer goes on from the newest.
-    table = train(dataclasses.replace(cfg, resume=latest_checkpoint(Path(cfg.out_dir)) is not None))
+    # A point cut short left checkpoints in its folder: the trainer goes on from the newest; without one it starts over.
+    resume = latest_checkpoint(Path(cfg.out_dir)) is not None
+    if not resume:
+        start_over(cfg.out_dir)
+    table = train(dataclasses.replace(cfg, resume=resume))
     return int(table.step.max()) >= cfg.steps  # a time_limit_s stops it early, checkpointed
 
 
@@ -100,7 +103,13 @@ def sweep_folder(cfg: SweepConfig) -> Path:
 
 def sweep(cfg: SweepConfig) -> pd.DataFrame:
     """Run every point of the grid not finished yet; returns the long table of all of them (also
-    out_root/metrics.csv) and draws the comparison figure."""
+    out_root/metrics.csv) and draws the comparison figure. out_root is locked meanwhile: a second process is
+    refused."""
+    with claim(sweep_folder(cfg), "sweep", option="--out-root"):
+        return _sweep(cfg)
+
+
+def _sweep(cfg: SweepConfig) -> pd.DataFrame:
     from ..plots import save_figure, sweep_comparison  # matplotlib: missing, say so before any run
 
     experiment = EXPERIMENTS[cfg.experiment]
@@ -117,7 +126,6 @@ def sweep(cfg: SweepConfig) -> pd.DataFrame:
                 for name, run in runs.items()}
     # A finished point is skipped; one finished with other settings is an error, before anything runs.
     status = {name: "skipped" for name in runs if finished(out / name / FINISHED, settings[name])}
-    make_folder(out)
     write_config(cfg, out / "config.yaml")
     failures: list[tuple[str, Exception]] = []
     try:
