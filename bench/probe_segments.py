@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from timing import copy_gbs, emit, gpu_ms, header  # noqa: E402
 
 from workbench.kernels import matmul as mm  # noqa: E402
-from workbench.kernels._common import pdl, pdl_enter, pdl_flags  # noqa: E402
-from workbench.kernels._common import interpreting  # noqa: E402
+from workbench.kernels.runtime import pdl, pdl_enter, pdl_flags  # noqa: E402
+from workbench.kernels.runtime import interpreting  # noqa: E402
 from workbench.kernels.matmul import _tile_origin, dot_step  # noqa: E402
 
 SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate+up": (12288, 2048), "down": (2048, 6144)}

@@ -311,7 +311,7 @@ def test_the_draw_stays_in_its_row_on_nan_logits():
     equal none of them, and the draw takes its first chunk's pick, never an index read past the row (the last
     row's would be past the buffer, another row's would be that row's token)."""
     from workbench.kernels import gumbel_argmax
-    from workbench.kernels._common import width_block
+    from workbench.kernels.runtime import width_block
 
     seed = int(torch.randint(0, 2**31, ()))
     # A whole number of chunks: no padding entry (-inf) in any chunk, so every chunk maximum of a NaN row is NaN.
@@ -329,7 +329,7 @@ def test_the_draw_stays_in_its_row_on_nan_logits():
 
 def unit_temperature_chunks(logits, seed=5):
     """The draw's per-chunk maxima and picks at T = 1, with the division left out and with it kept."""
-    from workbench.kernels._common import width_block
+    from workbench.kernels.runtime import width_block
     from workbench.kernels.gumbel import _gumbel_chunk_kernel, seed_hash
 
     r, v = logits.shape

@@ -81,7 +81,7 @@ def test_gpu_programmatic_dependent_launch_changes_no_bit(monkeypatch):
     """The decode step's kernels launch with PDL on Hopper (`kernels.pdl`); with it off every token and log-prob
     is the same."""
     from workbench.kernels import pdl
-    from workbench.kernels._common import pdl_flags
+    from workbench.kernels.runtime import pdl_flags
 
     model = build("qwen3-1.7B", device="cuda", seed=8)
     with pdl():

@@ -4,7 +4,7 @@ device."""
 
 import torch
 
-from workbench.generation.record_kernel import record_add, record_add_reference
+from workbench.kernels.record import record_add, record_add_reference
 
 
 def check_record_add(device, b=37, n=9, n_stop=3):

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import gumbel_argmax, logsumexp, row_cumsum, token_logprobs
-from ..kernels._common import interpreting
+from ..kernels.runtime import interpreting
 from ..kernels.gumbel import fmix32, gumbel_argmax_reference, seed_hash
 
 _M32 = 0xFFFFFFFF

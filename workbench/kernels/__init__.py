@@ -1,11 +1,11 @@
 """The kernel library: every op of the model (Llama, Mistral, Qwen2, Qwen3) in an `invariant` and a `standard` mode.
 
-Import order matters on a CPU-only machine: `_common` chooses the Triton
+Import order matters on a CPU-only machine: `runtime` chooses the Triton
 interpreter before any kernel is decorated.
 """
 
-from . import _common  # noqa: F401  (must come first)
-from ._common import pdl
+from . import runtime  # noqa: F401  (must come first)
+from .runtime import interpreting, pdl
 from .registry import REGISTRY, Op  # before the op functions below shadow their modules' names
 from .attention import attention, attention_with_cache
 from .attention_paged import attention_paged, paged_kv_write
@@ -39,6 +39,7 @@ __all__ = [
     "entropy",
     "get_mode",
     "gumbel_argmax",
+    "interpreting",
     "linear",
     "linear_logprobs",
     "logprob_rows",

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_float, check_same, interpreting, pdl_enter, pdl_flags
+from .runtime import check_device, check_float, check_same, interpreting, pdl_enter, pdl_flags
 from .attention import _LOG2E, _sdpa, _tile_step, attention_config
 from .mode import get_mode
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, pdl_enter, pdl_flags, rows_view, width_block
+from .runtime import check_device, pdl_enter, pdl_flags, rows_view, width_block
 
 
 @triton.jit

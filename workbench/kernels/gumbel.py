@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_power_of_2, pdl_enter, pdl_flags, rows_view, width_block
+from .runtime import next_power_of_2, pdl_enter, pdl_flags, rows_view, width_block
 
 _M32 = 0xFFFFFFFF
 

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_float, next_power_of_2, pdl_enter, pdl_flags, rows_view, width_block
+from .runtime import check_device, check_float, next_power_of_2, pdl_enter, pdl_flags, rows_view, width_block
 from .mode import get_mode
 
 

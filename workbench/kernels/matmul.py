@@ -70,7 +70,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import check_device, check_float, check_same, interpreting, l2_prefetch, pdl_enter, pdl_flags
+from .runtime import check_device, check_float, check_same, interpreting, l2_prefetch, pdl_enter, pdl_flags
 from .matmul_tiles import _device_capability, _device_index, _num_sms, matmul_config
 from .mode import get_mode
 

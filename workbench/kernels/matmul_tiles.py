@@ -15,7 +15,7 @@ from functools import cache
 import torch
 import triton
 
-from ._common import interpreting
+from .runtime import interpreting
 
 
 @dataclass(frozen=True)

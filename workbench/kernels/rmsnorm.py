@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
+from .runtime import (
     PAIRWISE_MAX_WIDTH, check_device, check_float, check_same, interpreting, next_power_of_2, pdl_enter, pdl_flags,
     rows_view, sum_of_squares,
 )

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, next_power_of_2, pdl_enter, pdl_flags, sum_of_squares
+from .runtime import check_device, next_power_of_2, pdl_enter, pdl_flags, sum_of_squares
 from .rope import apply_rope_reference, rotate
 
 

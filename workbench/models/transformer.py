@@ -248,7 +248,7 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(h, cos, sin, seq_lens, cache, layer, start, end)
         h, residual = self.post_attention_layernorm.add(x, residual)
         if recompute_mlp:
-            return checkpoint(self.mlp, h, use_reentrant=False, context_fn=_same_mode()), residual
+            return checkpoint(self.mlp, h, use_reentrant=False, context_fn=same_mode()), residual
         return self.mlp(h), residual
 
 
@@ -334,7 +334,7 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             if recompute == "layers" and grad:
                 x, residual = checkpoint(layer, x, residual, cos, sin, seq_lens, use_reentrant=False,
-                                         context_fn=_same_mode())
+                                         context_fn=same_mode())
             else:
                 x, residual = layer(x, residual, cos, sin, seq_lens, cache, i, start,
                                     recompute_mlp=recompute == "mlp" and grad, end=end)
@@ -364,7 +364,7 @@ class CausalLM(nn.Module):
         return linear(self.hidden_states(input_ids, seq_lens, cache, start), self.lm_head_weight)
 
 
-def _same_mode():
+def same_mode():
     """checkpoint's context_fn: the recomputation runs under the kernel mode of the forward. (The backward may
     run on autograd's device thread, where the mode ContextVar holds its default.)"""
     state = current_state()
