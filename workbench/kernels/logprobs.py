@@ -331,3 +331,13 @@ def entropy_reference(logits, temperature: float = 1.0):
     """fp64 reference."""
     lp = torch.log_softmax(logits.double() / temperature, dim=-1)
     return -(lp.exp() * lp).nan_to_num(0.0).sum(-1)
+
+
+def logsumexp_reference(logits, temperature: float = 1.0):
+    """fp64 reference."""
+    return torch.logsumexp(logits.double() / temperature, dim=-1)
+
+
+def logprob_rows_reference(logits, temperature: float = 1.0):
+    """fp64 reference."""
+    return torch.log_softmax(logits.double() / temperature, dim=-1)

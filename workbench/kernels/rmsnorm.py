@@ -269,3 +269,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6)
     """fp64 reference, no intermediate rounding."""
     h = x.double()
     return weight.double() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm_add_reference(x, residual, weight, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp64 reference: (RMSNorm(x + residual), x + residual), the sum not rounded."""
+    h = x.double() + residual.double()
+    return rms_norm_reference(h, weight, eps), h
