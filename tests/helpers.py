@@ -68,6 +68,8 @@ def forward_backward(fn, args: tuple, grad_args: tuple[int, ...], upstream=None,
         a.detach().clone().requires_grad_(True) if i in grad_args else a for i, a in enumerate(args)
     )
     out = fn(*args)
+    if not grad_args:
+        return out.detach(), []
     g = upstream
     if g is None:
         g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
@@ -78,12 +80,19 @@ def forward_backward(fn, args: tuple, grad_args: tuple[int, ...], upstream=None,
 def check_against_fp64(op, args: tuple, on_gpu: bool) -> None:
     """The op's output and every gradient against its fp64 reference, within the dtype's tolerance."""
     out, grads = forward_backward(op.invariant, args, op.grad_args)
+    if not out.is_floating_point() or op.contract == "exact":  # token ids, copies, the record: the same bits
+        assert torch.equal(out, op.reference(*args).to(out.device)), f"{op.name} forward"
+        return
     ref_args = tuple(a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
     ref, ref_grads = forward_backward(op.reference, ref_args, op.grad_args)
-    assert rel_err(out, ref) < tolerance(out.dtype, on_gpu), f"{op.name} forward"
+    # A fused op rounds where its unfused ops do: two or three roundings in a row.
+    # The inputs' dtype sets the tolerance: fp32 log-probs of bf16 logits carry the logits' rounding.
+    dtype = next((a.dtype for a in args if torch.is_tensor(a) and a.is_floating_point()), out.dtype)
+    tol = tolerance(dtype, on_gpu) * (2 if op.contract == "the unfused ops' bits" else 1)
+    assert rel_err(out, ref) < tol, f"{op.name} forward: {rel_err(out, ref):.3g} vs fp64"
     for i, g, rg in zip(op.grad_args, grads, ref_grads):
         assert g.dtype == args[i].dtype, f"{op.name}: grad of arg {i} has dtype {g.dtype}"
-        assert rel_err(g, rg) < 3 * tolerance(g.dtype, on_gpu), f"{op.name}: grad of arg {i}"
+        assert rel_err(g, rg) < 3 * tol, f"{op.name}: grad of arg {i}: {rel_err(g, rg):.3g} vs fp64"
 
 
 class PagedSim:

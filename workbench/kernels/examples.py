@@ -127,7 +127,7 @@ def swiglu_product_unfused(x, gate_up):
 
 def linear_logprobs_inputs(rows, size, g, device, dtype):
     s = SIZES[size]
-    return (_randn((rows, s["k"]), g, device, dtype), _randn((s["vocab"], s["k"]), g, device, dtype, 4 * s["k"] ** -0.5),
+    return (_randn((rows, s["k"]), g, device, dtype), _randn((s["vocab"], s["k"]), g, device, dtype, s["k"] ** -0.5),
             _randint(s["vocab"], (rows,), g, device))
 
 
@@ -211,8 +211,12 @@ def attention_paged_inputs(rows, size, g, device, dtype):
 
 
 def _one_query_each(fn, q, table, kv_len, k_pages, v_pages):
-    cu_q = torch.arange(q.shape[0] + 1, device=q.device, dtype=torch.int32)
-    return fn(q, k_pages, v_pages, table, cu_q, kv_len, 1)
+    # A sequence without keys (padding) has no query row: its row of the output stays zeros.
+    real = kv_len > 0
+    cu_q = torch.cat([real.new_zeros(1, dtype=torch.int32), real.cumsum(0, dtype=torch.int32)])
+    out = torch.zeros(q.shape, device=q.device, dtype=torch.float64 if fn is attention_paged_reference else q.dtype)
+    out[real] = fn(q[real], k_pages, v_pages, table, cu_q, kv_len, 1)[: int(real.sum())].to(out.dtype)
+    return out
 
 
 def attention_paged_rows(q, table, kv_len, k_pages, v_pages):
