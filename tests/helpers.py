@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
+import random
+import subprocess
+
 import torch
 
 
@@ -173,3 +179,23 @@ def once_per_run(tmp_path_factory, name: str, compute):
             folder.mkdir(exist_ok=True)
             torch.save(compute(folder), folder / "value.pt")
     return torch.load(folder / "value.pt", weights_only=False)
+
+
+@functools.cache
+def _head() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "no-git"
+
+
+def seed_for(salt: object = "", bound: int = 2**31) -> int:
+    """The seed of a randomised test, in [0, bound): fixed by HEAD's commit, pytest's current test and `salt` (to
+    draw several in one test), so a failure reproduces on rerun and CI is not red at random; a fresh one each call
+    under WORKBENCH_RANDOM_SEEDS=1 (a scheduled job's hunt for rare failures). Put it in every failure message."""
+    if os.environ.get("WORKBENCH_RANDOM_SEEDS") == "1":
+        return random.SystemRandom().randrange(bound)
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    digest = hashlib.sha256(f"{_head()}:{test}:{salt}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % bound

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import same_completions
+from helpers import same_completions, seed_for
 
 from workbench.generation import (
     DecodeGraphs,
@@ -163,7 +163,7 @@ def test_top_k_then_top_p_keeps_hugging_faces_set(kernels):
     which the two disagree may only be one whose preceding (renormalised) mass is top_p up to the fp32 sums."""
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    seed = int(torch.randint(0, 2**31, ()))
+    seed = seed_for()
     logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(seed)) * 3
     renormalised_cut = False
     for top_k, top_p, temperature in ((20, 0.9, 1.0), (50, 0.7, 0.7), (5, 0.95, 1.3), (300, 0.8, 1.0)):
@@ -313,7 +313,7 @@ def test_the_draw_stays_in_its_row_on_nan_logits():
     from workbench.kernels import gumbel_argmax
     from workbench.kernels.runtime import width_block
 
-    seed = int(torch.randint(0, 2**31, ()))
+    seed = seed_for()
     # A whole number of chunks: no padding entry (-inf) in any chunk, so every chunk maximum of a NaN row is NaN.
     logits = torch.randn(4, 1024, generator=torch.Generator().manual_seed(seed)).bfloat16()
     logits[1] = float("nan")
@@ -350,7 +350,7 @@ def unit_temperature_chunks(logits, seed=5):
 def test_the_draw_leaves_out_the_division_at_unit_temperature_bit_for_bit():
     """x / 1 is x in IEEE arithmetic, so the T = 1 draw that skips the division has the dividing draw's bits,
     NaN, inf and subnormal logits included."""
-    seed = int(torch.randint(0, 2**31, ()))
+    seed = seed_for()
     logits = (torch.randn(4, 1024, generator=torch.Generator().manual_seed(seed)) * 30).bfloat16()
     logits[0, :7] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, 0.0, -0.0])
     (b1, i1), (b2, i2) = unit_temperature_chunks(logits)
@@ -363,7 +363,7 @@ def test_logit_noise_perturbs_the_sampled_distribution_row_by_row():
     from workbench.generation import sample
     from workbench.generation.sampling import _NOISE_SALT
 
-    seed = int(torch.randint(0, 2**31, ()))
+    seed = seed_for()
     logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(seed)) * 2
     req, pos = torch.tensor([3, 1, 4, 1, 5]), torch.tensor([0, 2, 7, 1, 8])
     params = SamplingParams(temperature=1.0, seed=11, logit_noise=0.5)

@@ -203,9 +203,3 @@ def test_gpu_attention_launches_past_65535_sequence_heads():
         # A paged decode step (each sequence's last token; the decode kernel, 8 query heads per tile).
         paged = attention_paged(q[rows, last], k, v, table, torch.cat([zeros[:1], (rows + 1).to(torch.int32)]), lens, 1)
         assert torch.equal(paged, out[rows, last]), "paged decode step"
-
-
-def test_gpu_rms_norm_add_is_the_unfused_add_and_norm():
-    from test_kernels import check_rms_norm_add
-
-    check_rms_norm_add("cuda")

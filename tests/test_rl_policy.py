@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from helpers import seed_for
 from workbench.__main__ import main
 from workbench.models import load_pretrained, load_tokenizer
 from workbench.rl.policy import PolicyConfig, train_policy, train_tokenizer
@@ -55,7 +56,7 @@ def test_micro_batched_supervised_step_is_the_batch_step():
     from workbench.models import build
     from workbench.rl.policy import answer_batch, supervised_step
 
-    seed = random.randrange(2**31)
+    seed = seed_for()
     g = torch.Generator().manual_seed(seed)
     pairs = [(torch.randint(3, 60, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist(),
               torch.randint(3, 60, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist())

@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import logprobs_off, same_bits
+from helpers import logprobs_off, same_bits, seed_for
 from safetensors.torch import load_file
 
 from workbench.distributed import launch
@@ -263,7 +263,8 @@ def test_samples_travel_packed_and_come_back_whole():
     from workbench.distributed.pipeline import _pack, _unpack
     from workbench.generation.generator import Completion
 
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    seed = seed_for()
+    g = torch.Generator().manual_seed(seed)
     lengths = [int(n) for n in torch.randint(0, 9, (7,), generator=g)] + [0]
     items = [Completion(i, [1, 2, i], list(range(n)), torch.randn(n, generator=g), torch.randn(n, generator=g),
                         "stop" if n % 2 else "length") for i, n in enumerate(lengths)]
@@ -272,6 +273,7 @@ def test_samples_travel_packed_and_come_back_whole():
     back = _unpack(*pickle.loads(pickle.dumps((bare, columns))))
     for a, b in zip(items, back, strict=True):
         assert (a.request_id, a.prompt, a.tokens, a.finish_reason) == (b.request_id, b.prompt, b.tokens,
-                                                                       b.finish_reason)
-        assert same_bits({"l": a.logprobs, "s": a.sampled_logprobs}, {"l": b.logprobs, "s": b.sampled_logprobs})
+                                                                       b.finish_reason), f"seed {seed}"
+        assert same_bits({"l": a.logprobs, "s": a.sampled_logprobs}, {"l": b.logprobs, "s": b.sampled_logprobs}), \
+            f"seed {seed}"
     assert _pack([]) == ([], {}) and _pack([3, 4]) == ([3, 4], {})

@@ -5,11 +5,11 @@ the negative control, and weights through torchtitan's names and DCP checkpoints
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
 
+from helpers import seed_for
 from workbench.generation import SamplingParams, generate
 from workbench.kernels import mode
 from workbench.models import SIZES, RopeScaling, build, copy_weights, merge_gate_up
@@ -26,7 +26,7 @@ TEMPERATURE = 0.8
 
 
 def _seed() -> int:
-    return random.randrange(2**31)
+    return seed_for()
 
 
 def _titan_own(cfg, state: dict) -> torch.nn.Module:

@@ -10,13 +10,12 @@ and imports are most of a tiny run), which is why this file is longer than the o
 from __future__ import annotations
 
 import dataclasses
-import random
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import once_per_run, same_bits
+from helpers import once_per_run, same_bits, seed_for
 from test_titan_model import CONFIGS, TEMPERATURE, _rollouts
 
 pytest.importorskip("torchtitan")
@@ -213,7 +212,7 @@ def _spawn_and_one_process(out: str, policy: str) -> dict:
 
     inputs, rollouts = {}, {}
     for family in sorted(CONFIGS):
-        seed = random.randrange(2**31)
+        seed = seed_for()
         mb, behavior, mask = _rollouts(build(CONFIGS[family], seed=seed), seed)
         upstream = torch.randn(mask.shape, generator=torch.Generator().manual_seed(seed))
         inputs[family], rollouts[family] = (seed, mb, upstream), (behavior, mask)
