@@ -70,6 +70,7 @@ def test_divergence_sweep_one_row_per_setting(model):
     assert table.iloc[0].ops_differing == 0 and table.iloc[0].first_divergence.startswith("none")
 
 
+@pytest.mark.slow
 def test_parity_triangle_is_bitwise_in_invariant_mode(model):
     prompts = random_prompts(3, model.config.vocab_size, min_len=2, max_len=7, seed=4)
     with mode("invariant"):

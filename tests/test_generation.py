@@ -46,6 +46,7 @@ def run(model):
     return prompts, generate(model, prompts, PARAMS)
 
 
+@pytest.mark.slow
 def test_trainer_recomputes_the_generator_logprobs_bitwise(model, run):
     prompts, out = run
     tokens = [c.tokens for c in out.completions]
@@ -58,6 +59,7 @@ def test_trainer_recomputes_the_generator_logprobs_bitwise(model, run):
         assert (c.sampled_logprobs >= c.logprobs).all(), "truncation renormalises: never less likely"
 
 
+@pytest.mark.slow
 def test_trainer_logprobs_do_not_depend_on_the_batch(model, run):
     prompts, out = run
     tokens = [c.tokens for c in out.completions]
@@ -67,6 +69,7 @@ def test_trainer_logprobs_do_not_depend_on_the_batch(model, run):
     assert torch.equal(alone[0], batch[1]) and torch.equal(others[0], batch[1])
 
 
+@pytest.mark.slow
 def test_a_request_alone_and_among_others_gets_the_same_tokens_and_logprobs(model, run):
     prompts, out = run
     needle = out.completions[2]
@@ -80,6 +83,7 @@ def test_a_request_alone_and_among_others_gets_the_same_tokens_and_logprobs(mode
         assert torch.equal(other.sampled_logprobs, needle.sampled_logprobs)
 
 
+@pytest.mark.slow
 def test_same_seed_same_output_other_seed_other_output(model, run):
     prompts, out = run
     again = generate(model, prompts, PARAMS)
@@ -88,6 +92,7 @@ def test_same_seed_same_output_other_seed_other_output(model, run):
     assert [c.tokens for c in other.completions] != [c.tokens for c in out.completions]
 
 
+@pytest.mark.slow
 def test_stop_tokens_compaction_and_kept_graphs_change_no_bits(model):
     prompts = _prompts([6, 4], seed=2)
     params = SamplingParams(temperature=0.8, max_new_tokens=4, seed=1)
@@ -243,6 +248,7 @@ def test_standard_mode_report_measures_the_mismatch(model):
     assert off["tokens_differing"] == off["tokens"] and not off["bitwise_identical"] and off["max_abs_diff"] > 0
 
 
+@pytest.mark.slow
 def test_fast_standard_baseline_samples_close_to_the_trainer(model):
     """The fast standard baseline (`mode("standard", **FUSED_ROWWISE)`): standard matmuls and attention, the fused
     row-wise kernels, and on the generation path the fused RoPE + KV-cache write. Its completions' log-probs agree

@@ -38,6 +38,7 @@ def _text_reward(self, completion: str, problem) -> float:
     return zlib.crc32(completion.encode()) / 2**32
 
 
+@pytest.mark.slow
 def test_a_sampled_check_trains_the_same_bits_and_catches_a_break_on_its_rows(policy, tmp_path, monkeypatch):
     seed = seed_for(bound=2**16)
     monkeypatch.setattr(Arithmetic, "reward", _text_reward)

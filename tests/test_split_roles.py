@@ -135,6 +135,7 @@ def _metrics(table: pd.DataFrame | Path) -> pd.DataFrame:
     return by.loc[:, ~(by.columns.str.startswith("time_") | by.columns.isin(["tokens_per_s", "sync_bytes"]))]
 
 
+@pytest.mark.slow
 def test_split_roles_match_one_process_bitwise_overlap_resume_and_stop_together(policy, tmp_path):
     one = _one_process(policy, {tmp_path / "one_sync": dict(steps=1),
                                 tmp_path / "one_lag": dict(policy_lag=1, parity_sample=2),
@@ -212,6 +213,7 @@ def _three_worker(policy: str, root: str) -> None:
     train(_cfg(policy, Path(root) / "two_rollouts", policy_lag=1, rollout_ranks=2, parity_sample=2))
 
 
+@pytest.mark.slow
 def test_three_ranks_two_trainers_or_two_rollout_ranks(policy, tmp_path):
     """3 processes, policy lag 1. First ranks 0 and 1 train with FSDP2 over their own group of 2, rank 2 generates.
     Every step samples with weights both runs hold bit for bit (step 2 with the start's, one update behind), so

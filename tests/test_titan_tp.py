@@ -238,6 +238,7 @@ def runs(request, both):
     return both[request.param]
 
 
+@pytest.mark.slow
 def test_forward_is_the_one_process_and_the_generators_bits(runs):
     """Step 1: both ranks' log-probs are the one-process routed model's and the generator's sampled ones, bit for
     bit. Step 2 (after an AdamW step on the TP gradients): the one-process model holding the TP model's weights gives
