@@ -66,6 +66,7 @@ def test_the_answer_text_is_what_the_reward_calls_right():
         assert task.scores(task.answer_text(p), p) == {"steps": 1.0, "exact": 1.0, "reached": 1.0}
 
 
+@pytest.mark.slow
 def test_warm_start_fine_tunes_the_real_policy_toward_the_answers(smollm2, tmp_path):
     """Two supervised steps on the real SmolLM2-135M-Instruct (standard kernels, CPU): the answer tokens' loss
     falls on the batch it trained on, the start rate is measured before

@@ -69,7 +69,9 @@ class Op:
     tile_config_fn: str | None = None
     """"module.function" -> the launch config of its invariant kernels, for the environment record."""
     max_rows: int = 64
-    """The largest batch the generic tests draw (an attention row is a whole sequence)."""
+    """The largest batch the generic CPU tests draw (an attention row is a whole sequence)."""
+    max_rows_gpu: int = 2048
+    """The largest batch the GPU tests draw (the sizes where the op runs at all)."""
     dtypes: tuple[torch.dtype, ...] = BOTH
     """The dtypes it takes."""
 
