@@ -43,7 +43,8 @@ def kernel_audit(batch_sizes=(1, 5, 37), size: str = "small", device: str = "cpu
     out = []
     for name in ops or sorted(REGISTRY):
         op = REGISTRY[name]
-        sizes = [m for m in batch_sizes if m <= op.max_rows] or [1]
+        limit = op.max_rows if device == "cpu" else op.max_rows_gpu
+        sizes = [m for m in batch_sizes if m <= limit] or [1]
         dt = dtype if dtype in op.dtypes else op.dtypes[-1]
         args = op.make_inputs(max(sizes), size, torch.Generator().manual_seed(seed), device, dt)
         for mode_name in modes:
