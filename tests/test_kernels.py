@@ -336,7 +336,6 @@ print(json.dumps({"core": core, "blas_rows_differ": bool((copies != copies[0]).a
 """
 
 
-@pytest.mark.slow
 def test_interpreter_bits_do_not_follow_the_openblas_kernel():
     """The same bits under OpenBLAS's kernels for several CPUs (OPENBLAS_CORETYPE): numpy's matmul rounds
     differently per kernel (and, with Haswell's, per row position), the interpreter's dot never calls it."""
