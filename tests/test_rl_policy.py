@@ -50,8 +50,6 @@ def test_bad_policy_configs():
 def test_micro_batched_supervised_step_is_the_batch_step():
     """Rows forwarded and backpropagated a few at a time give the whole batch's loss and gradient (fp32, up to the
     order of the sum): the warm start's memory cap does not change what it trains."""
-    import random
-
     from workbench.kernels import mode
     from workbench.models import build
     from workbench.rl.policy import answer_batch, supervised_step

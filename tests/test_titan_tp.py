@@ -212,7 +212,7 @@ def _spawn_and_one_process(out: str, policy: str) -> dict:
 
     inputs, rollouts = {}, {}
     for family in sorted(CONFIGS):
-        seed = seed_for()
+        seed = seed_for(family)
         mb, behavior, mask = _rollouts(build(CONFIGS[family], seed=seed), seed)
         upstream = torch.randn(mask.shape, generator=torch.Generator().manual_seed(seed))
         inputs[family], rollouts[family] = (seed, mb, upstream), (behavior, mask)
