@@ -176,12 +176,3 @@ def test_gpu_fast_standard_baseline_is_still_a_mismatched_control():
         plain = _summary(model, prompts, generate(model, prompts, PARAMS))
     assert s["tokens_differing"] > 0, f"the fast standard baseline matched bitwise: {s}"
     assert s["mean_abs_diff"] < 4 * max(plain["mean_abs_diff"], 1e-3), (s, plain)
-
-
-
-def test_gpu_record_add_is_the_pytorch_form():
-    """The decode step's bookkeeping kernel: the PyTorch form's record exactly, at a decode batch of 256."""
-    from test_record_kernel import check_record_add
-
-    check_record_add("cuda", b=256, n=40, n_stop=2)
-    check_record_add("cuda", b=1, n=4, n_stop=1)

@@ -28,7 +28,7 @@ tests/test_kernels.py (CPU) and tests/test_gpu.py.
 | rms_norm_add | rmsnorm.py | row-invariant | follows rms_norm | rmsnorm.rms_norm_add_reference | kernels/test_rms_norm_add.py |
 | logsumexp | logprobs.py | row-invariant | follows token_logprobs | logprobs.logsumexp_reference | kernels/test_logsumexp.py |
 | logprob_rows | logprobs.py | row-invariant | follows token_logprobs | logprobs.logprob_rows_reference | kernels/test_logsumexp.py |
-| record_add | record.py | exact | one path | record.record_add_reference | test_record_kernel.py |
+| record_add | record.py | exact | one path | record.record_add_reference | kernels/test_record_add.py |
 
 Import order matters on a CPU-only machine: `runtime` chooses the Triton
 interpreter before any kernel is decorated.

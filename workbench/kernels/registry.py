@@ -157,7 +157,7 @@ REGISTRY: dict[str, Op] = {op.name: op for op in (
        (0,), (*_GENERIC, "tests/kernels/test_logsumexp.py"), follows=("token_logprobs",),
        run_fn="logprobs.logprob_rows"),
     Op("record_add", "record", "exact", "examples.record_add_rows_reference", "examples.record_add_inputs",
-       (0, 1, 2, 3, 4, 5, 6, 7), (*_GENERIC, "tests/test_record_kernel.py"), run_fn="examples.record_add_rows",
+       (0, 1, 2, 3, 4, 5, 6, 7), (*_GENERIC, "tests/kernels/test_record_add.py"), run_fn="examples.record_add_rows",
        dtypes=(torch.float32,)),
 )}
 
