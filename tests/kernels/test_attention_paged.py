@@ -50,3 +50,22 @@ def test_paged_kv_write_copies_and_skips_padding(device):
     untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=device)
     untouched[written] = False
     assert torch.equal(flat[untouched], kp.flatten(0, 1)[untouched]), f"seed {seed}: a padding token was written"
+
+
+def test_standard_rows_follow_the_batch_and_invariant_rows_do_not():
+    """The negative control on the CPU: standard mode pads every sequence to the batch's longest, and a short
+    sequence's bits follow that length; invariant mode's row is the same bits alone."""
+    from workbench.kernels import REGISTRY
+
+    op = REGISTRY["attention_paged"]
+    differs = []
+    for trial in range(4):
+        seed = seed_for(trial)
+        q, table, kv_len, kp, vp = op.make_inputs(8, "small", torch.Generator().manual_seed(seed), "cpu",
+                                                  torch.bfloat16)
+        kv_len = torch.full_like(kv_len, 19)
+        kv_len[0] = 3
+        alone = (q[:1], table[:1], kv_len[:1], kp, vp)
+        assert torch.equal(op.invariant(q, table, kv_len, kp, vp)[:1], op.invariant(*alone)), f"seed {seed}"
+        differs.append(not torch.equal(op.standard(q, table, kv_len, kp, vp)[:1], op.standard(*alone)))
+    assert any(differs), "standard paged attention gave a row the same bits in every batch: the control shows nothing"
