@@ -65,6 +65,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_logreport(report):
+    # Under xdist the controller sees every worker's reports: it alone keeps the list.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     if report.when == "call" and report.duration >= SLOW_SECONDS and "slow" not in report.keywords:
         _unmarked_slow.append((report.nodeid, report.duration))
 
