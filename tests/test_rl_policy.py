@@ -17,6 +17,7 @@ def test_digit_level_tokenizer():
     assert tok.decode(ids) == "12+34*5=170" and tok.eos_token_id is not None
 
 
+@pytest.mark.slow
 def test_train_policy_learns_and_saves(tmp_path):
     cfg = PolicyConfig(max_steps=60, eval_every=30, eval_problems=16, target_accuracy=(0.99, 1.0))
     with pytest.warns(UserWarning, match="raise max_steps"):  # the range is out of reach: it trains to the end
