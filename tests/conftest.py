@@ -1,6 +1,6 @@
 """Test set-up: the Triton interpreter on CPU-only machines, no hub access, `gpu` tests skipped without CUDA, one
-xdist worker's share of the cores for torch's threads, the longest tests first, the interpreter's nested-helper
-re-patch skipped (tests/interpreter_patch.py)."""
+xdist worker's share of the cores for torch's threads, the `slow` tests first and the marker checked against
+measured durations, the interpreter's nested-helper re-patch skipped (tests/interpreter_patch.py)."""
 
 import os
 
@@ -31,53 +31,13 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 import pytest  # noqa: E402
 
 
-# The longest tests first (seconds of one test under `-n 2` on the 2-core AMD EPYC, 2026-11-26; the rest follow in
-# collection order), handed to xdist's workers one at a time (`maxschedchunk` 1, set below): a free worker takes the
-# next longest, so neither waits on a long test at the end. (xdist's default hands each worker a quarter of the
-# collection at once: both first quarters' long tests went to the same worker.) The second needs no `policy`: the
-# other worker runs it while the first trains the policy, which is trained once a run.
-LONGEST_FIRST = (
-    "tests/test_split_roles.py::test_split_roles_match",                       # 322 s (5 processes)
-    "tests/test_real_model.py::test_real_model_fp32",                           # 107 s
-    "tests/test_fsdp.py::test_fsdp2_trainer",                                   # 195 s
-    "tests/test_checkpoint_crash.py::test_training_killed",                     # 97 s
-    "tests/test_rl_trainer.py::test_sync_modes",                                # 85 s
-    "tests/test_rl_trainer.py::test_one_step_lag",                              # 80 s
-    "tests/test_lora.py::test_invariant_trainer_step",                          # 79 s
-    "tests/test_real_model.py::test_real_model_triangle",                       # 73 s alone (2 layers)
-    "tests/test_rl_update.py::test_activation_checkpointing_gives_the_same_gradient_bits[invariant-True]",  # 75 s
-    "tests/test_split_roles.py::test_three_ranks",                              # 71 s + ~25 s
-    "tests/test_rl_update.py::test_micro_batched",                              # 4 x 56-65 s
-    "tests/test_generation.py::test_same_seed",                                 # 65 s
-    "tests/test_data_parallel.py::test_world_size_two",                         # 57 s
-    "tests/test_real_model.py::test_real_model_trains",                         # 52 s
-    "tests/test_generation.py::test_trainer_",                                  # 2 x 46 s (+30 s module fixture)
-    "tests/test_titan_backend.py::test_fsdp2_through",                           # 29 s alone (2 processes)
-    "tests/test_titan_backend.py::test_trainer_with_torchtitan",                 # 25 s (+30 s policy fixture)
-    # One parameter: the other, taken next by the other worker, would wait for the fixture's spawn.
-    "tests/test_titan_tp.py::test_forward_is_the_one_process_and_the_generators_bits[llama]",  # 63-100 s (its fixture)
-    "tests/test_distributed.py::test_fsdp2_forward",                            # 41 s
-    "tests/test_generation.py::test_a_request_alone",                           # 40 s
-    "tests/test_parity_sample.py::test_a_sampled_check",                        # ~35 s (19 s alone)
-    "tests/test_checkpoint_crash.py::test_a_save_killed",                       # 37 s
-    "tests/test_rl_update.py::test_activation_checkpointing",                   # 37 s, 30 s, ...
-    "tests/test_generation.py::test_fast_standard",                             # 32 s
-    "tests/test_linear_logprobs.py::test_invariant_",                           # 17-31 s
-    "tests/test_distributed.py::test_broadcast_two_ranks",                      # 31 s
-    "tests/test_rl_update.py::test_weights_keep_one_copy",                      # 23-29 s
-    "tests/test_generation.py::test_stop_tokens",                               # 26 s
-    "tests/test_rl_update.py::test_logprobs_do_not_depend",                     # 26 s
-    "tests/test_distributed.py::test_checkpoint_resume",                        # 26 s
-    "tests/test_audit.py::test_parity_triangle",                                # 20 s
-    "tests/test_rl_trainer.py::test_invariant_step",                            # 19 s
-    "tests/test_model.py::test_training_prefill",                               # 18 s
-    "tests/test_model.py::test_paged_steps",                                    # 16 s
-    "tests/test_data_parallel.py",                                              # 15 s each
-    "tests/test_vllm_backend.py::test_workbench_model_in_a_fake_vllm",          # 16 s
-    "tests/test_onoff.py::test_a_cut_run",                                      # 16 s
-    "tests/test_split_roles.py",
-    "tests/test_nightly.py::test_smoke",   # 8 s checking the set-up's nightly; 7 minutes where it must run one
-)
+# The slow tests (marked `slow`: 20 s or more on 2 cores) first, in collection order, then the rest; handed to
+# xdist's workers one at a time (`maxschedchunk` 1, set below): a free worker takes the next slow one, so neither
+# waits on a long test at the end. The order follows the marker, so a renamed test keeps its place. The marker
+# itself is checked: a test of 20 s or more without it is named at the end of the session, and fails the session
+# under WORKBENCH_CHECK_SLOW=1 (CI).
+SLOW_SECONDS = 20.0
+_unmarked_slow: list[tuple[str, float]] = []
 
 
 def pytest_configure(config):
@@ -89,23 +49,39 @@ def pytest_configure(config):
             install()
         except RuntimeError as e:
             raise pytest.UsageError(str(e)) from None
-    # xdist (-n): one test at a time to a free worker (LONGEST_FIRST above), unless the command line says otherwise.
+    # xdist (-n): one test at a time to a free worker (slow tests first), unless the command line says otherwise.
     if getattr(config.option, "maxschedchunk", 0) is None:
         config.option.maxschedchunk = 1
 
 
-def _rank(item) -> int:
-    return next((i for i, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)), len(LONGEST_FIRST))
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_rank)
+    items.sort(key=lambda item: "slow" not in item.keywords)  # stable: collection order within each group
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on the device)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    # Under xdist the controller sees every worker's reports: it alone keeps the list.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if report.when == "call" and report.duration >= SLOW_SECONDS and "slow" not in report.keywords:
+        _unmarked_slow.append((report.nodeid, report.duration))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _unmarked_slow:
+        terminalreporter.section("tests of 20 s or more without @pytest.mark.slow")
+        for nodeid, seconds in _unmarked_slow:
+            terminalreporter.line(f"{seconds:.0f} s  {nodeid}: mark it @pytest.mark.slow")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _unmarked_slow and os.environ.get("WORKBENCH_CHECK_SLOW") == "1" and exitstatus == 0:
+        session.exitstatus = 1
 
 
 @pytest.fixture(scope="session")

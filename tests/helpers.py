@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
+import random
+import subprocess
+
 import torch
 
 
@@ -68,6 +74,8 @@ def forward_backward(fn, args: tuple, grad_args: tuple[int, ...], upstream=None,
         a.detach().clone().requires_grad_(True) if i in grad_args else a for i, a in enumerate(args)
     )
     out = fn(*args)
+    if not grad_args:
+        return out.detach(), []
     g = upstream
     if g is None:
         g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
@@ -78,12 +86,19 @@ def forward_backward(fn, args: tuple, grad_args: tuple[int, ...], upstream=None,
 def check_against_fp64(op, args: tuple, on_gpu: bool) -> None:
     """The op's output and every gradient against its fp64 reference, within the dtype's tolerance."""
     out, grads = forward_backward(op.invariant, args, op.grad_args)
+    if not out.is_floating_point() or op.contract == "exact":  # token ids, copies, the record: the same bits
+        assert torch.equal(out, op.reference(*args).to(out.device)), f"{op.name} forward"
+        return
     ref_args = tuple(a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
     ref, ref_grads = forward_backward(op.reference, ref_args, op.grad_args)
-    assert rel_err(out, ref) < tolerance(out.dtype, on_gpu), f"{op.name} forward"
+    # A fused op rounds where its unfused ops do: two or three roundings in a row.
+    # The inputs' dtype sets the tolerance: fp32 log-probs of bf16 logits carry the logits' rounding.
+    dtype = next((a.dtype for a in args if torch.is_tensor(a) and a.is_floating_point()), out.dtype)
+    tol = tolerance(dtype, on_gpu) * (2 if op.contract == "the unfused ops' bits" else 1)
+    assert rel_err(out, ref) < tol, f"{op.name} forward: {rel_err(out, ref):.3g} vs fp64"
     for i, g, rg in zip(op.grad_args, grads, ref_grads):
         assert g.dtype == args[i].dtype, f"{op.name}: grad of arg {i} has dtype {g.dtype}"
-        assert rel_err(g, rg) < 3 * tolerance(g.dtype, on_gpu), f"{op.name}: grad of arg {i}"
+        assert rel_err(g, rg) < 3 * tol, f"{op.name}: grad of arg {i}: {rel_err(g, rg):.3g} vs fp64"
 
 
 class PagedSim:
@@ -164,3 +179,23 @@ def once_per_run(tmp_path_factory, name: str, compute):
             folder.mkdir(exist_ok=True)
             torch.save(compute(folder), folder / "value.pt")
     return torch.load(folder / "value.pt", weights_only=False)
+
+
+@functools.cache
+def _head() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "no-git"
+
+
+def seed_for(salt: object = "", bound: int = 2**31) -> int:
+    """The seed of a randomised test, in [0, bound): fixed by HEAD's commit, pytest's current test and `salt` (to
+    draw several in one test), so a failure reproduces on rerun and CI is not red at random; a fresh one each call
+    under WORKBENCH_RANDOM_SEEDS=1 (a scheduled job's hunt for rare failures). Put it in every failure message."""
+    if os.environ.get("WORKBENCH_RANDOM_SEEDS") == "1":
+        return random.SystemRandom().randrange(bound)
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    digest = hashlib.sha256(f"{_head()}:{test}:{salt}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % bound

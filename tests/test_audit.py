@@ -32,6 +32,17 @@ def test_kernel_audit_invariant_rows_are_bitwise_everywhere():
     assert audit_heatmap(table) is not None
 
 
+def test_kernel_audit_covers_every_op_of_the_registry():
+    """Every op, ops of another signature too (through their row-major forms), bitwise in invariant mode."""
+    from workbench.kernels import REGISTRY
+
+    table = kernel_audit(batch_sizes=(1, 4), seed=6)
+    assert set(table.op) == set(REGISTRY)
+    inv = table[table["mode"] == "invariant"]
+    assert inv.bitwise_equal.all() and (inv.max_ulp == 0).all()
+    assert set(table[table["mode"] == "standard"].op) == {n for n, op in REGISTRY.items() if op.standard}
+
+
 def test_first_divergence_is_none_in_invariant_mode_and_finds_a_planted_one(model, monkeypatch):
     with mode("invariant"):
         clean = first_divergence(model, seq_len=5, batch=3, seed=1)
@@ -59,6 +70,7 @@ def test_divergence_sweep_one_row_per_setting(model):
     assert table.iloc[0].ops_differing == 0 and table.iloc[0].first_divergence.startswith("none")
 
 
+@pytest.mark.slow
 def test_parity_triangle_is_bitwise_in_invariant_mode(model):
     prompts = random_prompts(3, model.config.vocab_size, min_len=2, max_len=7, seed=4)
     with mode("invariant"):

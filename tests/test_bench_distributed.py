@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import seed_for
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_distributed.py"
 
 
@@ -36,7 +38,7 @@ def test_two_gpus_are_the_runs_of_before(bench):
 
 
 def test_every_split_shares_evenly_and_has_its_parity_run(bench):
-    seed = random.randrange(2**31)
+    seed = seed_for()
     rng = random.Random(seed)
     for _ in range(200):
         gpus, prompts = rng.randint(2, 16), rng.randint(4, 64)

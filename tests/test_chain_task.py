@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 
+from helpers import seed_for
 from workbench.rl.chain import ANSWER_SHARE, CountingChain, answer_tokens, terms_for
 from workbench.rl.tasks import make_task
 
@@ -33,7 +33,7 @@ def test_terms_grow_with_the_length():
 
 
 def test_partial_credit_per_step():
-    seed = random.randrange(2**31)
+    seed = seed_for()
     task = CountingChain(seed=seed, max_new_tokens=512)
     p = task.problem(0)
     n = task.terms
@@ -61,11 +61,12 @@ def test_too_short_a_budget_is_refused():
 
 
 def test_the_answer_text_is_what_the_reward_calls_right():
-    task = CountingChain(seed=random.randrange(2**31), max_new_tokens=300)
+    task = CountingChain(seed=seed_for(), max_new_tokens=300)
     for p in task.problems(4):
         assert task.scores(task.answer_text(p), p) == {"steps": 1.0, "exact": 1.0, "reached": 1.0}
 
 
+@pytest.mark.slow
 def test_warm_start_fine_tunes_the_real_policy_toward_the_answers(smollm2, tmp_path):
     """Two supervised steps on the real SmolLM2-135M-Instruct (standard kernels, CPU): the answer tokens' loss
     falls on the batch it trained on, the start rate is measured before

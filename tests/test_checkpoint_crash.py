@@ -72,6 +72,7 @@ def _env():
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
+@pytest.mark.slow
 def test_a_save_killed_at_any_instant_leaves_a_whole_checkpoint(tmp_path):
     rng = random.Random(os.getpid() ^ time.time_ns())  # fresh instants every run
     out = tmp_path / "run"

@@ -225,6 +225,7 @@ def _invariant_worker(policy: str, root: str) -> None:
     assert same_bits({k: v.detach() for k, v in run.weights.masters.items()}, start) and not run.weights.opt.state
 
 
+@pytest.mark.slow
 def test_world_size_two_matches_one_process_logprobs_bitwise_and_update_closely(policy, tmp_path, monkeypatch):
     import numpy as np
     import pandas as pd

@@ -104,6 +104,7 @@ def _broadcast_worker() -> None:
         broadcast.broadcast_weights(model, 7 if d.is_main else None, weights=kept if d.is_main else None)
 
 
+@pytest.mark.slow
 def test_broadcast_two_ranks():
     launch.spawn(_broadcast_worker, 2)
 
@@ -147,6 +148,7 @@ def _fsdp_forward_worker() -> None:
     assert got.dtype == torch.bfloat16 and same_bits(got, want)
 
 
+@pytest.mark.slow
 def test_fsdp2_forward_bits_match_unsharded():
     launch.spawn(_fsdp_forward_worker, 2)
 
@@ -205,6 +207,7 @@ def _checkpoint_worker(root: str, snapshot: str) -> None:
     assert same_bits(_full_state(model, opt), saved)
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_bitwise_and_at_world_size_one(tmp_path):
     root, snapshot = tmp_path / "checkpoints", tmp_path / "snapshot.pt"
     launch.spawn(_checkpoint_worker, 2, str(root), str(snapshot))

@@ -123,6 +123,7 @@ def _worker(policy: str, root: str) -> None:
                out / f"rank{d.rank}.pt")
 
 
+@pytest.mark.slow
 def test_fsdp2_trainer_matches_one_process_and_resumes_bitwise(policy, tmp_path, monkeypatch):
     import numpy as np
     import pandas as pd

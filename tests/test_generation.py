@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import same_completions
+from helpers import same_completions, seed_for
 
 from workbench.generation import (
     DecodeGraphs,
@@ -46,6 +46,7 @@ def run(model):
     return prompts, generate(model, prompts, PARAMS)
 
 
+@pytest.mark.slow
 def test_trainer_recomputes_the_generator_logprobs_bitwise(model, run):
     prompts, out = run
     tokens = [c.tokens for c in out.completions]
@@ -58,6 +59,7 @@ def test_trainer_recomputes_the_generator_logprobs_bitwise(model, run):
         assert (c.sampled_logprobs >= c.logprobs).all(), "truncation renormalises: never less likely"
 
 
+@pytest.mark.slow
 def test_trainer_logprobs_do_not_depend_on_the_batch(model, run):
     prompts, out = run
     tokens = [c.tokens for c in out.completions]
@@ -67,6 +69,7 @@ def test_trainer_logprobs_do_not_depend_on_the_batch(model, run):
     assert torch.equal(alone[0], batch[1]) and torch.equal(others[0], batch[1])
 
 
+@pytest.mark.slow
 def test_a_request_alone_and_among_others_gets_the_same_tokens_and_logprobs(model, run):
     prompts, out = run
     needle = out.completions[2]
@@ -80,6 +83,7 @@ def test_a_request_alone_and_among_others_gets_the_same_tokens_and_logprobs(mode
         assert torch.equal(other.sampled_logprobs, needle.sampled_logprobs)
 
 
+@pytest.mark.slow
 def test_same_seed_same_output_other_seed_other_output(model, run):
     prompts, out = run
     again = generate(model, prompts, PARAMS)
@@ -88,6 +92,7 @@ def test_same_seed_same_output_other_seed_other_output(model, run):
     assert [c.tokens for c in other.completions] != [c.tokens for c in out.completions]
 
 
+@pytest.mark.slow
 def test_stop_tokens_compaction_and_kept_graphs_change_no_bits(model):
     prompts = _prompts([6, 4], seed=2)
     params = SamplingParams(temperature=0.8, max_new_tokens=4, seed=1)
@@ -189,7 +194,7 @@ def test_top_k_then_top_p_keeps_hugging_faces_set(kernels):
     which the two disagree may only be one whose preceding (renormalised) mass is top_p up to the fp32 sums."""
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    seed = int(torch.randint(0, 2**31, ()))
+    seed = seed_for()
     logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(seed)) * 3
     renormalised_cut = False
     for top_k, top_p, temperature in ((20, 0.9, 1.0), (50, 0.7, 0.7), (5, 0.95, 1.3), (300, 0.8, 1.0)):
@@ -269,6 +274,7 @@ def test_standard_mode_report_measures_the_mismatch(model):
     assert off["tokens_differing"] == off["tokens"] and not off["bitwise_identical"] and off["max_abs_diff"] > 0
 
 
+@pytest.mark.slow
 def test_fast_standard_baseline_samples_close_to_the_trainer(model):
     """The fast standard baseline (`mode("standard", **FUSED_ROWWISE)`): standard matmuls and attention, the fused
     row-wise kernels, and on the generation path the fused RoPE + KV-cache write. Its completions' log-probs agree
@@ -337,9 +343,9 @@ def test_the_draw_stays_in_its_row_on_nan_logits():
     equal none of them, and the draw takes its first chunk's pick, never an index read past the row (the last
     row's would be past the buffer, another row's would be that row's token)."""
     from workbench.kernels import gumbel_argmax
-    from workbench.kernels._common import width_block
+    from workbench.kernels.runtime import width_block
 
-    seed = int(torch.randint(0, 2**31, ()))
+    seed = seed_for()
     # A whole number of chunks: no padding entry (-inf) in any chunk, so every chunk maximum of a NaN row is NaN.
     logits = torch.randn(4, 1024, generator=torch.Generator().manual_seed(seed)).bfloat16()
     logits[1] = float("nan")
@@ -355,7 +361,7 @@ def test_the_draw_stays_in_its_row_on_nan_logits():
 
 def unit_temperature_chunks(logits, seed=5):
     """The draw's per-chunk maxima and picks at T = 1, with the division left out and with it kept."""
-    from workbench.kernels._common import width_block
+    from workbench.kernels.runtime import width_block
     from workbench.kernels.gumbel import _gumbel_chunk_kernel, seed_hash
 
     r, v = logits.shape
@@ -376,7 +382,7 @@ def unit_temperature_chunks(logits, seed=5):
 def test_the_draw_leaves_out_the_division_at_unit_temperature_bit_for_bit():
     """x / 1 is x in IEEE arithmetic, so the T = 1 draw that skips the division has the dividing draw's bits,
     NaN, inf and subnormal logits included."""
-    seed = int(torch.randint(0, 2**31, ()))
+    seed = seed_for()
     logits = (torch.randn(4, 1024, generator=torch.Generator().manual_seed(seed)) * 30).bfloat16()
     logits[0, :7] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, 0.0, -0.0])
     (b1, i1), (b2, i2) = unit_temperature_chunks(logits)
@@ -389,7 +395,7 @@ def test_logit_noise_perturbs_the_sampled_distribution_row_by_row():
     from workbench.generation import sample
     from workbench.generation.sampling import _NOISE_SALT
 
-    seed = int(torch.randint(0, 2**31, ()))
+    seed = seed_for()
     logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(seed)) * 2
     req, pos = torch.tensor([3, 1, 4, 1, 5]), torch.tensor([0, 2, 7, 1, 8])
     params = SamplingParams(temperature=1.0, seed=11, logit_noise=0.5)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from workbench.audit import AUDIT_FULL, divergence_sweep, kernel_audit
+from workbench.kernels import REGISTRY
 from workbench.models import build
 
 pytestmark = pytest.mark.gpu
@@ -18,7 +19,10 @@ def test_gpu_kernel_audit_invariant_bitwise_standard_not():
     table = kernel_audit(device="cuda", **AUDIT_FULL)
     inv, std = table[table["mode"] == "invariant"], table[table["mode"] == "standard"]
     assert inv.bitwise_equal.all(), inv[~inv.bitwise_equal].to_string()
-    assert (inv.max_ulp == 0).all() and len(std) == len(inv)
+    assert (inv.max_ulp == 0).all()
+    assert set(inv.op) == set(REGISTRY), "every op of the registry is audited"
+    assert set(std.op) == {n for n, op in REGISTRY.items() if op.standard}
+    assert len(std) == len(inv[inv.op.isin(set(std.op))])
 
 
 def test_gpu_first_divergence_localises_the_standard_op():

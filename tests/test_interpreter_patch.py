@@ -12,6 +12,8 @@ import pytest
 interp = pytest.importorskip("triton.runtime.interpreter")
 from interpreter_patch import fast_convert_float  # noqa: E402
 
+from helpers import seed_for
+
 
 def _triton_convert():
     """Triton's own `_convert_float` (where the speed-up is installed, the shortcut holds it)."""
@@ -32,7 +34,7 @@ def test_the_shortcut_is_tritons_conversion_bit_for_bit():
         return triton_convert(*args)
 
     fast = fast_convert_float(counted, tl)
-    seed = int(np.random.SeedSequence().entropy % 2**32)
+    seed = seed_for(bound=2**32)
     low = np.array([0, 1, 0x7FFF, 0x8000, 0xFFFF, *np.random.default_rng(seed).integers(0, 1 << 16, 3)], np.uint32)
     bf16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     fp32 = ((bf16.astype(np.uint32)[:, None] << 16) | low).ravel()

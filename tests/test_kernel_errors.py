@@ -136,13 +136,3 @@ def test_attention_length_and_head_errors():
         attention(rand(2, 5, 2, 12), rand(2, 5, 1, 12), rand(2, 5, 1, 12))
     with pytest.raises(ValueError, match=r"kv_len` must lie in \[0, 5\]"):
         attention_with_cache(q[:, :1], k, k, torch.tensor([0, 1]), torch.tensor([1, 9]))
-
-
-def test_row_cumsum_is_accurate_and_batch_invariant():
-    from workbench.kernels import row_cumsum
-
-    x = torch.rand(9, 700, generator=torch.Generator().manual_seed(3))
-    y = row_cumsum(x)
-    assert torch.allclose(y.double(), x.double().cumsum(-1), rtol=1e-5)
-    assert torch.equal(row_cumsum(x[4:5]), y[4:5])
-    assert torch.equal(row_cumsum(torch.cat([x[4:5], torch.zeros(3, 700)]))[:1], y[4:5])

@@ -50,6 +50,7 @@ def _grads(fn, hidden, weight, g_lp, g_ent=None):
     return lp.detach(), None if ent is None else ent.detach(), dh, dw
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_invariant_forward_is_the_unfused_bits_for_any_chunking(dtype, temperature):
@@ -67,6 +68,7 @@ def test_invariant_forward_is_the_unfused_bits_for_any_chunking(dtype, temperatu
         assert ent is None and torch.equal(lp, ref_lp)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_invariant_rows_do_not_depend_on_the_batch(dtype):
     """Rows of a bigger call (different chunk boundaries, other rows) equal the call on those rows alone; a
@@ -102,6 +104,7 @@ def test_forward_and_gradients_match_fp64(name, dtype, terms):
         assert rel_err(o, r) < tol, (what, rel_err(o, r))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_invariant_gradients(dtype, monkeypatch):
     """d(hidden): the unfused backward's bits whatever the chunking. d(weight): the same bits run to run and

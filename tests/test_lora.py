@@ -174,6 +174,7 @@ def _adapter_bytes(run) -> int:
     return sum(p.numel() * 2 for p in adapter_state(run.weights.model).values())
 
 
+@pytest.mark.slow
 def test_invariant_trainer_step_is_bitwise_with_nonzero_adapters(policy, tmp_path):
     run = Run(_train_cfg(policy, tmp_path, kernel_mode="invariant", steps=1, prompts_per_step=2, group_size=2))
     g = torch.Generator().manual_seed(0)

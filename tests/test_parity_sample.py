@@ -7,12 +7,11 @@ test_split_roles.py."""
 from __future__ import annotations
 
 import dataclasses
-import random
 import zlib
 
 import pytest
 import torch
-from helpers import logprobs_off, same_bits
+from helpers import logprobs_off, same_bits, seed_for
 
 from workbench.kernels import mode
 from workbench.rl import step as step_module
@@ -39,8 +38,9 @@ def _text_reward(self, completion: str, problem) -> float:
     return zlib.crc32(completion.encode()) / 2**32
 
 
+@pytest.mark.slow
 def test_a_sampled_check_trains_the_same_bits_and_catches_a_break_on_its_rows(policy, tmp_path, monkeypatch):
-    seed = random.randrange(2**16)
+    seed = seed_for(bound=2**16)
     monkeypatch.setattr(Arithmetic, "reward", _text_reward)
     runs, init = [], Run.__init__
     monkeypatch.setattr(Run, "__init__", lambda self, cfg: (init(self, cfg), runs.append(self))[0])

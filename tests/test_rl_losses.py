@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from helpers import seed_for
 from workbench.rl.config import TrainConfig
 from workbench.rl.losses import (
     LossConfig,
@@ -89,7 +90,7 @@ def test_kl_estimators_gradients_in_the_loss():
     """Each estimator's gradient as a loss term, in expectation over tokens of pi (a categorical of 6), against the
     analytic gradients: k2's is that of KL(pi || ref), k3's that of KL(ref || pi), k1's is 0. The expectation
     exactly (each token's gradient weighted by its probability, the weights detached) and by Monte Carlo."""
-    seed = int(torch.randint(0, 2**31, ()))
+    seed = seed_for()
     g = torch.Generator().manual_seed(seed)
     theta = torch.randn(6, generator=g, dtype=torch.float64) * 0.7
     ref = torch.log_softmax(torch.randn(6, generator=g, dtype=torch.float64) * 0.7, 0)
@@ -238,7 +239,7 @@ def _simple_rl_loss(token_lps, sampler_lps, adv):
 def test_blog_loss_is_simple_rl_term_for_term():
     """Ragged sequences in the padded [B, T] layout, random log-probs: the loss and its gradient equal the
     source's per-sequence loop, also when cut into two micro-batches with the step's Totals."""
-    seed = int(torch.randint(0, 2**31, ()))
+    seed = seed_for()
     g = torch.Generator().manual_seed(seed)
     lens = [5, 2, 7, 3]
     logp = -torch.rand(4, 7, generator=g) * 3

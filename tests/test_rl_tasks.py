@@ -143,15 +143,13 @@ def test_lenient_check_outside_the_main_thread():
 
     def score():
         for text in ("\\boxed{\\frac{1}{2}} (thread)", "\\boxed{9^{9^{9^{9}}}} (thread)", "\\boxed{(10^{7})!}"):
-            start = time.perf_counter()
-            out[text] = (lenient_correct(text, "0.5"), time.perf_counter() - start)
+            out[text] = lenient_correct(text, "0.5")
 
     worker = threading.Thread(target=score)
     worker.start()
-    worker.join(30)
-    assert not worker.is_alive()
-    assert [ok for ok, _ in out.values()] == [True, False, False]
-    assert max(seconds for _, seconds in out.values()) < 2
+    worker.join(30)  # a span evaluated instead of skipped runs for hours: a bound, not a timing
+    assert not worker.is_alive(), "a span that could run for ever was evaluated"
+    assert list(out.values()) == [True, False, False]
 
 
 def test_another_timer_is_left_alone():

@@ -56,6 +56,7 @@ def test_micro_batches_cover_every_sequence_once_under_the_budget():
     assert len(batch.micro_batches(None, 10_000)) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel_mode", ["invariant", "standard"])
 def test_logprobs_do_not_depend_on_the_micro_batch_split(kernel_mode):
     weights = TrainWeights(_model(), "float32", 1e-3, "cpu")
@@ -106,6 +107,7 @@ def batch3_logprobs():
     return _score(TrainWeights(_model(), "float32", 1e-3, "cpu"), _batch(3), "invariant")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "gspo"])
 def test_micro_batched_gradient_is_the_whole_batch_gradient(loss, batch3_logprobs):
     # Invariant kernels: a token's log-prob is the same bits whatever the micro-batch, so the ratio is exactly 1 in
@@ -172,6 +174,7 @@ def _rel(a, b):
 FP32 = dict(temperature=TEMPERATURE, group_size=3, prompts_per_step=2, max_new_tokens=6, kernel_mode="standard")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "gspo", "blog"])
 def test_micro_batched_gradient_is_the_whole_batch_gradient_at_fp32(loss):
     """fp32 throughout: the micro-batches' gradients add up to the whole batch's up to summation order (1e-6
@@ -284,6 +287,7 @@ def test_ppo_mini_batches_move_the_ratio_and_the_old_logprobs_source_matters():
         TrainConfig(mini_batches=9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel_mode, adapters", [("invariant", False), ("standard", False), ("invariant", True)])
 def test_activation_checkpointing_gives_the_same_gradient_bits(kernel_mode, adapters):
     """The trainer's own path: fp32 master gradients, dW accumulated into `main_grad` inside the products (also
@@ -314,6 +318,7 @@ def test_activation_checkpointing_gives_the_same_gradient_bits(kernel_mode, adap
                 f"{k}: recompute={recompute} ran other kernels or rounded dW to bf16 ({kernel_mode})"
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_keeps_less_for_the_backward():
     """What autograd keeps for the backward, by recompute setting: 'mlp' drops each MLP's three [T, I]
     activations, 'layers' keeps only the layers' inputs."""
@@ -346,6 +351,7 @@ def test_activation_checkpointing_keeps_less_for_the_backward():
 # gradients through the hook. bfloat16: AdamW on the bf16 weights themselves, no `main_grad` and no hook, so nothing
 # here depends on the kernels: the standard ones (the invariant kernels' bf16 dW is checked against fp64 in
 # test_kernels.py).
+@pytest.mark.slow
 @pytest.mark.parametrize("master_dtype, kernel_mode", [("float32", "invariant"), ("bfloat16", "standard")])
 def test_weights_keep_one_copy_and_measure_the_exact_change(master_dtype, kernel_mode):
     start = _model(7)

@@ -5,12 +5,11 @@ log-probs), and a parity break still stops it before the optimizer step, with to
 from __future__ import annotations
 
 import dataclasses
-import random
 import zlib
 
 import pytest
 import torch
-from helpers import same_bits
+from helpers import same_bits, seed_for
 
 from workbench.kernels import mode
 from workbench.rl import step as step_module
@@ -65,7 +64,7 @@ def _text_reward(self, completion: str, problem) -> float:
 def test_the_folded_update_is_the_score_pass_bit_for_bit(policy, tmp_path, monkeypatch, kw):
     if kw.get("trainer_backend") == "torchtitan":
         pytest.importorskip("torchtitan")
-    seed = random.randrange(2**16)
+    seed = seed_for(bound=2**16)
     monkeypatch.setattr(Arithmetic, "reward", _text_reward)
     runs, calls = _kept_runs(monkeypatch), _scoring_calls(monkeypatch)
     tables = {"folded": train(_cfg(policy, tmp_path / "folded", seed=seed, **kw))}
@@ -107,7 +106,7 @@ def test_a_parity_break_stops_the_folded_update_before_its_optimizer_step(policy
     """The generator's own copy (sync='copy') drifts from the trainer's weights, so its log-probs are not the
     trainer's: the folded step raises the score pass's ParityError, word for word, after the update's backward and
     before its optimizer step (the weights as they were, AdamW without state)."""
-    seed = random.randrange(2**31)
+    seed = seed_for()
     messages, backwards = {}, []
     eligible, spec = step_module.scores_in_update, step_module.get_loss("grpo")
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from helpers import seed_for
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "step_breakdown.py"
 
 
@@ -37,7 +39,7 @@ def _metrics(rng: random.Random, steps: int) -> pd.DataFrame:
 
 
 def test_parts_are_medians_after_warmup_and_add_up(bench):
-    seed = random.randrange(2**31)
+    seed = seed_for()
     metrics = _metrics(random.Random(seed), 5)
     r = bench.breakdown(metrics, warmup=1)
     wide = metrics.pivot_table(index="step", columns="metric", values="value").loc[2:]

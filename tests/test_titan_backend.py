@@ -135,6 +135,7 @@ def one_titan_run(policy, tmp_path_factory):
     return lambda: once_per_run(tmp_path_factory, "one_titan_run", run)
 
 
+@pytest.mark.slow
 def test_trainer_with_torchtitan_is_the_workbench_run(policy, tmp_path, one_titan_run):
     """train() with trainer_backend='torchtitan' for 2 steps (2 clipped mini-batches each): 0 differing tokens every
     step, and every metric and the final masters the workbench trainer's, bit for bit; a resumed run the same."""
@@ -202,6 +203,7 @@ def _fsdp_worker(policy: str, root: str) -> None:
     _sharded_forward_is_the_generators(runs[0].weights)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 def test_fsdp2_through_torchtitans_recipe_matches_one_process(policy, tmp_path, one_titan_run):
     """2 gloo processes, FSDP2 by the backend's `shard` (torchtitan's per-block units, bf16 compute, fp32 reduce):

@@ -5,11 +5,11 @@ the negative control, and weights through torchtitan's names and DCP checkpoints
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
 
+from helpers import seed_for
 from workbench.generation import SamplingParams, generate
 from workbench.kernels import mode
 from workbench.models import SIZES, RopeScaling, build, copy_weights, merge_gate_up
@@ -23,10 +23,6 @@ TINY = SIZES["tiny"]
 LLAMA = dataclasses.replace(TINY, model_type="llama", qk_norm=False, rope_theta=10_000.0)
 CONFIGS = {"qwen3": TINY, "llama": LLAMA}
 TEMPERATURE = 0.8
-
-
-def _seed() -> int:
-    return random.randrange(2**31)
 
 
 def _titan_own(cfg, state: dict) -> torch.nn.Module:
@@ -52,7 +48,7 @@ def test_training_forward_is_the_generators_bits_and_gradients_the_trainers(fami
     """The routed torchtitan model's training forward (autograd recording) scores the workbench generator's samples
     with the bits the generator reported; its backward gives the workbench model's parameter gradients bit for
     bit, mapped through torchtitan's names (Llama's q/k rows permuted, the tied head's gradient in the embedding)."""
-    cfg, seed = CONFIGS[family], _seed()
+    cfg, seed = CONFIGS[family], seed_for()
     ours, titan = build(cfg, seed=seed), build_titan_model(cfg, "cpu", seed=seed)
     mb, behavior, mask = _rollouts(ours, seed)
     with mode("invariant"):
@@ -73,7 +69,7 @@ def test_training_forward_is_the_generators_bits_and_gradients_the_trainers(fami
 def test_routed_on_the_meta_device_then_allocated_as_torchtitans_trainer_does():
     """torchtitan's trainer builds on meta, parallelizes, then allocates (`to_empty`, which unties the Llama head)
     and loads: routed first, the model still gives the workbench's log-probs and the tied head's gradient."""
-    cfg, seed = LLAMA, _seed()
+    cfg, seed = LLAMA, seed_for()
     with torch.device("meta"):
         titan = exact(titan_model(cfg, "meta"), cfg)
     titan = titan.to_empty(device="cpu")
@@ -93,7 +89,7 @@ def test_routed_on_the_meta_device_then_allocated_as_torchtitans_trainer_does():
 
 
 def test_recompute_keeps_the_gradient_bits():
-    cfg, seed = LLAMA, _seed()
+    cfg, seed = LLAMA, seed_for()
     titan = build_titan_model(dataclasses.replace(cfg, num_hidden_layers=1), "cpu", seed=seed)
     ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(seed))
     lens = torch.tensor([7, 4], dtype=torch.int32)
@@ -113,7 +109,7 @@ def test_llama_qk_products_run_on_the_workbench_weights(monkeypatch):
     sets dx's bits on the GPU (the CPU interpreter's fixed-order sum hides it; the GPU tests see it)."""
     from workbench.kernels import matmul as mm
 
-    cfg, seed = dataclasses.replace(LLAMA, num_hidden_layers=1), _seed()
+    cfg, seed = dataclasses.replace(LLAMA, num_hidden_layers=1), seed_for()
     ours, titan = build(cfg, seed=seed), build_titan_model(cfg, "cpu", seed=seed)
     operands, matmul = [], mm.matmul
     monkeypatch.setattr(mm, "matmul", lambda a, b, *args, **kw: operands.append(b) or matmul(a, b, *args, **kw))
@@ -136,7 +132,7 @@ def test_llama_main_grads_are_the_workbench_models_bits(recompute):
     workbench model's gradients into them bit for bit, also from a recomputed layer: Llama's q/k through the
     gathered weight's own buffer, added into the parameter's main_grad in torchtitan's rows with the kernel's one
     fp32 rounding."""
-    cfg, seed = dataclasses.replace(LLAMA, num_hidden_layers=1), _seed()
+    cfg, seed = dataclasses.replace(LLAMA, num_hidden_layers=1), seed_for()
     ours, titan = build(cfg, seed=seed), build_titan_model(cfg, "cpu", seed=seed)
     g = torch.Generator().manual_seed(seed)
     old = {k: torch.randn(p.shape, generator=g) for k, p in ours.named_parameters()}
@@ -182,7 +178,7 @@ def test_a_main_grad_dropped_before_the_backward_is_one_line():
 ], ids=["qwen3", "llama", "mistral-untied", "llama3-rope-scaling"])
 def test_torchtitans_own_forward_computes_the_same_function(cfg):
     """In fp32, to 1e-5: the names, the Llama q/k row layout, the tie, the MLP width and the RoPE scaling map."""
-    seed = _seed()
+    seed = seed_for()
     ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         ours = build(cfg, dtype=torch.float32, seed=seed)
@@ -194,7 +190,7 @@ def test_torchtitans_own_forward_computes_the_same_function(cfg):
 def test_torchtitans_own_forward_is_the_control(family):
     """torchtitan's own forward on the same weights does not give the generator's bits (bf16: tokens differ, by
     little); `exact` on that very model, built by torchtitan's own code, gives them."""
-    cfg, seed = CONFIGS[family], _seed()
+    cfg, seed = CONFIGS[family], seed_for()
     ours = build(cfg, seed=seed)
     mb, behavior, mask = _rollouts(ours, seed)
     titan = _titan_own(cfg, ours.state_dict())
@@ -212,7 +208,7 @@ def test_torchtitans_own_forward_is_the_control(family):
 @pytest.mark.parametrize("cfg", [TINY, LLAMA, dataclasses.replace(LLAMA, tie_word_embeddings=False)],
                          ids=["qwen3-tied", "llama-tied", "llama-untied"])
 def test_weights_round_trip(cfg):
-    state = build(cfg, dtype=torch.float32, seed=_seed()).state_dict()
+    state = build(cfg, dtype=torch.float32, seed=seed_for()).state_dict()
     titan = to_titan(state, cfg)
     assert set(titan) == set(_titan_own(cfg, state).state_dict())
     back = from_titan(titan, cfg)
@@ -232,7 +228,7 @@ def test_dcp_checkpoints_both_ways(family, tmp_path):
     from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.config.job_config import Checkpoint
 
-    cfg, seed = CONFIGS[family], _seed()
+    cfg, seed = CONFIGS[family], seed_for()
     state = build(cfg, dtype=torch.float32, seed=seed).state_dict()
     save_dcp(state, tmp_path / "ours", cfg)
     back = load_dcp(tmp_path / "ours", cfg)

@@ -10,13 +10,12 @@ and imports are most of a tiny run), which is why this file is longer than the o
 from __future__ import annotations
 
 import dataclasses
-import random
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import once_per_run, same_bits
+from helpers import once_per_run, same_bits, seed_for
 from test_titan_model import CONFIGS, TEMPERATURE, _rollouts
 
 pytest.importorskip("torchtitan")
@@ -213,7 +212,7 @@ def _spawn_and_one_process(out: str, policy: str) -> dict:
 
     inputs, rollouts = {}, {}
     for family in sorted(CONFIGS):
-        seed = random.randrange(2**31)
+        seed = seed_for(family)
         mb, behavior, mask = _rollouts(build(CONFIGS[family], seed=seed), seed)
         upstream = torch.randn(mask.shape, generator=torch.Generator().manual_seed(seed))
         inputs[family], rollouts[family] = (seed, mb, upstream), (behavior, mask)
@@ -239,6 +238,7 @@ def runs(request, both):
     return both[request.param]
 
 
+@pytest.mark.slow
 def test_forward_is_the_one_process_and_the_generators_bits(runs):
     """Step 1: both ranks' log-probs are the one-process routed model's and the generator's sampled ones, bit for
     bit. Step 2 (after an AdamW step on the TP gradients): the one-process model holding the TP model's weights gives

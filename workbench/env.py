@@ -61,7 +61,7 @@ def environment_record() -> dict:
     """Versions, device and kernel configs, as one JSON-able dict."""
     from . import __version__
     from .kernels import REGISTRY
-    from .kernels._common import interpreting
+    from .kernels.runtime import interpreting
 
     cuda = torch.cuda.is_available()
     return {

@@ -17,10 +17,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..kernels import current_state, get_mode, linear, pdl
-from ..kernels._common import interpreting
+from ..kernels.runtime import interpreting
 from ..models import KVCache, CausalLM
+from ..kernels.record import record_add, record_add_reference
 from ..models.decoding import DecodingModel
-from .record_kernel import record_add, record_add_reference
 from .sampling import KEYED_SEED, SamplingParams, request_keys, sample
 
 

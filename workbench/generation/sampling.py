@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import gumbel_argmax, logsumexp, row_cumsum, token_logprobs
-from ..kernels._common import interpreting
-from ..kernels.gumbel import fmix32, gumbel_argmax_reference, seed_hash
+from ..kernels.runtime import interpreting
+from ..kernels.gumbel import gumbel_argmax_reference, seed_hash, uniforms, unit_interval  # noqa: F401 (re-exported)
 
 _M32 = 0xFFFFFFFF
 
@@ -74,7 +74,6 @@ class SamplingParams:
         return self.temperature == 0
 
 
-_SAMPLING_SALT = 0x632BE5AB
 _NOISE_SALT = 0x1B873593
 
 
@@ -88,23 +87,6 @@ def request_keys(seed: int, request_ids: torch.Tensor) -> torch.Tensor:
     what `seed` and the ids draw, bit for bit: the seed can then live in a device tensor, and one captured decode
     step serves every seed (an RL loop's per-step seeds)."""
     return (request_ids.long() & _M32) ^ seed_hash(seed)
-
-
-def uniforms(seed: int, request_ids: torch.Tensor, positions: torch.Tensor, vocab: int,
-             salt: int = _SAMPLING_SALT) -> torch.Tensor:
-    """[B, V] fp32 in (0, 1): u[b, v] = hash(seed, request_ids[b], positions[b], v); `salt` keys another stream."""
-    dev = request_ids.device
-    # The seed's hash is a Python int: no host-to-device copy, so a CUDA graph can hold this.
-    h = fmix32(seed_hash(seed) ^ (request_ids.long() & _M32))
-    h = fmix32(h ^ (positions.long() & _M32))                                    # [B]
-    v = torch.arange(vocab, device=dev, dtype=torch.int64)
-    return unit_interval(fmix32(h[:, None] ^ fmix32(v + salt)[None, :]))  # [B, V]
-
-
-def unit_interval(bits: torch.Tensor) -> torch.Tensor:
-    """32-bit hashes -> fp32 strictly inside (0, 1): the top 23 bits plus one half, over 2^23, all exact.
-    (24 bits would round the largest value up to 1.0, whose Gumbel noise is +inf: a forced token.)"""
-    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def keep_mask(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:

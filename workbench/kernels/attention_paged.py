@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_float, check_same, interpreting, pdl_enter, pdl_flags
+from .runtime import check_device, check_float, check_same, interpreting, pdl_enter, pdl_flags
 from .attention import _LOG2E, _sdpa, _tile_step, attention_config
 from .mode import get_mode
 
@@ -241,11 +241,7 @@ def paged_kv_write(k, v, k_pages, v_pages, slots) -> None:
     if slots.shape[0] == 0:
         return
     if k.device.type != "cuda" and not interpreting():
-        keep = slots >= 0
-        s = slots[keep].long()
-        page = k_pages.shape[1]
-        k_pages[s // page, s % page] = k[: slots.shape[0]][keep]
-        v_pages[s // page, s % page] = v[: slots.shape[0]][keep]
+        paged_kv_write_reference(k, v, k_pages, v_pages, slots)
         return
     _paged_write_kernel[(slots.shape[0], k.shape[1])](
         k, v, k_pages, v_pages, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -274,3 +270,33 @@ def _paged_sdpa(q, k_pages, v_pages, block_table, cu_q, kv_len, max_q, out):
     o = _sdpa(q[rows], k, v, (kv_len - q_len).to(torch.int32), kv_len.to(torch.int32))
     out[rows[real]] = o[real]
     return out
+
+
+def attention_paged_reference(q, k_pages, v_pages, block_table, cu_q, kv_len, max_q: int):
+    """fp64 reference of `attention_paged`: each sequence's keys gathered from its pages, then `attention`'s
+    reference rule (query i of sequence b at position kv_len[b] - q_len[b] + i sees keys 0..that position).
+    Rows of q past cu_q[-1] are zeros."""
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    page, rep = k_pages.shape[1], q.shape[1] // k_pages.shape[2]
+    for b in range(kv_len.shape[0]):
+        lo, hi, n = int(cu_q[b]), int(cu_q[b + 1]), int(kv_len[b])
+        if hi == lo or n == 0:
+            continue
+        keys = torch.arange(n, device=q.device)
+        slots = block_table[b].long()[keys // page], keys % page
+        k = k_pages[slots].double().repeat_interleave(rep, 1)              # [n, Hq, D]
+        v = v_pages[slots].double().repeat_interleave(rep, 1)
+        pos = n - (hi - lo) + torch.arange(hi - lo, device=q.device)     # [Tq]
+        s = torch.einsum("thd,jhd->htj", q[lo:hi].double(), k) / math.sqrt(q.shape[2])
+        s = s.masked_fill(keys[None, None, :] > pos[None, :, None], float("-inf"))
+        out[lo:hi] = torch.einsum("htj,jhd->thd", torch.softmax(s, -1), v)
+    return out
+
+
+def paged_kv_write_reference(k, v, k_pages, v_pages, slots) -> None:
+    """The PyTorch form (a copy): k[t], v[t] into slot slots[t] of the pages, negative slots skipped."""
+    keep = slots >= 0
+    s = slots[keep].long()
+    page = k_pages.shape[1]
+    k_pages[s // page, s % page] = k[: slots.shape[0]][keep].to(k_pages.dtype)
+    v_pages[s // page, s % page] = v[: slots.shape[0]][keep].to(v_pages.dtype)

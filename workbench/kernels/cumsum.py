@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, pdl_enter, pdl_flags, rows_view, width_block
+from .runtime import check_device, pdl_enter, pdl_flags, rows_view, width_block
 
 
 @triton.jit
@@ -40,3 +40,8 @@ def row_cumsum(x: torch.Tensor) -> torch.Tensor:
                                            BLOCK=width_block(x2.shape[1], 2048, 256), num_warps=4,
                                            **pdl_flags(x2))
     return y.view(x.shape)
+
+
+def row_cumsum_reference(x: torch.Tensor) -> torch.Tensor:
+    """fp64 reference."""
+    return torch.cumsum(x.double(), dim=-1)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import check_float, check_same, interpreting, next_power_of_2, pdl_enter, pdl_flags
+from .runtime import check_float, check_same, interpreting, next_power_of_2, pdl_enter, pdl_flags
 
 
 @triton.jit

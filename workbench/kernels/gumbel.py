@@ -5,7 +5,7 @@ Numerics contract:
   of (seed, r, p, v) alone: a 32-bit integer hash (murmur3's finaliser, unsigned wrap-around
   arithmetic), u = ((bits >> 9) + 0.5) / 2^23, exact in fp32 and strictly inside (0, 1), and
   g = -log(-log(u)) in fp32.
-  `workbench.generation.sampling.uniforms` is the same hash in PyTorch (int64 masked to 32 bits),
+  `uniforms` is the same hash in PyTorch (int64 masked to 32 bits),
   so u is the same bits there.
 - score = fp32(logit) / T (IEEE division) + g; entries `keep` leaves out, and padding, are -inf. At T = 1 the
   division is left out: x / 1 is x in IEEE arithmetic (NaN and inf included), and at large batches the draw is
@@ -28,9 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_power_of_2, pdl_enter, pdl_flags, rows_view, width_block
+from .runtime import next_power_of_2, pdl_enter, pdl_flags, rows_view, width_block
 
 _M32 = 0xFFFFFFFF
+SAMPLING_SALT = 0x632BE5AB
+"""The vocabulary hash's salt of the sampler's draws (the kernel's constant); other streams take other salts."""
 
 
 @triton.jit
@@ -95,6 +97,23 @@ def seed_hash(seed: int) -> int:
     return fmix32((seed & _M32) ^ 0x9E3779B9)
 
 
+def uniforms(seed: int, request_ids: torch.Tensor, positions: torch.Tensor, vocab: int,
+             salt: int = SAMPLING_SALT) -> torch.Tensor:
+    """[B, V] fp32 in (0, 1): u[b, v] = hash(seed, request_ids[b], positions[b], v); `salt` keys another stream."""
+    dev = request_ids.device
+    # The seed's hash is a Python int: no host-to-device copy, so a CUDA graph can hold this.
+    h = fmix32(seed_hash(seed) ^ (request_ids.long() & _M32))
+    h = fmix32(h ^ (positions.long() & _M32))                                    # [B]
+    v = torch.arange(vocab, device=dev, dtype=torch.int64)
+    return unit_interval(fmix32(h[:, None] ^ fmix32(v + salt)[None, :]))  # [B, V]
+
+
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> fp32 strictly inside (0, 1): the top 23 bits plus one half, over 2^23, all exact.
+    (24 bits would round the largest value up to 1.0, whose Gumbel noise is +inf: a forced token.)"""
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
 def gumbel_argmax(logits: torch.Tensor, temperature: float, seed: int, request_ids: torch.Tensor,
                   positions: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [rows]: argmax_v of logits[row, v] / T + Gumbel(seed, request_ids[row], positions[row], v),
@@ -132,7 +151,7 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, seed: int, request_i
 
 def gumbel_argmax_reference(logits: torch.Tensor, temperature: float, uniforms: torch.Tensor,
                             keep: torch.Tensor | None = None) -> torch.Tensor:
-    """The PyTorch form, given the uniforms [rows, V] (`workbench.generation.sampling.uniforms`)."""
+    """The PyTorch form, given the uniforms [rows, V] (`uniforms`)."""
     x = logits.float()
     if keep is not None:
         x = x.masked_fill(~keep, float("-inf"))

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 import triton
 from torch.autograd.function import once_differentiable
 
-from ._common import check_device, check_float, check_same, interpreting, pdl_flags
+from .runtime import check_device, check_float, check_same, interpreting, pdl_flags
 from .logprobs import _LOG2E, _config, _logprobs_bwd_kernel, _stats
 from .matmul import matmul
 from .mode import get_mode

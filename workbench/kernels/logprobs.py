@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_float, next_power_of_2, pdl_enter, pdl_flags, rows_view, width_block
+from .runtime import check_device, check_float, next_power_of_2, pdl_enter, pdl_flags, rows_view, width_block
 from .mode import get_mode
 
 
@@ -331,3 +331,13 @@ def entropy_reference(logits, temperature: float = 1.0):
     """fp64 reference."""
     lp = torch.log_softmax(logits.double() / temperature, dim=-1)
     return -(lp.exp() * lp).nan_to_num(0.0).sum(-1)
+
+
+def logsumexp_reference(logits, temperature: float = 1.0):
+    """fp64 reference."""
+    return torch.logsumexp(logits.double() / temperature, dim=-1)
+
+
+def logprob_rows_reference(logits, temperature: float = 1.0):
+    """fp64 reference."""
+    return torch.log_softmax(logits.double() / temperature, dim=-1)

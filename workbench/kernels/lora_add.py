@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_float, check_same, interpreting, pdl_enter, pdl_flags, rows_view
+from .runtime import check_device, check_float, check_same, interpreting, pdl_enter, pdl_flags, rows_view
 from .mode import get_mode
 
 

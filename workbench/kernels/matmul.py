@@ -73,7 +73,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import check_device, check_float, check_same, interpreting, l2_prefetch, pdl_enter, pdl_flags
+from .runtime import check_device, check_float, check_same, interpreting, l2_prefetch, pdl_enter, pdl_flags
 from .matmul_tiles import PINNED_SMS, _device_capability, _num_sms, matmul_config
 from .mode import get_mode
 

@@ -22,7 +22,7 @@ from functools import cache
 import torch
 import triton
 
-from ._common import interpreting
+from .runtime import interpreting
 
 
 PINNED_SMS = 132

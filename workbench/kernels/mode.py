@@ -24,10 +24,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from .registry import REGISTRY
+
 MODES = ("invariant", "standard")
-OPS = ("linear", "rms_norm", "silu_mul", "apply_rope", "token_logprobs", "attention", "entropy", "lora_add")
-"""The op names a mode override can name: each op of `registry.REGISTRY` under its own name. The switch owns
-the list (and the registry is checked against it) so that the lowest layer imports nothing above it."""
+OPS = tuple(name for name, op in REGISTRY.items() if op.mode_switch)
+"""The op names a mode override can name: the registry's ops marked `mode_switch` (the others follow these)."""
 
 FUSED_ROWWISE: Mapping[str, str] = MappingProxyType({"rms_norm": "invariant", "silu_mul": "invariant",
                                                      "apply_rope": "invariant"})

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_float, interpreting, next_power_of_2, pdl_enter, pdl_flags, sum_of_squares
+from .runtime import check_device, check_float, interpreting, next_power_of_2, pdl_enter, pdl_flags, sum_of_squares
 from .rmsnorm import rms_norm_reference
 from .rope import apply_rope_reference, rotate
 

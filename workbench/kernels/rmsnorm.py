@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
+from .runtime import (
     PAIRWISE_MAX_WIDTH, check_device, check_float, check_same, interpreting, next_power_of_2, pdl_enter, pdl_flags,
     rows_view, sum_of_squares,
 )
@@ -269,3 +269,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6)
     """fp64 reference, no intermediate rounding."""
     h = x.double()
     return weight.double() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm_add_reference(x, residual, weight, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp64 reference: (RMSNorm(x + residual), x + residual), the sum not rounded."""
+    h = x.double() + residual.double()
+    return rms_norm_reference(h, weight, eps), h

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_float, check_same, interpreting, next_power_of_2, pdl_enter, pdl_flags
+from .runtime import check_device, check_float, check_same, interpreting, next_power_of_2, pdl_enter, pdl_flags
 from .mode import get_mode
 
 

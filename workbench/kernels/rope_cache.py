@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, next_power_of_2, pdl_enter, pdl_flags, sum_of_squares
+from .runtime import check_device, next_power_of_2, pdl_enter, pdl_flags, sum_of_squares
 from .rope import apply_rope_reference, rotate
 
 
@@ -165,5 +165,5 @@ def rope_cache_write_reference(q, k, v, cos, sin, cache_k, cache_v, start, q_nor
     rows = torch.arange(q.shape[0], device=q.device)[:, None]
     pos = start.long()[:, None] + torch.arange(q.shape[1], device=q.device)
     cache_k[rows, pos] = rk.to(cache_k.dtype)
-    cache_v[rows, pos] = v
+    cache_v[rows, pos] = v.to(cache_v.dtype)
     return rq

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import interpreting, l2_prefetch, pdl_enter, pdl_flags
+from .runtime import interpreting, l2_prefetch, pdl_enter, pdl_flags
 from .matmul import _descriptor, _prefetch_k, _tile_origin, dot_step
 from .matmul_tiles import MatmulConfig, _device_capability, _uses_buckets, matmul_config
 

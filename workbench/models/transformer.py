@@ -235,7 +235,7 @@ class DecoderLayer(nn.Module):
         x = attn(h, cos, sin, seq_lens, cache, layer, start, end)
         h, residual = self.post_attention_layernorm.add(x, residual)
         if recompute_mlp:
-            return checkpoint(mlp, h, use_reentrant=False, context_fn=_same_mode()), residual
+            return checkpoint(mlp, h, use_reentrant=False, context_fn=same_mode()), residual
         return mlp(h), residual
 
 
@@ -321,7 +321,7 @@ class CausalLM(nn.Module):
             # Without autograd `checkpoint` runs the layer as it is (it keeps nothing to recompute).
             if recompute == "layers":
                 x, residual = checkpoint(layer, x, residual, cos, sin, seq_lens, use_reentrant=False,
-                                         context_fn=_same_mode())
+                                         context_fn=same_mode())
             else:
                 x, residual = layer(x, residual, cos, sin, seq_lens, cache, i, start,
                                     recompute_mlp=recompute == "mlp", end=end,
@@ -354,7 +354,7 @@ class CausalLM(nn.Module):
         return linear(self.hidden_states(input_ids, seq_lens, cache, start), self.lm_head_weight)
 
 
-def _same_mode():
+def same_mode():
     """checkpoint's context_fn: the recomputation runs under the kernel mode of the forward. (The backward may
     run on autograd's device thread, where the mode ContextVar holds its default.)"""
     state = current_state()

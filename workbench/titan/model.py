@@ -60,7 +60,7 @@ from ..kernels import (
     silu_mul,
 )
 from ..models import RECOMPUTE, ModelConfig, build
-from ..models.transformer import _same_mode  # checkpoint's context_fn: recompute under the forward's mode
+from ..models.transformer import same_mode  # checkpoint's context_fn: recompute under the forward's mode
 from .weights import qk_rows, to_titan
 
 
@@ -279,7 +279,7 @@ class _Block:
         x = self.attention(h, cos, sin, seq_lens)
         h, residual = self.ffn_norm.add(x, residual)
         if recompute_mlp:
-            return checkpoint(self.feed_forward, h, use_reentrant=False, context_fn=_same_mode()), residual
+            return checkpoint(self.feed_forward, h, use_reentrant=False, context_fn=same_mode()), residual
         return self.feed_forward(h), residual
 
 
@@ -311,7 +311,7 @@ class _Model:
         for layer in self.layers.values():
             if recompute == "layers" and grad:
                 x, residual = checkpoint(layer, x, residual, cos, sin, seq_lens, use_reentrant=False,
-                                         context_fn=_same_mode())
+                                         context_fn=same_mode())
             else:
                 x, residual = layer(x, residual, cos, sin, seq_lens, recompute_mlp=recompute == "mlp" and grad)
         return self.norm.add(x, residual)[0]

@@ -1,14 +1,16 @@
 """`record_add`, the decode step's bookkeeping in one kernel: the PyTorch form's results exactly (fresh random
-records, rows in any order, some already done, several stop tokens), in the interpreter; the GPU test on the
-device."""
+records, rows in any order, some already done, several stop tokens), in the interpreter and on a GPU (at a decode
+batch of 256)."""
 
+import pytest
 import torch
 
-from workbench.generation.record_kernel import record_add, record_add_reference
+from helpers import seed_for
+from workbench.kernels.record import record_add, record_add_reference
 
 
-def check_record_add(device, b=37, n=9, n_stop=3):
-    seed = int(torch.randint(0, 2**31, ()))
+def check_record_add(device, b=37, n=9, n_stop=3, salt=0):
+    seed = seed_for(salt)
     g = torch.Generator().manual_seed(seed)
     size = b + 5                                        # the record holds more requests than the step's rows
     state = (torch.randint(0, 50, (size, n), generator=g), torch.randn(size, n, generator=g),
@@ -30,10 +32,17 @@ def check_record_add(device, b=37, n=9, n_stop=3):
     assert bool(mine[4][rows[::4]].all()), f"seed {seed}: a row that drew a stop token is not done"
 
 
-def test_record_add_is_the_pytorch_form():
-    for _ in range(3):
-        check_record_add("cpu")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def test_one_row_and_one_stop_token():
-    check_record_add("cpu", b=1, n=4, n_stop=1)
+@pytest.mark.parametrize("device", DEVICES)
+def test_record_add_is_the_pytorch_form(device):
+    for i in range(3):
+        check_record_add(device, salt=i)
+    if device == "cuda":
+        check_record_add(device, b=256, n=40, n_stop=2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_row_and_one_stop_token(device):
+    check_record_add(device, b=1, n=4, n_stop=1)

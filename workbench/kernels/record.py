@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels._common import next_power_of_2, pdl_enter, pdl_flags
+from .runtime import next_power_of_2, pdl_enter, pdl_flags
 
 _BLOCK = 128
 
