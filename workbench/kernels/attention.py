@@ -305,7 +305,7 @@ def attention_config(head_dim: int) -> dict:
 def attention_bwd_config(head_dim: int) -> dict:
     """The backward's tiles per kernel: dK/dV (one program per key block) and dQ (one per query block).
 
-    GPU: the fastest of `bench/tune_attention.py`'s candidates at 16 x 1,024 tokens (BENCHMARKS.md, "Numbers behind the code")."""
+    GPU: the fastest of `tools/tune/tune_attention.py`'s candidates at 16 x 1,024 tokens (BENCHMARKS.md, "Numbers behind the code")."""
     if interpreting():
         # dK/dV sum over query blocks: BLOCK_M fixes that order, so it keeps the 16 its gradients always had.
         return {"dkdv": {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1},

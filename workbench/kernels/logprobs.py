@@ -134,7 +134,7 @@ def _logprob_rows_kernel(x_ptr, stats_ptr, out_ptr, stride_x, stride_o, V, scale
 
 _LOG2E = math.log2(math.e)
 
-# Fixed per machine kind and vocabulary width, never a function of the rows (bench/tune_rowwise.py chose
+# Fixed per machine kind and vocabulary width, never a function of the rows (tools/tune/tune_rowwise.py chose
 # the GPU one; the interpreter's small blocks apply to small vocabularies only: `width_block`).
 _GPU_CONFIG = {"chunk_v": 4096, "forward_num_warps": 4, "backward_block_v": 1024, "backward_num_warps": 4}
 _INTERPRETER_CONFIG = {"chunk_v": 256, "forward_num_warps": 4, "backward_block_v": 128, "backward_num_warps": 4}

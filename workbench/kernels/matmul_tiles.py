@@ -3,7 +3,7 @@
 Why a choice here can never move a bit is `matmul.py`'s numerics contract: on Hopper a tile's chain of k-steps
 does not depend on its M/N tiles (every entry is checked bitwise against the others, `tests/test_gpu.py`), so the
 tiles may follow the product's shape there; every other GPU, fp32 and the interpreter take one config for every M.
-The tables are fixed (no run-time autotuning); `bench/tune_matmul.py` measures them, and BENCHMARKS.md ("Numbers
+The tables are fixed (no run-time autotuning); `tools/tune/tune_matmul.py` measures them, and BENCHMARKS.md ("Numbers
 behind the code") keeps the measurements that chose them.
 
 Bits contract on what shares the GPU: a choice here is a function of the product's shape, its dtype, the device's
@@ -56,7 +56,7 @@ class MatmulConfig:
 # accumulating over two blocks. Fixed, never a function of M: every row goes through the same shapes.
 _INTERPRETER = MatmulConfig(32, 256, 64, group_m=4, num_warps=4, num_stages=1)
 
-# GPU, bf16: (largest M of the bucket, config), chosen by `bench/tune_matmul.py`
+# GPU, bf16: (largest M of the bucket, config), chosen by `tools/tune/tune_matmul.py`
 # on an H200. Every candidate config (BLOCK_K 64 or 128, any M/N tiles, warps,
 # stages, persistent or not, TMA or pointer loads) gave the same bits on every
 # row: on Hopper a dot over a K block is a chain of k=16 MMA steps in

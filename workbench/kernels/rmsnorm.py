@@ -104,7 +104,7 @@ def _rms_norm_bwd_kernel(
     tl.store(dw_part_ptr + pid * N + cols, dw, mask=cmask)
 
 
-# Backward: rows per program and rows per tile (chosen by bench/tune_rowwise.py); head-wide rows (a q/k norm's
+# Backward: rows per program and rows per tile (chosen by tools/tune/tune_rowwise.py); head-wide rows (a q/k norm's
 # 262k rows of 128 per 16k tokens) take 2,048 elements a tile, so a program is not mostly fixed cost.
 _GPU_BACKWARD = {"rows": 8, "tile_rows": 2}
 _GPU_BACKWARD_HEADS = {"rows": 64, "tile_rows": 16}

@@ -33,7 +33,7 @@ from .matmul_tiles import MatmulConfig, _device_capability, _uses_buckets, matmu
 
 # Decode sizes only (larger M runs the packed product, whose persistent tiles are faster there, then silu_mul).
 # Two [BLOCK_N, BLOCK_K] weight tiles a stage: the bucket's tiles with BLOCK_N halved fit the shared memory.
-# Chosen on an H200 by `bench/tune_matmul.py --swiglu-tiles` (every tile gave the unfused ops' bits).
+# Chosen on an H200 by `tools/tune/tune_matmul.py --swiglu-tiles` (every tile gave the unfused ops' bits).
 MAX_ROWS = 512
 _CONFIGS: tuple[tuple[int, MatmulConfig], ...] = (
     (64, MatmulConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=4)),
