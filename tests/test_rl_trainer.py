@@ -275,13 +275,15 @@ def test_a_reward_that_raises_for_one_completion_counts_zero_and_the_run_goes_on
 
     calls, reward = [], Arithmetic.reward
 
-    def flaky(self, completion, problem):   # the 2nd and 6th completions' rewards raise (steps 1 and 2)
+    def flaky(self, completion, problem):   # the 2nd and 6th rewards raise (steps 1 and 2: 4 a step)
         calls.append(completion)
         if len(calls) in (2, 6):
             raise OSError("sandbox lost\nsecond line of its traceback")
         return reward(self, completion, problem)
 
     monkeypatch.setattr(Arithmetic, "reward", flaky)
+    monkeypatch.setattr(Arithmetic, "scores", lambda self, completion, problem: {"exact": reward(self, completion,
+                                                                                                 problem)})
     by = train(_cfg(policy, tmp_path, steps=2, progress=False, **SMALL)).pivot(index="step", columns="metric",
                                                                                values="value")
     assert list(by.index) == [1, 2] and list(by["reward_failures"]) == [1, 1]
