@@ -97,6 +97,7 @@ class Place:
 
     @classmethod
     def join(cls, cfg: TrainConfig) -> Place:
+        """Joins the job (one process without torchrun's variables) and finds this rank's groups and share."""
         device = resolve_device(cfg.device)
         world = DataParallel.join(device)
         pipeline = Pipeline(world, cfg.rollout_ranks, cfg.policy_lag) if cfg.rollout_ranks else None
