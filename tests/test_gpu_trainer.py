@@ -89,7 +89,8 @@ def test_gpu_the_update_scores_the_step_bit_for_bit_at_the_real_shape(tmp_path, 
     del model
     torch.cuda.empty_cache()
     monkeypatch.setattr(Arithmetic, "reward", _odd_length)
-    monkeypatch.setattr(TrainerRank, "checkpoint", lambda self, step: None)   # no 1.7B checkpoint (AdamW state: 20 GB) on disk
+    # No 1.7B checkpoint (AdamW state: 20 GB) on disk.
+    monkeypatch.setattr(TrainerRank, "checkpoint", lambda self, step: None)
     runs, init = [], TrainerRank.__init__
 
     def keep(self, *args):
