@@ -189,6 +189,15 @@ def test_a_config_error_is_one_line_with_a_help_hint(capsys):
     assert len(err) == 2 and "invalid int value" in err[0], err
 
 
+@pytest.mark.parametrize("override, message", [("seeds=[-1]", "seeds must be >= 0, got [-1]"),
+                                               ("arms=on,off", "arms is a list: arms=[on,off]")])
+def test_an_on_off_setting_of_the_wrong_shape_is_one_line(capsys, override, message):
+    with pytest.raises(SystemExit):
+        main(["on-off", override])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and message in err[0] and "--help" in err[1], err
+
+
 def test_help_texts_are_for_users(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])

@@ -91,13 +91,13 @@ def _trainer_worker(policy: str, root: str) -> None:
     runs, writes = [], []
     if not d.is_main:
         _record_writes(str(Path(root) / "runs"), writes)
-    init = trainer.Run.__init__
+    init = trainer.TrainerRank.__init__
 
-    def keep(self, cfg):
-        init(self, cfg)
+    def keep(self, *args):
+        init(self, *args)
         runs.append(self)
 
-    trainer.Run.__init__ = keep
+    trainer.TrainerRank.__init__ = keep
     out = Path(root) / "runs"
     tables = {"a": trainer.train(_dp_cfg(policy, out / "a")),
               "b": trainer.train(_dp_cfg(policy, out / "b"))}   # the same config again
@@ -190,7 +190,7 @@ def _grad_recorder(path):
 def _invariant_worker(policy: str, root: str) -> None:
     from pathlib import Path
 
-    from workbench.rl import step, trainer
+    from workbench.rl import scoring, trainer
     from workbench.rl.rollout import RolloutBatch
     from workbench.rl.trainer import train
     from workbench.rl.weights import TrainWeights
@@ -199,26 +199,26 @@ def _invariant_worker(policy: str, root: str) -> None:
     step_weights = TrainWeights.step
     TrainWeights.step = _grad_recorder(Path(root) / f"grads{d.rank}.pt")
     train(_dp_cfg(policy, Path(root) / "two", kernel_mode="invariant", steps=1))
-    # The same run through the separate scoring pass (the step above scored in its update: step.scores_in_update).
-    eligible, step.scores_in_update = step.scores_in_update, lambda *args: False
+    # The same run through the separate scoring pass (the step above scored in its update: scoring.scores_in_update).
+    eligible, scoring.scores_in_update = scoring.scores_in_update, lambda *args: False
     TrainWeights.step = _grad_recorder(Path(root) / f"grads_scored{d.rank}.pt")
     train(_dp_cfg(policy, Path(root) / "two-scored", kernel_mode="invariant", steps=1))
-    step.scores_in_update, TrainWeights.step = eligible, step_weights
+    scoring.scores_in_update, TrainWeights.step = eligible, step_weights
 
     # Rank 1's sampled log-probs off by 1e-3: the parity check (in the update, after its backward) is over every
     # rank's tokens, so both ranks stop, before the optimizer step: the weights as they were on each.
-    build, runs, init = RolloutBatch.from_generation, [], trainer.Run.__init__
+    build, runs, init = RolloutBatch.from_generation, [], trainer.TrainerRank.__init__
 
     def off_on_rank_1(*args, **kw):
         batch = build(*args, **kw)
         batch.behavior += 1e-3 * batch.mask * d.rank
         return batch
 
-    def keep(self, cfg):
-        init(self, cfg)
+    def keep(self, *args):
+        init(self, *args)
         runs.append((self, {k: v.detach().clone() for k, v in self.weights.masters.items()}))
 
-    RolloutBatch.from_generation, trainer.Run.__init__ = staticmethod(off_on_rank_1), keep
+    RolloutBatch.from_generation, trainer.TrainerRank.__init__ = staticmethod(off_on_rank_1), keep
     with pytest.raises(trainer.ParityError, match=r"step 1: generator and trainer log-probs differ on \d+ of "):
         train(_dp_cfg(policy, Path(root) / "broken", kernel_mode="invariant", steps=1))
     run, start = runs[0]

@@ -96,13 +96,13 @@ def _worker(policy: str, root: str) -> None:
 
     d = launch.init("cpu")
     out, runs, grads = Path(root), [], []
-    init, step = trainer.Run.__init__, TrainWeights.step
+    init, step = trainer.TrainerRank.__init__, TrainWeights.step
 
-    def keep(self, cfg):
-        init(self, cfg)
+    def keep(self, *args):
+        init(self, *args)
         runs.append(self)
 
-    trainer.Run.__init__ = keep
+    trainer.TrainerRank.__init__ = keep
     TrainWeights.step = _recording(grads)
     trainer.train(_cfg(policy, out / "two"))   # invariant mode, colocated, one step
     TrainWeights.step = step

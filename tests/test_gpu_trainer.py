@@ -78,9 +78,9 @@ def test_gpu_the_update_scores_the_step_bit_for_bit_at_the_real_shape(tmp_path, 
     from helpers import random_gpu_model, same_bits
 
     from workbench.models import config, save_pretrained
-    from workbench.rl import step as step_module
+    from workbench.rl import scoring
     from workbench.rl.policy import train_tokenizer
-    from workbench.rl.run import Run
+    from workbench.rl.run import TrainerRank
     from workbench.rl.tasks import Arithmetic
 
     model = random_gpu_model(dataclasses.replace(config("qwen3-1.7B"), vocab_size=32, max_position_embeddings=4096),
@@ -89,18 +89,19 @@ def test_gpu_the_update_scores_the_step_bit_for_bit_at_the_real_shape(tmp_path, 
     del model
     torch.cuda.empty_cache()
     monkeypatch.setattr(Arithmetic, "reward", _odd_length)
-    monkeypatch.setattr(Run, "checkpoint", lambda self, step: None)   # no 1.7B checkpoint (AdamW state: 20 GB) on disk
-    runs, init = [], Run.__init__
+    # No 1.7B checkpoint (AdamW state: 20 GB) on disk.
+    monkeypatch.setattr(TrainerRank, "checkpoint", lambda self, step: None)
+    runs, init = [], TrainerRank.__init__
 
-    def keep(self, cfg):
-        init(self, cfg)
+    def keep(self, *args):
+        init(self, *args)
         runs.append(self)
 
-    monkeypatch.setattr(Run, "__init__", keep)
+    monkeypatch.setattr(TrainerRank, "__init__", keep)
     tables, weights = {}, {}
     for name in ("folded", "score-pass"):
         if name == "score-pass":
-            monkeypatch.setattr(step_module, "scores_in_update", lambda *args: False)
+            monkeypatch.setattr(scoring, "scores_in_update", lambda *args: False)
         tables[name] = train(TrainConfig(
             policy=str(tmp_path / "policy"), chat_template=False, out_dir=str(tmp_path / name), steps=2,
             prompts_per_step=16, group_size=8, max_new_tokens=256, lr=1e-5, kernel_mode="invariant",

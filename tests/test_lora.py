@@ -33,7 +33,7 @@ from workbench.models.transformer import Linear
 from workbench.rl.checkpoint import latest_checkpoint
 from workbench.rl.config import TrainConfig
 from workbench.rl.sync import WeightSync
-from workbench.rl.trainer import Run, train, train_step
+from workbench.rl.trainer import TrainerRank, train, train_step
 from workbench.rl.weights import TrainWeights
 
 LORA = LoraConfig(rank=4, alpha=8.0)
@@ -176,7 +176,7 @@ def _adapter_bytes(run) -> int:
 
 @pytest.mark.slow
 def test_invariant_trainer_step_is_bitwise_with_nonzero_adapters(policy, tmp_path):
-    run = Run(_train_cfg(policy, tmp_path, kernel_mode="invariant", steps=1, prompts_per_step=2, group_size=2))
+    run = TrainerRank(_train_cfg(policy, tmp_path, kernel_mode="invariant", steps=1, prompts_per_step=2, group_size=2))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for k, m in run.weights.masters.items():

@@ -170,6 +170,8 @@ def test_named_inputs_are_checked_before_any_notebook_runs(tmp_path):
         run_nightly(NightlyConfig(policy=str(tmp_path / "missing"), out_root=str(tmp_path / "n")))
     with pytest.raises(FileNotFoundError, match="no table at"):
         run_nightly(NightlyConfig(metrics=str(tmp_path / "missing"), out_root=str(tmp_path / "n")))
+    with pytest.raises(ValueError, match=r"^nightly --grid: grid item 'presets=' has no value"):
+        run_nightly(NightlyConfig(grid=("presets=",), out_root=str(tmp_path / "n")))
     assert not (tmp_path / "n").exists(), "refused before the run folder exists"
 
 

@@ -14,9 +14,9 @@ import torch
 from helpers import logprobs_off, same_bits, seed_for
 
 from workbench.kernels import mode
-from workbench.rl import step as step_module
+from workbench.rl import samplers
 from workbench.rl.config import TrainConfig
-from workbench.rl.run import Run
+from workbench.rl.run import TrainerRank
 from workbench.rl.tasks import Arithmetic
 from workbench.rl.trainer import ParityError, train, train_step
 
@@ -42,8 +42,8 @@ def _text_reward(self, completion: str, problem) -> float:
 def test_a_sampled_check_trains_the_same_bits_and_catches_a_break_on_its_rows(policy, tmp_path, monkeypatch):
     seed = seed_for(bound=2**16)
     monkeypatch.setattr(Arithmetic, "reward", _text_reward)
-    runs, init = [], Run.__init__
-    monkeypatch.setattr(Run, "__init__", lambda self, cfg: (init(self, cfg), runs.append(self))[0])
+    runs, init = [], TrainerRank.__init__
+    monkeypatch.setattr(TrainerRank, "__init__", lambda self, *args: (init(self, *args), runs.append(self))[0])
     full, half = (train(_cfg(policy, tmp_path / name, seed=seed, parity_sample=n)).pivot(
         index="step", columns="metric", values="value") for name, n in (("full", 1), ("half", 2)))
     assert (half["weight_delta_l2"] > 0).all() and (half["parity_tokens_differing"] == 0).all(), f"seed {seed}"
@@ -62,7 +62,7 @@ def test_a_sampled_check_trains_the_same_bits_and_catches_a_break_on_its_rows(po
 
     # Step 3 of the sampled run with the generator's log-probs all off by 1e-3 (a broken kernel moves every row):
     # the check stops it, counting the tokens of the rows it recomputed.
-    monkeypatch.setattr(step_module, "generate", logprobs_off(step_module.generate))
+    monkeypatch.setattr(samplers, "generate", logprobs_off(samplers.generate))
     with mode("invariant"), pytest.raises(ParityError, match=r"^step 3: generator and trainer log-probs differ on "
                                                              r"(\d+) of \1 tokens"):
         train_step(runs[1], 3)

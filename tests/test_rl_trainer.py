@@ -157,8 +157,10 @@ def test_gsm8k_trains_from_a_checkpoint_with_its_tokenizer(tmp_path, monkeypatch
     assert default_gsm8k() == gsm8k and len(make_task("gsm8k").items) > 1000, "the offline copy is the default"
     TrainConfig(task="gsm8k")
     monkeypatch.setenv("WORKBENCH_GSM8K", str(tmp_path / "nowhere"))
-    with pytest.raises(ValueError, match="needs task_source.*WORKBENCH_GSM8K"):
-        TrainConfig(task="gsm8k")
+    TrainConfig(task="gsm8k")   # building a config reads no file: the data is found when the task is built
+    with pytest.raises(ValueError, match="needs a source.*WORKBENCH_GSM8K"):
+        train(_cfg(str(tmp_path / "ckpt"), tmp_path / "no-data", task="gsm8k"))
+    assert not (tmp_path / "no-data").exists(), "a run refused at its setup leaves no folder"
     with pytest.raises(ValueError, match="needs a starting checkpoint"):
         train(_cfg("", tmp_path / "none", task="gsm8k", task_source=str(gsm8k)))
 
@@ -265,3 +267,53 @@ def test_a_checkpoint_from_before_a_field_existed_still_resumes():
     older = {k: v for k, v in asdict(cfg).items() if k not in ("policy_lag", "kl_to", "task")}
     assert config_changes(older, cfg) == {}
     assert set(config_changes(older, dataclasses.replace(cfg, policy_lag=1, sync="copy"))) == {"policy_lag", "sync"}
+
+
+def test_a_reward_that_raises_for_one_completion_counts_zero_and_the_run_goes_on(policy, tmp_path, monkeypatch,
+                                                                                 capsys):
+    from workbench.rl.tasks import Arithmetic
+
+    calls, reward = [], Arithmetic.reward
+
+    def flaky(self, completion, problem):   # the 2nd and 6th rewards raise (steps 1 and 2: 4 a step)
+        calls.append(completion)
+        if len(calls) in (2, 6):
+            raise OSError("sandbox lost\nsecond line of its traceback")
+        return reward(self, completion, problem)
+
+    monkeypatch.setattr(Arithmetic, "reward", flaky)
+    monkeypatch.setattr(Arithmetic, "scores", lambda self, completion, problem: {"exact": reward(self, completion,
+                                                                                                 problem)})
+    by = train(_cfg(policy, tmp_path, steps=2, progress=False, **SMALL)).pivot(index="step", columns="metric",
+                                                                               values="value")
+    assert list(by.index) == [1, 2] and list(by["reward_failures"]) == [1, 1]
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: step 1: the reward of completion 1 raised OSError: sandbox lost; it counts 0 and "
+                        "the run goes on (metric reward_failures counts them; warned once)"]
+
+
+def test_the_reward_stage_finds_the_failing_completion_of_a_batch_reward():
+    from types import SimpleNamespace
+
+    from workbench.rl.step import RewardStage
+
+    class Task:   # a batch reward (the code task's), and each completion's; "bad" raises in both
+        def rewards(self, texts, problems):
+            return [self.reward(t, p) for t, p in zip(texts, problems)]
+
+        def reward(self, text, problem):
+            if text == "bad":
+                raise RuntimeError("judge crashed")
+            return float(text == problem)
+
+        def scores(self, text, problem):
+            return {"exact": self.reward(text, problem)}
+
+    texts = ["7", "bad", "3", "7"]
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens: texts[ids[0]])
+    rollout = SimpleNamespace(problems=["7", "3"], completions=[SimpleNamespace(finish_reason="stop")] * 4)
+    batch = SimpleNamespace(completions=[[i] for i in range(4)], device="cpu")
+    rewards, per_sequence = RewardStage(Task(), tok, group_size=2)(1, rollout, batch)
+    assert rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert [(s, failed) for s, _, _, failed in per_sequence] == [({"exact": 1.0}, False), ({}, True),
+                                                                ({"exact": 1.0}, False), ({"exact": 0.0}, False)]

@@ -1,4 +1,4 @@
-"""The update's forward as the step's scoring pass (`step.scores_in_update`): in invariant mode a run that folds the
+"""The update's forward as the step's scoring pass (`scoring.scores_in_update`): in invariant mode a run that folds the
 scoring into the update is the run through the separate no-grad pass, bit for bit (weights, metrics, step-1
 log-probs), and a parity break still stops it before the optimizer step, with today's message."""
 
@@ -12,9 +12,10 @@ import torch
 from helpers import same_bits, seed_for
 
 from workbench.kernels import mode
+from workbench.rl import scoring
 from workbench.rl import step as step_module
 from workbench.rl.config import TrainConfig
-from workbench.rl.run import Run
+from workbench.rl.run import TrainerRank
 from workbench.rl.tasks import Arithmetic
 from workbench.rl.trainer import ParityError, train, train_step
 
@@ -28,7 +29,7 @@ def _cfg(policy, out, **kw):
 
 
 def _scoring_calls(monkeypatch) -> list:
-    """Every model `step.score` runs, in order (the policy's scoring pass, or a KL reference's)."""
+    """Every model `score` runs, in order (the policy's scoring pass, or a KL reference's)."""
     calls, score = [], step_module.score
 
     def spy(model, *args, **kw):
@@ -36,17 +37,18 @@ def _scoring_calls(monkeypatch) -> list:
         return score(model, *args, **kw)
 
     monkeypatch.setattr(step_module, "score", spy)
+    monkeypatch.setattr(scoring, "score", spy)
     return calls
 
 
-def _kept_runs(monkeypatch) -> list[Run]:
-    runs, init = [], Run.__init__
+def _kept_runs(monkeypatch) -> list[TrainerRank]:
+    runs, init = [], TrainerRank.__init__
 
-    def keep(self, cfg):
-        init(self, cfg)
+    def keep(self, *args):
+        init(self, *args)
         runs.append(self)
 
-    monkeypatch.setattr(Run, "__init__", keep)
+    monkeypatch.setattr(TrainerRank, "__init__", keep)
     return runs
 
 
@@ -70,7 +72,7 @@ def test_the_folded_update_is_the_score_pass_bit_for_bit(policy, tmp_path, monke
     tables = {"folded": train(_cfg(policy, tmp_path / "folded", seed=seed, **kw))}
     assert all(m is runs[0].reference for m in calls), f"seed {seed}: a scoring pass ran beside the update"
     # The same run through the separate no-grad pass (the path of every ineligible step).
-    monkeypatch.setattr(step_module, "scores_in_update", lambda run, gen_version, version: False)
+    monkeypatch.setattr(scoring, "scores_in_update", lambda run, gen_version, version: False)
     tables["score-pass"] = train(_cfg(policy, tmp_path / "score-pass", seed=seed, **kw))
     assert any(m is runs[1].weights.scorer for m in calls), f"seed {seed}: the forced run did not score"
 
@@ -90,16 +92,16 @@ def test_the_folded_update_is_the_score_pass_bit_for_bit(policy, tmp_path, monke
 
 
 def test_eligibility_keeps_the_score_pass_where_the_bits_or_the_order_differ(policy, tmp_path):
-    run = Run(_cfg(policy, tmp_path / "run"))
-    assert step_module.scores_in_update(run, 0, 0)
-    assert not step_module.scores_in_update(run, 0, 1), "a lagged generator"
+    run = TrainerRank(_cfg(policy, tmp_path / "run"))
+    assert scoring.scores_in_update(run, 0, 0)
+    assert not scoring.scores_in_update(run, 0, 1), "a lagged generator"
     for kw in (dict(kernel_mode="standard"), dict(mini_batches=2), dict(epochs=2), dict(old_logprobs="sampler"),
                dict(kl_coef=0.1, kl_to="sampler", kl_in_reward=True), dict(correction="tis-token")):
         run.cfg = dataclasses.replace(run.cfg, **kw)
-        assert not step_module.scores_in_update(run, 0, 0), kw
+        assert not scoring.scores_in_update(run, 0, 0), kw
         run.cfg = _cfg(policy, tmp_path / "run")
     run.weights.sharded = torch.nn.Linear(1, 1)   # FSDP2: the sharded module trains, the whole model scores
-    assert run.weights.scorer is not run.weights.module and not step_module.scores_in_update(run, 0, 0)
+    assert run.weights.scorer is not run.weights.module and not scoring.scores_in_update(run, 0, 0)
 
 
 def test_a_parity_break_stops_the_folded_update_before_its_optimizer_step(policy, tmp_path, monkeypatch):
@@ -108,7 +110,7 @@ def test_a_parity_break_stops_the_folded_update_before_its_optimizer_step(policy
     before its optimizer step (the weights as they were, AdamW without state)."""
     seed = seed_for()
     messages, backwards = {}, []
-    eligible, spec = step_module.scores_in_update, step_module.get_loss("grpo")
+    eligible, spec = scoring.scores_in_update, step_module.get_loss("grpo")
 
     def loss_fn(*args):   # each loss notes its backward
         loss, stats = spec.fn(*args)
@@ -117,8 +119,8 @@ def test_a_parity_break_stops_the_folded_update_before_its_optimizer_step(policy
 
     monkeypatch.setattr(step_module, "get_loss", lambda loss: dataclasses.replace(spec, fn=loss_fn))
     for name, folded in (("folded", True), ("score-pass", False)):
-        monkeypatch.setattr(step_module, "scores_in_update", eligible if folded else lambda *args: False)
-        run = Run(_cfg(policy, tmp_path / name, sync="copy", steps=1))
+        monkeypatch.setattr(scoring, "scores_in_update", eligible if folded else lambda *args: False)
+        run = TrainerRank(_cfg(policy, tmp_path / name, sync="copy", steps=1))
         assert eligible(run, 0, 0)
         norm = run.sync.generator.model.norm.weight
         with torch.no_grad():

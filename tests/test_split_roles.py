@@ -60,7 +60,7 @@ def _one_process(policy: str, runs: dict[Path, dict], log: Path) -> subprocess.P
 def _split_worker(policy: str, root: str) -> None:
     from workbench.distributed import broadcast
     from workbench.distributed.data_parallel import DataParallel
-    from workbench.rl import trainer
+    from workbench.rl import samplers
     from workbench.rl.trainer import ParityError, train
 
     d = launch.init("cpu")
@@ -97,12 +97,12 @@ def _split_worker(policy: str, root: str) -> None:
 
     # A parity break on the rollout rank (its log-probs off by 1e-3): both ranks stop with the trainer's ParityError,
     # the rollout rank after its share of step 2 (ordered before step 1's check) is drained.
-    generate = trainer.generate
+    generate = samplers.generate
     if d.rank == 1:
-        trainer.generate = logprobs_off(generate)
+        samplers.generate = logprobs_off(generate)
     with pytest.raises(ParityError, match=r"step 1: generator and trainer log-probs differ on \d+ of"):
         train(_cfg(policy, out / "broken", policy_lag=1))
-    trainer.generate = generate
+    samplers.generate = generate
 
     # One bit of the rollout rank's copy flipped in the second sync (version 1): the digest check names it, on both.
     unpack, calls = broadcast._unpack, []

@@ -46,6 +46,7 @@ def test_grid_values_are_typed_and_checked_by_the_config():
     (["out_dir=a,b"], "out_dir is set by the sweep"),
     (["seed=0", "seed=1"], "seed is given twice"),
     (["seed=0,0"], "repeats a value"),
+    (["policy="], r"^grid item 'policy=' has no value: give policy=v1,v2,..., or leave the item out$"),
 ])
 def test_bad_grids_name_the_field(items, match):
     with pytest.raises(ValueError, match=match):

@@ -191,13 +191,13 @@ def _fsdp_worker(policy: str, root: str) -> None:
     from workbench.rl import trainer
 
     launch.init("cpu")
-    runs, init = [], trainer.Run.__init__
+    runs, init = [], trainer.TrainerRank.__init__
 
-    def keep(self, cfg):
-        init(self, cfg)
+    def keep(self, *args):
+        init(self, *args)
         runs.append(self)
 
-    trainer.Run.__init__ = keep
+    trainer.TrainerRank.__init__ = keep
     for backend in ("torchtitan", "workbench"):
         trainer.train(_cfg(policy, Path(root) / backend, parallel="fsdp2", trainer_backend=backend))
     _sharded_forward_is_the_generators(runs[0].weights)

@@ -86,13 +86,13 @@ def _train(policy: str, out: str) -> None:
     from workbench.rl.titan_backend import TitanWeights
     from workbench.rl.trainer import train
 
-    from workbench.rl import step
+    from workbench.rl import samplers
 
     train(_train_cfg(policy, f"{out}.train", tensor_parallel=2))
     train(_train_cfg(policy, f"{out}.resumed", tensor_parallel=2, steps=1))
     train(_train_cfg(policy, f"{out}.resumed", tensor_parallel=2, resume=True))
     errors = []
-    generate = step.generate
+    generate = samplers.generate
 
     def off_on_rank_1(*args, **kw):   # rank 1's generator off by 1e-3: the group's rollouts differ
         gen = generate(*args, **kw)
@@ -100,10 +100,10 @@ def _train(policy: str, out: str) -> None:
             c.sampled_logprobs += 1e-3 * dist.get_rank()
         return gen
 
-    step.generate = off_on_rank_1
+    samplers.generate = off_on_rank_1
     with pytest.raises(RuntimeError) as e:
         train(_train_cfg(policy, f"{out}.apart", tensor_parallel=2, steps=1))
-    step.generate = generate
+    samplers.generate = generate
     errors.append(str(e.value))
     with pytest.raises(ValueError) as e:
         train(_train_cfg(policy, f"{out}.tp3", tensor_parallel=3))

@@ -117,6 +117,8 @@ def _typed(where: str, name: str, value, tp):
     if origin is tuple and isinstance(value, (list, tuple)):
         (item, *_) = typing.get_args(tp)
         return tuple(_typed(where, name, v, item) for v in value)
+    if origin is tuple:
+        raise ValueError(f"{where}: {name} is a list: {name}=[{value}]")
     if tp is bool and isinstance(value, str) and value.lower() in _BOOL_WORDS:
         value = _BOOL_WORDS[value.lower()]
     if tp in (int, float) and isinstance(value, str):

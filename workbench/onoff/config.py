@@ -126,6 +126,8 @@ class OnOffConfig:
             raise ValueError(f"arms and seeds must not repeat: arms {list(self.arms)}, seeds {list(self.seeds)}")
         if not self.seeds:
             raise ValueError("seeds must name at least one seed")
+        if any(s < 0 for s in self.seeds):
+            raise ValueError(f"seeds must be >= 0, got {list(self.seeds)}")
         if self.preset and self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         if self.time_limit_min < 0:

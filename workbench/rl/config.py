@@ -12,7 +12,7 @@ from ..config import check_at_least_one
 from ..models.config import RECOMPUTE
 from ..models.lora import PROJECTIONS, LoraConfig
 from .losses import AGGREGATIONS, KL_ESTIMATORS, LossConfig, get_loss
-from .tasks import TASKS, default_gsm8k
+from .tasks import TASKS
 
 
 @dataclass(frozen=True)
@@ -185,9 +185,6 @@ class TrainConfig:
                              "sampler_kernels='engine', adapter='none' and rollout_ranks=0")
         if self.task not in TASKS:
             raise ValueError(f"unknown task {self.task!r}; choose one of {', '.join(TASKS)}")
-        if self.task == "gsm8k" and not self.task_source and default_gsm8k() is None:
-            raise ValueError("task 'gsm8k' needs task_source: a folder holding train.jsonl/test.jsonl, "
-                             "a file, or a hub id (no offline copy here: set WORKBENCH_GSM8K)")
         if self.group_size < 2:
             raise ValueError(f"group_size must be at least 2 (GRPO compares samples of one prompt), "
                              f"got {self.group_size}")

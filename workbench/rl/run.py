@@ -1,15 +1,18 @@
-"""A training run's setup and state (`Run`): this rank's place among the processes (data, tensor and pipeline
-parallel groups), the starting policy, the weights the update trains on the chosen backend (`train_weights`), the
-reference model, a resumed run's state, the generator's sync, the metrics log and the checkpoints. The loop that
-steps it is `trainer.train`; one step is `step.train_step`.
+"""A training run's setup, on each rank: its place among the processes (`Place`: data, tensor and pipeline
+parallel groups), then a trainer rank's state (`TrainerRank`: the weights on the chosen backend, the reference, a
+resumed run's state, the sampler and scoring chosen once, the metrics log, the checkpoints) or a rollout rank's
+(`RolloutRank`, split roles: a bf16 generator that serves trainer rank 0's orders). The loop is `trainer.train`;
+one step `step.train_step`. docs/distributed.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from ..config import write_config
@@ -18,12 +21,18 @@ from ..distributed.pipeline import Pipeline
 from ..env import resolve_device
 from ..files import make_folder
 from ..generation import DecodeGraphs
+from ..kernels import mode
 from ..models import build, copy_weights, load_pretrained, load_tokenizer, resolve_model, save_pretrained
 from ..models.lora import base_state
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_sharded_checkpoint
 from .config import TrainConfig
+from .logprobs import score
 from .metrics import MetricsLog
 from .policy import PolicyConfig, train_policy
+from .rollout import RolloutBatch
+from .samplers import VLLM, Embedded, Remote, StepPrompts, generate_rows
+from .scoring import choose_scoring, parity_rows
+from .step import RewardStage
 from .sync import WeightSync
 from .tasks import make_task
 from .weights import TrainWeights
@@ -68,26 +77,58 @@ def train_weights(start, cfg: TrainConfig, device: str, shard_group=None, tp_mes
                         cfg.lora_config(), cfg.seed, shard_group)
 
 
-class Run:
-    """A training run's state: the weights, the generator's sync, the task, the metrics, this rank's place."""
+@dataclass
+class Place:
+    """This rank's place among the processes."""
 
-    def __init__(self, cfg: TrainConfig):
+    device: str
+    world: DataParallel
+    """Every rank of the job (one process without torchrun's variables)."""
+    pipeline: Pipeline | None
+    """Split roles (rollout_ranks > 0): the rollout ranks and the trainer ranks, and what passes between them."""
+    trainers: DataParallel | None
+    """Every rank that trains (the decisions they take together: the time limit); None on a rollout rank."""
+    dp: DataParallel | None
+    """The ranks that split each step's prompts (with tensor parallelism: one rank of each group)."""
+    tp_mesh: object | None
+    """tensor_parallel > 1: this rank's tensor-parallel group (1-D mesh), whose ranks share their rows."""
+    share: slice
+    """This rank's prompts of each step (to train on; on a rollout rank, to generate)."""
+
+    @classmethod
+    def join(cls, cfg: TrainConfig) -> Place:
+        """Joins the job (one process without torchrun's variables) and finds this rank's groups and share."""
+        device = resolve_device(cfg.device)
+        world = DataParallel.join(device)
+        pipeline = Pipeline(world, cfg.rollout_ranks, cfg.policy_lag) if cfg.rollout_ranks else None
+        trainers = world if pipeline is None else pipeline.trainers
+        dp, tp_mesh = trainers, None
+        if cfg.tensor_parallel > 1:
+            dp, tp_mesh = tensor_parallel(world, cfg.tensor_parallel)
+        return cls(device, world, pipeline, trainers, dp, tp_mesh, (pipeline or dp).shard(cfg.prompts_per_step))
+
+    @property
+    def is_rollout(self) -> bool:
+        """A rollout rank (split roles): it only generates."""
+        return self.pipeline is not None and self.pipeline.is_rollout
+
+
+def open_rank(cfg: TrainConfig) -> TrainerRank | RolloutRank:
+    """This rank's side of the run, set up."""
+    place = Place.join(cfg)
+    return (RolloutRank if place.is_rollout else TrainerRank)(cfg, place)
+
+
+class _Rank:
+    """What both ranks set up: the run folder's checks, the metrics log, the task, the starting policy."""
+
+    def __init__(self, cfg: TrainConfig, place: Place | None = None):
         self.cfg = cfg
         self.out = Path(cfg.out_dir)
-        self.device = resolve_device(cfg.device)
-        self.world = DataParallel.join(self.device)   # one process without torchrun's variables
-        # Split roles (rollout_ranks > 0): the ranks that train are a group of their own; a rollout rank has no dp.
-        self.pipeline = Pipeline(self.world, cfg.rollout_ranks, cfg.policy_lag) if cfg.rollout_ranks else None
-        self.trainers = self.world if self.pipeline is None else self.pipeline.trainers
-        """Every rank that trains (the decisions they take together: the time limit)."""
-        self.tp_mesh = None
-        """tensor_parallel > 1: this rank's tensor-parallel group (1-D mesh), whose ranks share their rows."""
-        self.dp = self.trainers
-        """The ranks that split each step's prompts (with tensor parallelism: one rank of each group)."""
-        if cfg.tensor_parallel > 1:
-            self.dp, self.tp_mesh = tensor_parallel(self.world, cfg.tensor_parallel)
-        # This rank's prompts of each step (to train on; on a rollout rank, to generate).
-        self.share = (self.pipeline or self.dp).shard(cfg.prompts_per_step)
+        place = place or Place.join(cfg)
+        self.device, self.world, self.pipeline, self.trainers = place.device, place.world, place.pipeline, \
+            place.trainers
+        self.dp, self.tp_mesh, self.share = place.dp, place.tp_mesh, place.share
         if self.world.is_main:   # the only rank that writes the run's files
             make_folder(self.out)
         if cfg.parallel == "fsdp2" and not self.world.process.distributed:
@@ -116,20 +157,59 @@ class Run:
         self.task = make_task(cfg.task, seed=cfg.seed, difficulty=cfg.difficulty, source=cfg.task_source,
                               question_field=cfg.question_field, answer_field=cfg.answer_field,
                               max_new_tokens=cfg.max_new_tokens)
-        rollout_only = self.dp is None
         # The embedded generator's caches and graphs, across steps. Not with sync='checkpoint': it loads a new
         # generator model every step, so nothing would replay and the kept step would hold the old model.
         self.graphs = DecodeGraphs() if cfg.keep_graphs and cfg.sync != "checkpoint" else None
-        start, self.tok = _starting_policy(cfg, self.out, self.device, self.world, rollout_only)
-        if rollout_only:   # a generator, no masters, no optimizer
-            self.generator = start
-            return
+        start, self.tok = _starting_policy(cfg, self.out, self.device, self.world, isinstance(self, RolloutRank))
+        self.prompts = StepPrompts(cfg, self.task, self.tok, self.share)
+        self._setup(start)
+
+    def _setup(self, start) -> None:
+        raise NotImplementedError
+
+
+class RolloutRank(_Rank):
+    """Split roles: a rank that only generates (a bf16 generator, no masters, no optimizer), the steps trainer
+    rank 0 orders, with the weights it sends (`Pipeline.serve`)."""
+
+    def _setup(self, start) -> None:
+        self.generator = start
+
+    def serve(self) -> pd.DataFrame:
+        """The run on this rank; returns an empty table: the metrics are the trainer ranks' (rank 0 writes them)."""
+        cfg = self.cfg
+
+        def sample(step: int) -> list:   # the completions' log-probs are host tensors: they travel pickled
+            _, prompts, sampling, rows = self.prompts(step)
+            return generate_rows(self.generator, cfg, prompts, sampling, rows, self.graphs)
+
+        def rescore(step: int, completions: list) -> tuple[torch.Tensor, torch.Tensor]:   # the parity check's side
+            ids = [c.request_id for c in completions]
+            completions = [c for c, ok in zip(completions, parity_rows(cfg, step, ids)) if ok]
+            if not completions:
+                return torch.empty(0), torch.empty(0)
+            batch = RolloutBatch.from_generation([c.prompt for c in completions], completions,
+                                                 self.tok.pad_token_id or 0, self.device)
+            real = batch.mask.bool()
+            return tuple(t[real].cpu() for t in score(self.generator, batch, cfg.max_tokens_per_microbatch,
+                                                      cfg.temperature, with_entropy=True))
+
+        with mode(cfg.kernel_mode):
+            self.pipeline.serve(self.generator, sample, rescore)
+        self.pipeline.leave()
+        return self.log.table()
+
+
+class TrainerRank(_Rank):
+    """A rank that trains: the weights, the sampler and its sync, the scoring, the rewards, the reference."""
+
+    def _setup(self, start) -> None:
         # An error from here on stops the rollout ranks too (they wait for their first order).
         with self.pipeline.stop_on_error() if self.pipeline else contextlib.nullcontext():
             self._trainer(start)
 
     def _trainer(self, start) -> None:
-        """A trainer rank's state: the weights from `start`, the reference, a resumed run's, the generator's."""
+        """A trainer rank's state: the weights from `start`, the reference, a resumed run's, the sampler's."""
         cfg, main = self.cfg, self.world.is_main
         fsdp2 = cfg.parallel == "fsdp2"
         if fsdp2 or self.tp_mesh is not None:   # every rank cuts its shards from rank 0's fp32 start
@@ -156,8 +236,9 @@ class Run:
             else cfg
         self.sync = WeightSync(sync_cfg, self.weights.model, sync_root, self.device, engine, lagged)
         self.sync(self.start_step)
-        if self.pipeline:
-            self.pipeline.start(self.sync.generator, self.sync.version, self.start_step + 1, cfg.steps)
+        self.sampler = _sampler(self)
+        self.scoring = choose_scoring(self)
+        self.rewards = RewardStage(self.task, self.tok, cfg.group_size)
 
     def checkpoint(self, step: int) -> None:
         """Rank 0 writes it (the replicas are identical: today's format, resumable at any world size); FSDP2 or
@@ -167,3 +248,10 @@ class Run:
             return
         self.dp.on_main(lambda: save_checkpoint(self.out, step, self.weights, self.log.table(), self.cfg,
                                                 self.sync.lagged))
+
+
+def _sampler(run: TrainerRank) -> Embedded | VLLM | Remote:
+    """The run's rollout source: the rollout ranks (split roles), a vLLM engine, or the embedded generator."""
+    if run.pipeline is not None:
+        return Remote(run.prompts, run.pipeline, run.sync, run.weights.model, run.start_step, run.cfg.steps)
+    return (VLLM if run.cfg.generator == "vllm" else Embedded)(run.prompts, run.sync, run.graphs)

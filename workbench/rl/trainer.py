@@ -1,36 +1,8 @@
 """GRPO-family training with the generator and trainer on one model and one set of kernels: the run's loop
-(`train`) and a rollout rank's loop (`_serve`); the run's setup is `run.py`'s `Run`, one step `step.py`'s
-`train_step` (rollout -> reward -> parity check -> advantages -> update -> sync; where the update's forward is the
-scoring pass, the parity check runs inside the update, before its optimizer step).
-
-Synchronous by default (policy lag 0). With `policy_lag=k` the generator samples with the weights of
-k updates before the trainer's, as an asynchronous pipeline would (`sync.py`).
-
-With `adapter='lora'` the update trains LoRA adapters on a frozen base, the generator runs them unmerged, and
-the sync moves the adapters only (docs/lora.md).
-
-Metrics are a long table (step, metric, value, variant, seed), also sent to TensorBoard when asked.
-On a failure (parity break, NaN loss) the metrics so far are still written before the error.
-
-Under torchrun (`torchrun --nproc-per-node N -m workbench train ...`) the run is replicated data-parallel
-(`workbench.distributed.data_parallel`): every rank holds the whole model, generates and trains on its share of
-each step's prompts (whole groups), and takes the same optimizer step on the gradients summed over the ranks.
-The parity check, the advantages and the metrics are over the whole step, so every rank takes the same
-decisions; rank 0 alone writes files, in the same format as one process (docs/distributed.md). With
-`parallel='fsdp2'` the trainer ranks shard the fp32 masters and AdamW's state with FSDP2 (`TrainWeights.sharded`),
-the update's gradients stay fp32 into FSDP2's reduce-scatter, the bf16 model is gathered from the shards after each
-update, and every trainer rank writes its shards of each checkpoint (DCP). With `tensor_parallel = t > 1`
-(trainer_backend='torchtitan') the ranks form a (dp, tp) mesh: the t ranks of a tensor-parallel group generate the
-same rollouts with whole generators, and score and train them on one model sharded over them (`titan.tp`); the
-data parallelism above runs over the dp groups.
-
-With `rollout_ranks = r > 0` the last r ranks only generate (`_serve`: a bf16 generator, no masters, no optimizer)
-and the others only train (`workbench.distributed.pipeline`): the step's rollout is then the rollout ranks' samples
-arriving, each with the weight version that drew them and the trainer's log-probs of its tokens (a rollout rank
-runs the trainer's forward on the weights it sampled with: `score`, the same bits anywhere), and its sync a
-broadcast to them. With a policy lag k >= 1 they generate the next step while this one trains; the trainer keeps
-the last k + 1 versions (`WeightSync`) to send the older ones. In invariant mode the run is the one-process run,
-bit for bit.
+(`train`). The run's setup is `run.py`'s (a trainer rank, or with split roles a rollout rank that serves), one step
+`step.py`'s `train_step`. Synchronous by default; `policy_lag=k` samples with the weights of k updates before the
+trainer's (`sync.py`). On a failure (parity break, NaN loss) the metrics so far are still written before the error.
+Several processes (data, tensor and pipeline parallel, FSDP2, split roles): docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -43,20 +15,16 @@ import time
 from pathlib import Path
 
 import pandas as pd
-import torch
 from tqdm.auto import tqdm
 
-from ..generation import generate
 from ..kernels import mode
 from ..rundir import RUN_FILES, claim, deferred_interrupt
 from .checkpoint import last_good, latest_checkpoint
 from .config import TrainConfig
-from .logprobs import score
-from .rollout import RolloutBatch
-from .run import Run, train_weights
-from .step import ParityError, parity_rows, sampler_kernels, step_prompts, train_step
+from .run import RolloutRank, TrainerRank, open_rank, train_weights
+from .step import ParityError, train_step
 
-__all__ = ["ParityError", "Run", "interrupted", "train", "train_step", "train_weights"]
+__all__ = ["ParityError", "TrainerRank", "interrupted", "train", "train_step", "train_weights"]
 
 
 def train(cfg: TrainConfig) -> pd.DataFrame:
@@ -79,17 +47,17 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
 def _train(cfg: TrainConfig, fresh: bool) -> pd.DataFrame:
     start = time.perf_counter()
     try:
-        run = Run(cfg)
+        run = open_rank(cfg)
     except BaseException:   # a bad setting found while setting up: leave no folder holding config.yaml alone
         if fresh and os.environ.get("RANK", "0") == "0":
             shutil.rmtree(cfg.out_dir, ignore_errors=True)
         raise
-    if run.dp is None:
-        return _serve(run)
+    if isinstance(run, RolloutRank):
+        return run.serve()
     bar = tqdm(total=cfg.steps, initial=run.start_step, disable=not cfg.progress or not run.dp.is_main,
                desc=f"train ({cfg.variant or cfg.kernel_mode}, seed {cfg.seed})")
     try:
-        with mode(cfg.kernel_mode), run.pipeline.stop_on_error() if run.pipeline else contextlib.nullcontext(), \
+        with mode(cfg.kernel_mode), run.sampler.running(), \
                 deferred_interrupt(run.world.world_size == 1) as stop:   # ranks must stop at one step: one process
             for step in range(run.start_step + 1, cfg.steps + 1):
                 reward, differing = train_step(run, step)
@@ -108,9 +76,6 @@ def _train(cfg: TrainConfig, fresh: bool) -> pd.DataFrame:
                         print(f"{cfg.out_dir}: time limit ({cfg.time_limit_s:.0f} s) reached after step {step} of "
                               f"{cfg.steps}; checkpointed, continue with resume=True")
                     break
-            if run.pipeline:
-                run.pipeline.end()
-                run.pipeline.leave()
     finally:
         bar.close()
         table = run.log.close()
@@ -126,31 +91,3 @@ def interrupted(cfg: TrainConfig) -> str:
         return f"nothing to resume: no checkpoint was written in {out} yet; {again} the same command to start over"
     return (f"{last_good(out)}, the metrics up to now in {out / 'metrics.csv'}; continue with: python -m workbench "
             f"train --config {out / 'config.yaml'} --resume")
-
-
-def _serve(run: Run) -> pd.DataFrame:
-    """A rollout rank's run (split roles): it generates the steps trainer rank 0 orders, with the weights it sends.
-    Returns an empty table: the metrics are the trainer ranks' (rank 0 writes them)."""
-    cfg = run.cfg
-
-    def sample(step: int) -> list:   # the completions' log-probs are host tensors: they travel pickled
-        _, prompts, sampling, rows = step_prompts(run, step)
-        with sampler_kernels(cfg):
-            return generate(run.generator, prompts, sampling, request_ids=list(range(rows.start, rows.stop)),
-                            keep=run.graphs).completions
-
-    def rescore(step: int, completions: list) -> tuple[torch.Tensor, torch.Tensor]:   # the parity check's side
-        completions = [c for c, ok in zip(completions, parity_rows(cfg, step, [c.request_id for c in completions]))
-                       if ok]
-        if not completions:
-            return torch.empty(0), torch.empty(0)
-        batch = RolloutBatch.from_generation([c.prompt for c in completions], completions, run.tok.pad_token_id or 0,
-                                             run.device)
-        real = batch.mask.bool()
-        return tuple(t[real].cpu() for t in score(run.generator, batch, cfg.max_tokens_per_microbatch,
-                                                  cfg.temperature, with_entropy=True))
-
-    with mode(cfg.kernel_mode):
-        run.pipeline.serve(run.generator, sample, rescore)
-    run.pipeline.leave()
-    return run.log.table()

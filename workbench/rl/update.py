@@ -1,27 +1,11 @@
 """The policy update on one step's rollouts: epochs x mini-batches x micro-batches.
 
-Each epoch reshuffles the step's sequences (a permutation seeded by the run's seed, the step and the
-epoch) and cuts them into `mini_batches` parts; each part is one AdamW step. A part is cut again into
-micro-batches under the token budget; each micro-batch's loss gets the part's `Totals`, so the gradients
-accumulated over the micro-batches are the gradient of the part's loss, normalised over the whole part.
-
-The old log-probs, the correction weights and the KL target are computed once, before the first
-update, over the whole step; from the second mini-batch on the ratio leaves 1 and the clip fractions
-measure how far the policy moved.
-
-With one epoch of one mini-batch on the weights that sampled, the update's own forward can be the step's scoring
-pass (`scored`, chosen by `step.scores_in_update`): its log-probs, detached, are the old ones (the no-grad pass
-would give the same bits), and the step's [B, T] log-probs and entropies go to `scored` (the parity check) once
-every micro-batch's forward and backward has run, before the loss check and the optimizer step: a check that
-raises leaves the weights as they were.
-
-Data-parallel (`dp`, `workbench.distributed.data_parallel`): the batch is this rank's share of the step. The
-mini-batches are cut from the whole step's sequences with the same permutation as in one process, each rank
-trains on its own rows of each, the `Totals` are the whole mini-batch's (every rank's), and the gradients are
-summed over the ranks before each optimizer step: the same gradient as one process, up to the summation order.
-With FSDP2 (`weights.sharded`) the forward and backward run the sharded module, whose per-layer all-gathers and
-reduce-scatters are collectives: every rank runs as many micro-batches as the rank with the most (the extra ones
-backpropagate a zero loss, adding exact zeros), and the last one's backward reduce-scatters the fp32 sums.
+Each epoch reshuffles the step's sequences (seeded by the run's seed, the step and the epoch) and cuts them into
+`mini_batches` parts, each one AdamW step; a part is cut again into micro-batches under the token budget, each
+normalised by the part's `Totals`, so the accumulated gradient is the part's loss's. The old log-probs, correction
+weights and KL target are computed once, before the first update; where the update's forward is the step's
+scoring pass (`scoring.InUpdate`), it hands its log-probs to `scored` before the loss check and the optimizer
+step. Data-parallel and FSDP2 (the same gradient as one process, up to the summation order): docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -48,7 +32,7 @@ class UpdateInputs:
     """[B] per-sequence advantages."""
     old: torch.Tensor | None
     """The PPO ratio's denominator (`old_logprobs`: the trainer's recomputation, or the sampler's); None: the
-    update's own forward, detached (with `scored`)."""
+    update's own forward, detached (with `scored`: `scoring.InUpdate`)."""
     weights: torch.Tensor | None
     """Off-policy correction weights, or None."""
     kl_target: torch.Tensor | None

@@ -60,6 +60,8 @@ def parse_grid(items: list[str] | tuple[str, ...], cls: type, folder_field: str)
                              "choose the sweep's folder with out_root (--out-root)")
         if key in axes:
             raise ValueError(f"grid: {key} is given twice; put all its values in one item ({key}=a,b)")
+        if not text.strip():
+            raise ValueError(f"grid item {item!r} has no value: give {key}=v1,v2,..., or leave the item out")
         try:
             values = [parse_overrides([f"{key}={_unquote(v)}"], cls)[key] for v in split_values(text)]
         except ValueError as e:  # parse_overrides says 'override: ...'; here it is the grid item
