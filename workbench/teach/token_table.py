@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from ..audit import divergence_sweep
 from ..generation import SamplingParams, generate, trainer_logprobs
+from ..generation.fp8 import Fp8Sampler
 from ..kernels import FUSED_ROWWISE, mode
 from ..published import published_label
 from ..tables import project_path
@@ -44,6 +45,8 @@ class TokenArm:
     """The model's dtype on both sides."""
     setting: str = ""
     """Its row in the parity report's first-divergence table (`audit.DIVERGENCE_SETTINGS`' names); empty: none."""
+    fp8: bool = False
+    """The sampler runs the generator's fp8 copy (`generation.fp8`, the `off-fp8` arm's), the trainer the bf16 model."""
 
 
 _STANDARD = {"default": "standard"}
@@ -56,9 +59,11 @@ ARMS: dict[str, TokenArm] = {
                            {**_STANDARD, **FUSED_ROWWISE}, _STANDARD),
     "standard fp32": TokenArm("the CPU's control: the standard kernels with the model in fp32", _STANDARD, _STANDARD,
                               torch.float32, setting="all standard, fp32 (CPU control)"),
+    "fp8 off": TokenArm("the ON/OFF `off-fp8` arm: the engine's kernels on fp8 weights and activations sample, the "
+                        "bf16 standard trainer scores", {**_STANDARD, **FUSED_ROWWISE}, _STANDARD, fp8=True),
 }
-"""The arms the viewer offers (fp8 rollouts join here once the kernels have them)."""
-GPU_ARMS = ("invariant", "standard", "engine off")
+"""The arms the viewer offers."""
+GPU_ARMS = ("invariant", "standard", "engine off", "fp8 off")
 """On a GPU the bf16 standard kernels differ already; the fp32 control is the CPU's."""
 
 
@@ -71,8 +76,9 @@ def arm_tokens(model, prompts: list[list[int]], arm: TokenArm, params: SamplingP
                text: Callable[[int], str] = lambda t: f"#{t}") -> pd.DataFrame:
     """One arm's rows: sample with the sampler's kernels, recompute the same tokens with the trainer's."""
     model = model if arm.dtype == model.lm_head_weight.dtype else copy.deepcopy(model).to(arm.dtype)
+    sampler = Fp8Sampler(model).model if arm.fp8 else model
     with _kernels(arm.sampler):
-        completions = generate(model, prompts, params).completions
+        completions = generate(sampler, prompts, params).completions
     tokens = [c.tokens for c in completions]
     with _kernels(arm.trainer):
         recomputed = trainer_logprobs(model, prompts, tokens)
