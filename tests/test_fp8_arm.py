@@ -166,7 +166,10 @@ def test_gpu_fp8_arm_mismatches_more_than_engine_off_and_on_stays_bitwise():
     scale = s_w.expand(1, 960).contiguous()
     on_cores = fp8_linear(x, codes, scale)
     reference = fp8_linear(x.cpu(), codes.cpu(), scale.cpu())
-    assert torch.allclose(on_cores.float().cpu(), reference.float(), rtol=2**-7, atol=1e-5)
+    # Both round an fp32 sum to bf16, summed in other orders: where a sum cancels, one bf16 ulp of the largest
+    # output is the most two orders can part (a relative bound alone fails near 0).
+    assert torch.allclose(on_cores.float().cpu(), reference.float(), rtol=2**-7,
+                          atol=2**-8 * float(reference.float().abs().max()))
     prompts = random_prompts(64, model.config.vocab_size, seed=0)
     params = SamplingParams(max_new_tokens=128, seed=0)
 

@@ -24,6 +24,7 @@ def _inputs(op, rows, dtype, seed):
     return op.make_inputs(rows, "real", torch.Generator().manual_seed(seed), "cuda", dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, dtype", OP_DTYPES)
 def test_gpu_accuracy_vs_fp64(name, dtype):
     op = REGISTRY[name]

@@ -15,6 +15,7 @@ from workbench.models import build
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.slow
 def test_gpu_kernel_audit_invariant_bitwise_standard_not():
     table = kernel_audit(device="cuda", **AUDIT_FULL)
     inv, std = table[table["mode"] == "invariant"], table[table["mode"] == "standard"]
@@ -25,6 +26,7 @@ def test_gpu_kernel_audit_invariant_bitwise_standard_not():
     assert len(std) == len(inv[inv.op.isin(set(std.op))])
 
 
+@pytest.mark.slow
 def test_gpu_first_divergence_localises_the_standard_op():
     model = build("qwen3-1.7B", device="cuda", dtype=torch.bfloat16, seed=0)
     table = divergence_sweep(model, {"all invariant": {"default": "invariant"},

@@ -36,6 +36,7 @@ def _summary(model, prompts, out, params=None):
     return parity_summary(parity_table(gen, trainer_logprobs(model, prompts, toks, params), toks))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", ["tiny", "qwen3-1.7B"])
 def test_gpu_generator_trainer_parity_bitwise(size):
     model = build(size, device="cuda", seed=1)
@@ -48,6 +49,7 @@ def test_gpu_generator_trainer_parity_bitwise(size):
     assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(eager.completions, out.completions))
 
 
+@pytest.mark.slow
 def test_gpu_kept_graphs_replay_with_a_fresh_calls_bits():
     """`DecodeGraphs` keeps a call's caches and captured steps: calls that replay them (the same prompts, other
     prompts of the same shape, rows compacted into kept smaller steps) get a fresh call's bits, and a weight
@@ -77,6 +79,7 @@ def test_gpu_kept_graphs_replay_with_a_fresh_calls_bits():
         assert same_completions(generate(model, prompts, stops, keep=keep).completions, stopped)
 
 
+@pytest.mark.slow
 def test_gpu_programmatic_dependent_launch_changes_no_bit(monkeypatch):
     """The decode step's kernels launch with PDL on Hopper (`kernels.pdl`); with it off every token and log-prob
     is the same."""

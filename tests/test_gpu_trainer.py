@@ -66,6 +66,7 @@ def _odd_length(self, completion: str, problem) -> float:
     return float(len(completion) % 2)
 
 
+@pytest.mark.slow
 def test_gpu_the_update_scores_the_step_bit_for_bit_at_the_real_shape(tmp_path, monkeypatch):
     """`train` at the Qwen3-1.7B shape (random weights; the arithmetic tokenizer's 17 tokens in a vocabulary of 32, as
     test_gpu_titan_tp, so completions vary and stop), 2 steps of 16 prompts x 8 x up to 256 tokens: the update's

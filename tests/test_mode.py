@@ -77,3 +77,16 @@ def test_the_switch_names_the_registrys_mode_switch_ops_alone():
     with pytest.raises(ValueError, match="unknown op 'logsumexp'"):  # it follows token_logprobs' switch
         with mode("invariant", logsumexp="standard"):
             pass
+
+
+def test_a_capped_mps_share_is_refused_in_invariant_mode(monkeypatch):
+    """Invariant bits need the whole GPU (a capped share changed them on an H200): one line, and standard runs."""
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25")
+    with pytest.raises(RuntimeError, match="invariant kernels need the whole GPU.*=25"):
+        with mode("invariant"):
+            pass
+    with mode("standard"):
+        assert get_mode() == "standard"
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100")
+    with mode("invariant"):
+        assert get_mode() == "invariant"

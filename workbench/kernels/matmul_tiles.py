@@ -11,7 +11,9 @@ compute capability and `PINNED_SMS`, never of the SMs this process sees. Under C
 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE a process sees a share of them (25%: 32 of an H200's 132), and bits measured on
 the H200 changed with the share while the decode widths followed that count (issue 59). Where a choice is sized
 to fill the GPU it is sized for PINNED_SMS; only a persistent kernel's grid (how many programs share out the
-tiles, `matmul.py`) follows the visible count, and which program computes a tile moves no bit.
+tiles, `matmul.py`) follows the visible count, and which program computes a tile moves no bit. That alone did not
+keep an invariant generation's bits under a 25% share on the H200 (something outside these rules follows the
+SMs), so invariant mode refuses a capped share (`mode._check_whole_gpu`).
 """
 
 from __future__ import annotations

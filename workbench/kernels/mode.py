@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -60,8 +61,25 @@ def _check_mode(name: str, where: str) -> str:
     return name
 
 
+def _check_whole_gpu() -> None:
+    """Invariant bits are a function of the shapes on a whole GPU. Under a capped CUDA MPS share the process sees
+    fewer SMs, and on an H200 a 25% share changed an invariant generation's bits even with every tile choice pinned
+    to `matmul_tiles.PINNED_SMS` (tests/test_gpu_mps.py): something outside the tile rules follows the SMs. So
+    an invariant mode refuses a capped share rather than give bits that depend on what else shares the GPU."""
+    share = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "")
+    try:
+        capped = float(share) < 100
+    except ValueError:
+        return   # unset (or not a number, which CUDA itself refuses)
+    if capped:
+        raise RuntimeError(f"invariant kernels need the whole GPU, but CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={share} "
+                           "caps this process's share of its SMs: unset it (MPS itself is fine), or run standard")
+
+
 def _make_state(name: str | None, overrides: Mapping[str, str]) -> ModeState:
     current = _STATE.get()
+    if name == "invariant":
+        _check_whole_gpu()
     if name is None:  # keep the current default and overrides, add these
         overrides = {**current.overrides, **overrides}
     default = _check_mode(name, "the default") if name is not None else current.default

@@ -128,7 +128,7 @@ REGISTRY: dict[str, Op] = {op.name: op for op in (
     Op("swiglu_product", "swiglu_product", "the unfused ops' bits", "swiglu_product.swiglu_product_reference",
        "examples.swiglu_product_inputs", (0,), (*_GENERIC, "tests/test_swiglu_product.py"),
        run_fn="examples.swiglu_product_rows", unfused_fn="examples.swiglu_product_unfused",
-       dtypes=(torch.bfloat16,)),
+       dtypes=(torch.bfloat16,), max_rows_gpu=512),   # swiglu_product.MAX_ROWS: above it the unfused ops run
     Op("linear_logprobs", "linear_logprobs", "the unfused ops' bits", "examples.linear_logprobs_rows_reference",
        "examples.linear_logprobs_inputs", (0, 2), (*_GENERIC, "tests/test_linear_logprobs.py"),
        follows=("linear", "token_logprobs"), run_fn="examples.linear_logprobs_rows",
