@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from workbench.generation import SamplingParams, generate
-from workbench.generation.fp8 import FP8_MAX, MIN_TOKEN_SCALE, Fp8Linear, Fp8Sampler, fp8_linear, quantize_weight
+from workbench.generation.fp8 import FP8_MAX, MIN_TOKEN_SCALE, Fp8Linear, Fp8Sampler, fp8_linear, quantize_rows, quantize_weight
 from workbench.kernels import FUSED_ROWWISE, mode
 from workbench.models import build
 from workbench.onoff.arms import ARMS, arm_settings
@@ -164,12 +164,13 @@ def test_gpu_fp8_arm_mismatches_more_than_engine_off_and_on_stays_bitwise():
     x = torch.randn(64, 576, generator=g).to("cuda", torch.bfloat16)
     codes, s_w = quantize_weight(torch.randn(960, 576, generator=g).to("cuda", torch.bfloat16) * 0.05)
     scale = s_w.expand(1, 960).contiguous()
-    on_cores = fp8_linear(x, codes, scale)
-    reference = fp8_linear(x.cpu(), codes.cpu(), scale.cpu())
-    # Both round an fp32 sum to bf16, summed in other orders: where a sum cancels, one bf16 ulp of the largest
-    # output is the most two orders can part (a relative bound alone fails near 0).
-    assert torch.allclose(on_cores.float().cpu(), reference.float(), rtol=2**-7,
-                          atol=2**-8 * float(reference.float().abs().max()))
+    # The tensor cores against the exact products with fp32 sums on the same quantized inputs (the per-token scales
+    # are computed on the device: the CPU's differ in their last bits, so its codes do). Both round an fp32 sum to
+    # bf16 in other orders: where a sum cancels, one bf16 ulp of the largest output is the most they can part.
+    qa, sa = quantize_rows(x)
+    on_cores = fp8_linear(x, codes, scale).float()
+    exact = ((qa.float() @ codes.float().t()) * (sa * scale)).to(torch.bfloat16).float()
+    assert torch.allclose(on_cores, exact, rtol=2**-7, atol=2**-8 * float(exact.abs().max()))
     prompts = random_prompts(64, model.config.vocab_size, seed=0)
     params = SamplingParams(max_new_tokens=128, seed=0)
 
