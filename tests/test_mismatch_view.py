@@ -5,12 +5,12 @@ None."""
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
 
 from workbench.teach.mismatch_view import RecordConfig, live_run, main, mismatch_figure, mismatch_viewer, sequence
+from workbench.records import Record, write_index, write_record
 from workbench.teach.token_table import TABLE_FILE, published_tokens
 
 
@@ -64,7 +64,10 @@ def test_the_published_record_is_found_labelled_or_absent(live, tmp_path):
                       ("2026-12-02_token-mismatch-h200_def", "NVIDIA H200")):
         (tmp_path / name).mkdir()
         table.drop(columns="source").to_csv(tmp_path / name / TABLE_FILE, index=False)
-        (tmp_path / name / "env.json").write_text(json.dumps({"gpu": gpu}))
+        write_record(tmp_path / name, Record(name, "parity", "tokens", {}, gpu, name[-3:], name[:10], "cmd", "v"))
+    write_index(tmp_path)
+    (tmp_path / "2026-12-03_token-mismatch-x").mkdir()   # newer, but the index does not list it: not found
+    table.drop(columns="source").to_csv(tmp_path / "2026-12-03_token-mismatch-x" / TABLE_FILE, index=False)
     found = published_tokens(tmp_path)
     assert found.label == "published, GPU, NVIDIA H200, 2026-12-02" and found.folder.name.startswith("2026-12-02")
     assert set(found.table.source) == {found.label} and len(found.table) == len(table)

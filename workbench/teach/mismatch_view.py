@@ -31,6 +31,7 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from .. import records
 from ..env import environment_record, resolve_device
 from ..generation import SamplingParams, random_prompts
 from ..models import build, encode_prompt, load_pretrained, load_tokenizer, resolve_model
@@ -269,6 +270,12 @@ def write_record(cfg: RecordConfig) -> Path:
     table.drop(columns="source").to_csv(folder / TABLE_FILE, index=False)
     divergence.drop(columns="source").to_csv(folder / DIVERGENCE_FILE, index=False)
     (folder / "env.json").write_text(json.dumps({**env, "config": vars(cfg)}, indent=1, default=str))
+    records.write_record(folder, records.Record(
+        folder.name, "parity", "Token by token: where sampler and trainer disagree, per arm", {},
+        env.get("gpu") or "CPU", env.get("git_sha", "nogit"), folder.name[:10],
+        "python -m workbench.teach.mismatch_view " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
+                                                            vars(cfg).items() if v not in ((), "")),
+        "(to be written: the table and its reading)"))
     return folder
 
 

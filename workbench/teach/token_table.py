@@ -26,6 +26,7 @@ from ..generation import SamplingParams, generate, trainer_logprobs
 from ..generation.fp8 import Fp8Sampler
 from ..kernels import FUSED_ROWWISE, mode
 from ..published import published_label
+from ..records import load_index
 from ..tables import project_path
 
 COLUMNS = ["source", "model", "arm", "seq", "pos", "token", "text", "sampler_logprob", "trainer_logprob"]
@@ -135,15 +136,15 @@ class PublishedTokens:
 
 
 def published_tokens(root: str | Path = "docs/results") -> PublishedTokens | None:
-    """The newest folder under `root` (a relative root is the project's) whose name contains RECORD_PATTERN and that
-    holds TABLE_FILE; None when there is none."""
-    found = sorted(f for f in project_path(root).glob(f"*{RECORD_PATTERN}*") if (f / TABLE_FILE).exists())
+    """The newest record of the index under `root` (a relative root is the project's) that holds TABLE_FILE; None
+    when there is none."""
+    base = project_path(root)
+    found = sorted((r for r in load_index(base) if (base / r.folder / TABLE_FILE).exists()),
+                   key=lambda r: (r.date, r.folder))
     if not found:
         return None
-    folder = found[-1]
-    env = json.loads((folder / "env.json").read_text()) if (folder / "env.json").exists() else {}
-    date = re.match(r"\d{4}-\d{2}-\d{2}", folder.name)
-    label = published_label(env.get("gpu") or "CPU", date[0] if date else env.get("date", "undated"))
+    record, folder = found[-1], base / found[-1].folder
+    label = published_label(record.device, record.date)
     divergence = (pd.read_csv(folder / DIVERGENCE_FILE).assign(source=label) if (folder / DIVERGENCE_FILE).exists()
                   else None)
     return PublishedTokens(folder, pd.read_csv(folder / TABLE_FILE, keep_default_na=False).assign(source=label),
@@ -151,7 +152,8 @@ def published_tokens(root: str | Path = "docs/results") -> PublishedTokens | Non
 
 
 def record_name(env: dict) -> str:
-    """<date>_token-mismatch-<device>_<sha>: the folder name `published_tokens` finds."""
+    """<date>_token-mismatch-<device>_<sha>: the record folder's name (published with a result.json; the index
+    finds it)."""
     device = re.sub(r"[^a-z0-9]", "", (env.get("gpu") or "cpu").lower().replace("nvidia", ""))
     device = re.search(r"[a-z]\d+", device)[0] if re.search(r"[a-z]\d+", device) else device or "cpu"
     return f"{datetime.date.today().isoformat()}_{RECORD_PATTERN}-{device}_{env.get('git_sha', 'nogit')}"
