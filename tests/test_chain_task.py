@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from helpers import seed_for
-from workbench.rl.chain import ANSWER_SHARE, CountingChain, answer_tokens, terms_for
-from workbench.rl.tasks import make_task
+from workbench.tasks.counting import ANSWER_SHARE, CountingChain, answer_tokens, terms_for
+from workbench.tasks import make_task
 
 
 def _answer(problem, wrong_at=None, value=7, stop=None):

@@ -7,7 +7,7 @@ from helpers import seed_for
 from workbench.__main__ import main
 from workbench.models import load_pretrained, load_tokenizer
 from workbench.rl.policy import PolicyConfig, train_policy, train_tokenizer
-from workbench.rl.tasks import Arithmetic
+from workbench.tasks import Arithmetic
 
 
 def test_digit_level_tokenizer():

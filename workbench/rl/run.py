@@ -34,7 +34,7 @@ from .samplers import VLLM, Embedded, Remote, StepPrompts, generate_rows
 from .scoring import choose_scoring, parity_rows
 from .step import RewardStage
 from .sync import WeightSync
-from .tasks import make_task
+from ..tasks import make_task
 from .weights import TrainWeights
 
 

@@ -29,7 +29,7 @@ from ..kernels import mode
 from ..models import encode_prompt, load_pretrained, load_tokenizer, resolve_model
 from ..rundir import POLICY_FILES, claim
 from .policy import answer_batch, save_policy, supervised_step
-from .tasks import make_task
+from ..tasks import make_task
 
 
 @dataclass(frozen=True)
