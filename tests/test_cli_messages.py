@@ -248,7 +248,7 @@ def test_every_family_written_reads_back(name):
 
 def test_long_work_says_what_it_is_doing(tmp_path, capsys, monkeypatch):
     from workbench.models import hub
-    from workbench.rl.policy import PolicyConfig, train_policy
+    from workbench.policies.selftrained import PolicyConfig, train_policy
 
     with pytest.warns(UserWarning, match="outside target_accuracy"):  # 2 steps: the range is out of reach
         train_policy(PolicyConfig(max_steps=2, eval_every=2, eval_problems=2, device="cpu"), progress=True)

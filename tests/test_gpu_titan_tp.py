@@ -138,7 +138,7 @@ def test_tp2_train_holds_parity_every_step(tmp_path):
     move, and the DCP checkpoint of the sharded masters is written."""
     from workbench.models import config, save_pretrained
     from workbench.rl.checkpoint import latest_checkpoint
-    from workbench.rl.policy import train_tokenizer
+    from workbench.policies.selftrained import train_tokenizer
     from workbench.tasks import Arithmetic
 
     # The arithmetic tokenizer's 17 tokens in a vocabulary of 32 (not 151,936, of which a random policy would sample

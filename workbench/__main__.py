@@ -17,9 +17,9 @@ from .nightly import NightlyConfig
 from .rl.config import TrainConfig
 from .onoff.config import OnOffConfig, preset_base
 from .onoff.runner import RunFailed
-from .rl.policy import PolicyConfig
+from .policies.selftrained import PolicyConfig
+from .policies.warmstart import WarmStartConfig
 from .rl.trainer import ParityError, interrupted
-from .rl.warmstart import WarmStartConfig
 from .sweep.runner import EXPERIMENTS, SweepConfig, SweepOptions
 
 
@@ -39,7 +39,7 @@ def _demo(cfg: BatchVarianceConfig, args) -> int:
 
 
 def _train_policy(cfg: PolicyConfig, args) -> int:
-    from .rl.policy import train_policy
+    from .policies.selftrained import train_policy
     from .rundir import POLICY_FILES, claim
 
     # Before minutes of training, not after; locked until the policy is saved.
@@ -52,7 +52,7 @@ def _train_policy(cfg: PolicyConfig, args) -> int:
 
 
 def _warm_start(cfg: WarmStartConfig, args) -> int:
-    from .rl.warmstart import warm_start
+    from .policies.warmstart import warm_start
 
     table = warm_start(cfg, args.out, progress=True)
     rates = table[table.metric == "sampled_reward"][["step", "value"]].rename(columns={"value": "sampled reward"})
