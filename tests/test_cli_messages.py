@@ -13,12 +13,12 @@ import torch
 import workbench.rl.trainer as trainer
 from workbench.__main__ import COMMANDS, main
 from workbench.config import parse_overrides, read_config_file
-from workbench.demo import BatchVarianceConfig, batch_variance, format_table
 from workbench.models import build
 from workbench.models.checkpoint import CheckpointError, config_from_hf, config_to_hf
 from workbench.models.config import SIZES
 from workbench.onoff.config import OnOffConfig
 from workbench.rl.config import TrainConfig
+from workbench.teach.demo import BatchVarianceConfig, batch_variance, format_table
 
 
 def test_train_policy_refuses_a_folder_that_holds_a_policy(tmp_path, capsys):
