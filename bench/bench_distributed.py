@@ -185,8 +185,8 @@ def bench_broadcast(args) -> list[str]:
 
 def _policy(args) -> Path:
     """A random model at --shape saved with the arithmetic task's tokenizer (once; every run starts from it)."""
-    from workbench.rl.policy import train_tokenizer
-    from workbench.rl.tasks import Arithmetic
+    from workbench.policies.selftrained import train_tokenizer
+    from workbench.tasks import Arithmetic
 
     folder = Path(args.work) / f"policy-{args.shape}"
     if not (folder / "config.json").exists():

@@ -30,7 +30,7 @@ from workbench.generation import SamplingParams  # noqa: E402
 from workbench.generation.parity import parity_triangle  # noqa: E402
 from workbench.kernels import mode  # noqa: E402
 from workbench.models import encode_prompt, load_pretrained, load_tokenizer  # noqa: E402
-from workbench.rl.tasks import PROMPT_TEMPLATE  # noqa: E402
+from workbench.tasks import PROMPT_TEMPLATE  # noqa: E402
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 

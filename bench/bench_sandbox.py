@@ -22,9 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from workbench.sandbox import HumanEval, Isolation, Limits, Sandbox
+from workbench.sandbox import Isolation, Limits, Sandbox
 from workbench.sandbox.checks import run_check
 from workbench.sandbox.launch import interpreter
+from workbench.tasks.humaneval import HumanEval
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -101,12 +102,11 @@ def before_after_rows(rev: str, rounds: int) -> list[str]:
         tar.extractall(tmp, filter="data")
     os.rename(Path(tmp, "workbench", "sandbox"), Path(tmp, "sandbox_before"))
     sys.path.insert(0, tmp)
-    old = importlib.import_module("sandbox_before")
-    new = sys.modules["workbench.sandbox"]
+    old = importlib.import_module("sandbox_before")  # HumanEval was part of the sandbox package then
     rates: dict[str, list[float]] = {"before": [], "after": []}
     for _ in range(rounds):
-        for label, package in (("before", old), ("after", new)):
-            task = package.HumanEval(limits=package.Limits())
+        for label, task_class, limits in (("before", old.HumanEval, old.Limits), ("after", HumanEval, Limits)):
+            task = task_class(limits=limits())
             assert task.pool.sandbox.isolation  # the probe, outside the timing
             start = time.perf_counter()
             results = [f.result() for f in [task.submit(p.answer, p) for p in task.items]]

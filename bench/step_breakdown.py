@@ -1,7 +1,7 @@
 """One GPU's RL step taken apart (issue 44, target 4), from the metrics of finished `train` runs: per run folder, the
 medians over the steps after --warmup (the first compile and autotune) of
 - the step, and its parts: generate; score (the trainer's forward over the samples: the parity check, which is the
-  old policy's log-probs too; 0 where the update's own forward scored the step, `step.scores_in_update`, its time
+  old policy's log-probs too; 0 where the update's own forward scored the step, `scoring.scores_in_update`, its time
   then in update); update (the rest of `train`'s half: rewards, advantages, the forward and backward passes and the
   optimizer step); sync (the generator gets the new weights); other (the step not in those);
 - sampled tokens per second of step time, and the tokens differing between generator and trainer over every step.

@@ -27,10 +27,10 @@ interactive = True  # the widget below; the nightly sets False (a headless widge
 import pandas as pd
 
 from workbench import bf16
-from workbench.demo import BatchVarianceConfig, batch_variance, summarize
 from workbench.env import resolve_device
 from workbench.tables import project_path, save_table
-from workbench.widgets import bf16_explorer, bf16_table
+from workbench.teach.demo import BatchVarianceConfig, batch_variance, summarize
+from workbench.teach.widgets import bf16_explorer, bf16_table
 
 run_dir = str(project_path(run_dir))  # against the project root, not the kernel's folder
 

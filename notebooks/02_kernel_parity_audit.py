@@ -37,7 +37,12 @@ import pandas as pd
 import torch
 from IPython.display import Markdown, display
 
-from workbench.audit import (
+from workbench.env import resolve_device
+from workbench.models import build
+from workbench.plots import audit_heatmap, save_figure
+from workbench.published import published_nightly
+from workbench.tables import project_path, save_table
+from workbench.teach.audit import (
     AUDIT_FULL,
     AUDIT_SMOKE,
     DIVERGENCE_SETTINGS,
@@ -45,11 +50,6 @@ from workbench.audit import (
     divergence_sweep,
     kernel_audit,
 )
-from workbench.env import resolve_device
-from workbench.models import build
-from workbench.plots import audit_heatmap, save_figure
-from workbench.published import published_nightly
-from workbench.tables import project_path, save_table
 
 run_dir = str(project_path(run_dir))  # against the project root, not the kernel's folder
 

@@ -30,7 +30,7 @@ from workbench.generation import SamplingParams, generate
 from workbench.kernels import mode
 from workbench.models import encode_prompt, load_pretrained, load_tokenizer
 from workbench.models.hub import resolve_model
-from workbench.rl.tasks import PROMPT_TEMPLATE, make_task
+from workbench.tasks import PROMPT_TEMPLATE, make_task
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"

@@ -104,7 +104,7 @@ def policy(tmp_path_factory):
     (helpers.once_per_run), not once per xdist worker."""
     from helpers import once_per_run
 
-    from workbench.rl.policy import PolicyConfig, train_policy
+    from workbench.policies.selftrained import PolicyConfig, train_policy
 
     def train(folder):
         out = folder / "policy"

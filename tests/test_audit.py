@@ -7,13 +7,13 @@ import pandas as pd
 import pytest
 import torch
 
-from workbench.audit import audit_summary, divergence_sweep, first_divergence, kernel_audit
 from workbench.generation import SamplingParams, as_parity_table, format_report, parity_triangle, random_prompts
 from workbench.kernels import mode
 from workbench.models import build
 from workbench.onoff.figures import reward_curves
 from workbench.plots import audit_heatmap, logprob_diff_histogram, save_figure
 from workbench.tables import load_table, save_table
+from workbench.teach.audit import audit_summary, divergence_sweep, first_divergence, kernel_audit
 
 
 @pytest.fixture(scope="module")

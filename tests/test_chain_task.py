@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from helpers import seed_for
-from workbench.rl.chain import ANSWER_SHARE, CountingChain, answer_tokens, terms_for
-from workbench.rl.tasks import make_task
+from workbench.tasks import make_task
+from workbench.tasks.counting import ANSWER_SHARE, CountingChain, answer_tokens, terms_for
 
 
 def _answer(problem, wrong_at=None, value=7, stop=None):
@@ -75,7 +75,7 @@ def test_warm_start_fine_tunes_the_real_policy_toward_the_answers(smollm2, tmp_p
 
     from workbench.kernels import mode
     from workbench.models import load_pretrained, load_tokenizer
-    from workbench.rl.warmstart import WarmStartConfig, _batch, warm_start
+    from workbench.policies.warmstart import WarmStartConfig, _batch, warm_start
 
     cfg = WarmStartConfig(policy=smollm2, max_new_tokens=24, steps=2, batch_size=2, lr=3e-5, eval_every=2,
                           eval_problems=2, target_reward=(0.99, 1.0), device="cpu")

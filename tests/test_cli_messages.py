@@ -13,12 +13,12 @@ import torch
 import workbench.rl.trainer as trainer
 from workbench.__main__ import COMMANDS, main
 from workbench.config import parse_overrides, read_config_file
-from workbench.demo import BatchVarianceConfig, batch_variance, format_table
 from workbench.models import build
 from workbench.models.checkpoint import CheckpointError, config_from_hf, config_to_hf
 from workbench.models.config import SIZES
 from workbench.onoff.config import OnOffConfig
 from workbench.rl.config import TrainConfig
+from workbench.teach.demo import BatchVarianceConfig, batch_variance, format_table
 
 
 def test_train_policy_refuses_a_folder_that_holds_a_policy(tmp_path, capsys):
@@ -248,7 +248,7 @@ def test_every_family_written_reads_back(name):
 
 def test_long_work_says_what_it_is_doing(tmp_path, capsys, monkeypatch):
     from workbench.models import hub
-    from workbench.rl.policy import PolicyConfig, train_policy
+    from workbench.policies.selftrained import PolicyConfig, train_policy
 
     with pytest.warns(UserWarning, match="outside target_accuracy"):  # 2 steps: the range is out of reach
         train_policy(PolicyConfig(max_steps=2, eval_every=2, eval_problems=2, device="cpu"), progress=True)

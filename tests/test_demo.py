@@ -1,7 +1,7 @@
 import pytest
 
 from workbench.__main__ import main
-from workbench.demo import BatchVarianceConfig, batch_variance, summarize
+from workbench.teach.demo import BatchVarianceConfig, batch_variance, summarize
 
 
 def test_batch_variance_table():

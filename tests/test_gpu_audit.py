@@ -8,9 +8,9 @@ model-level negative control (cuBLAS at K=6144 in down_proj) is the one that mus
 import pytest
 import torch
 
-from workbench.audit import AUDIT_FULL, divergence_sweep, kernel_audit
 from workbench.kernels import REGISTRY
 from workbench.models import build
+from workbench.teach.audit import AUDIT_FULL, divergence_sweep, kernel_audit
 
 pytestmark = pytest.mark.gpu
 

@@ -11,7 +11,7 @@ from workbench.generation import SamplingParams
 from workbench.generation.parity import parity_triangle
 from workbench.kernels import mode
 from workbench.models import encode_prompt, load_pretrained, load_tokenizer
-from workbench.rl.tasks import make_task
+from workbench.tasks import make_task
 
 pytestmark = pytest.mark.gpu
 

@@ -121,7 +121,7 @@ def _odd_length(self, completion: str, problem) -> float:
 
 def _train_worker(policy: str, out: str) -> None:
     from workbench.rl.config import TrainConfig
-    from workbench.rl.tasks import Arithmetic
+    from workbench.tasks import Arithmetic
     from workbench.rl.trainer import train
 
     launch.init("cuda")
@@ -138,8 +138,8 @@ def test_tp2_train_holds_parity_every_step(tmp_path):
     move, and the DCP checkpoint of the sharded masters is written."""
     from workbench.models import config, save_pretrained
     from workbench.rl.checkpoint import latest_checkpoint
-    from workbench.rl.policy import train_tokenizer
-    from workbench.rl.tasks import Arithmetic
+    from workbench.policies.selftrained import train_tokenizer
+    from workbench.tasks import Arithmetic
 
     # The arithmetic tokenizer's 17 tokens in a vocabulary of 32 (not 151,936, of which a random policy would sample
     # ids that decode to nothing): completions of text whose rewards vary.

@@ -80,9 +80,9 @@ def test_gpu_the_update_scores_the_step_bit_for_bit_at_the_real_shape(tmp_path, 
 
     from workbench.models import config, save_pretrained
     from workbench.rl import scoring
-    from workbench.rl.policy import train_tokenizer
+    from workbench.policies.selftrained import train_tokenizer
     from workbench.rl.run import TrainerRank
-    from workbench.rl.tasks import Arithmetic
+    from workbench.tasks import Arithmetic
 
     model = random_gpu_model(dataclasses.replace(config("qwen3-1.7B"), vocab_size=32, max_position_embeddings=4096),
                              seed=1)

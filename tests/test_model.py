@@ -20,14 +20,13 @@ from workbench.models import (
     build,
     config,
     config_to_hf,
-    hf_to_titan,
     load_pretrained,
     merge_gate_up,
     save_pretrained,
     split_gate_up,
-    titan_to_hf,
 )
 from workbench.models.decoding import DecodingModel
+from workbench.titan.weights import hf_to_titan, titan_to_hf
 
 TINY = SIZES["tiny"]
 _LLAMA = dataclasses.replace(TINY, model_type="llama", qk_norm=False, rope_theta=10_000.0)

@@ -17,7 +17,7 @@ from workbench.kernels import mode
 from workbench.rl import samplers
 from workbench.rl.config import TrainConfig
 from workbench.rl.run import TrainerRank
-from workbench.rl.tasks import Arithmetic
+from workbench.tasks import Arithmetic
 from workbench.rl.trainer import ParityError, train, train_step
 
 CHECKED = ("parity_", "entropy", "sampler_trainer_kl", "is_ess", "seq_")

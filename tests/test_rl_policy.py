@@ -6,8 +6,8 @@ import torch
 from helpers import seed_for
 from workbench.__main__ import main
 from workbench.models import load_pretrained, load_tokenizer
-from workbench.rl.policy import PolicyConfig, train_policy, train_tokenizer
-from workbench.rl.tasks import Arithmetic
+from workbench.policies.selftrained import PolicyConfig, train_policy, train_tokenizer
+from workbench.tasks import Arithmetic
 
 
 def test_digit_level_tokenizer():
@@ -53,7 +53,7 @@ def test_micro_batched_supervised_step_is_the_batch_step():
     order of the sum): the warm start's memory cap does not change what it trains."""
     from workbench.kernels import mode
     from workbench.models import build
-    from workbench.rl.policy import answer_batch, supervised_step
+    from workbench.policies.selftrained import answer_batch, supervised_step
 
     seed = seed_for()
     g = torch.Generator().manual_seed(seed)
@@ -81,7 +81,7 @@ def test_training_stops_at_the_first_accuracy_at_the_targets_low_end(monkeypatch
                                                                      in_range, warned):
     """Scripted accuracies (the stop rule, not the learning): the run stops at the first measurement >= low,
     says whether it lies in the range, and warns in one line when it does not."""
-    import workbench.rl.policy as policy
+    import workbench.policies.selftrained as policy
 
     scripted = iter(accuracies)
     monkeypatch.setattr(policy, "greedy_accuracy", lambda *a: next(scripted))

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from workbench.rl import answers
-from workbench.rl.answers import extract_answer, lenient_correct, normalize_number
-from workbench.rl.tasks import GSM8K, PROMPT_TEMPLATE, Arithmetic, Problem, make_task
+from workbench.tasks import GSM8K, PROMPT_TEMPLATE, Arithmetic, Problem, answers, make_task
+from workbench.tasks.answers import extract_answer, lenient_correct, normalize_number
 
 GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 

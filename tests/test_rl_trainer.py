@@ -136,7 +136,7 @@ def test_gsm8k_trains_from_a_checkpoint_with_its_tokenizer(tmp_path, monkeypatch
     from transformers import PreTrainedTokenizerFast
 
     from workbench.models import ModelConfig, build, save_pretrained
-    from workbench.rl.tasks import GSM8K
+    from workbench.tasks import GSM8K
 
     text = [p.prompt + " #### " + p.answer for p in GSM8K(gsm8k).items[:300]]
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -151,7 +151,7 @@ def test_gsm8k_trains_from_a_checkpoint_with_its_tokenizer(tmp_path, monkeypatch
     cfg = _cfg(str(tmp_path / "ckpt"), tmp_path / "run", task="gsm8k", task_source=str(gsm8k), steps=1)
     metrics = set(train(cfg).metric)
     assert {"accuracy_strict", "accuracy_lenient", "reward_mean"} <= metrics
-    from workbench.rl.tasks import default_gsm8k, make_task
+    from workbench.tasks import default_gsm8k, make_task
 
     monkeypatch.setenv("WORKBENCH_GSM8K", str(gsm8k))
     assert default_gsm8k() == gsm8k and len(make_task("gsm8k").items) > 1000, "the offline copy is the default"
@@ -271,7 +271,7 @@ def test_a_checkpoint_from_before_a_field_existed_still_resumes():
 
 def test_a_reward_that_raises_for_one_completion_counts_zero_and_the_run_goes_on(policy, tmp_path, monkeypatch,
                                                                                  capsys):
-    from workbench.rl.tasks import Arithmetic
+    from workbench.tasks import Arithmetic
 
     calls, reward = [], Arithmetic.reward
 

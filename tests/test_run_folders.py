@@ -264,7 +264,7 @@ def test_resuming_a_finished_run_has_nothing_to_do_and_changes_nothing(tmp_path,
 
 
 def _tiny_policy(**kw):
-    from workbench.rl.policy import PolicyConfig
+    from workbench.policies.selftrained import PolicyConfig
 
     return PolicyConfig(**kw, max_steps=2, eval_every=2, eval_problems=2, batch_size=4)
 

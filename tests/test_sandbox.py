@@ -12,17 +12,9 @@ import torch
 from test_sandbox_attacks import accept_the_chain_here  # noqa: F401 (a fixture)
 
 from workbench.rl.config import TrainConfig
-from workbench.rl.tasks import TASKS, make_task
-from workbench.sandbox import (
-    HumanEval,
-    Isolation,
-    Limits,
-    Sandbox,
-    extract_code,
-    instrument_test,
-    read_problems,
-    solution_program,
-)
+from workbench.sandbox import Isolation, Limits, Sandbox, extract_code, instrument_test, solution_program
+from workbench.tasks import TASKS, make_task
+from workbench.tasks.humaneval import HumanEval, read_problems
 
 FAST = Limits(timeout_s=2, cpu_s=2)
 ADD = {"task_id": "Test/add", "entry_point": "add", "prompt": 'def add(a, b):\n    """a + b"""\n',
@@ -242,7 +234,7 @@ def test_the_trainer_rewards_a_step_through_the_sandbox(tmp_path, monkeypatch):
 
     from workbench.models import ModelConfig, build, save_pretrained
     from workbench.rl.trainer import train
-    from workbench.sandbox.humaneval import HumanEval as Task
+    from workbench.tasks.humaneval import HumanEval as Task
 
     asked, batch = [], Task.rewards
     monkeypatch.setattr(Task, "rewards", lambda self, c, p: asked.append(len(c)) or batch(self, c, p))

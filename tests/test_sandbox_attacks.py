@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from workbench.sandbox import HumanEval, Isolation, Limits, Sandbox, run_check
-from workbench.sandbox.humaneval import packaged_data
+from workbench.sandbox import Isolation, Limits, Sandbox, run_check
 from workbench.sandbox.launch import weaker_than_jail
+from workbench.tasks.humaneval import HumanEval, packaged_data
 
 FAST = Limits(timeout_s=3, cpu_s=2)
 ADD = {"task_id": "Test/add", "entry_point": "add", "prompt": 'def add(a, b):\n    """a + b"""\n',

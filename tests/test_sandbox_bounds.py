@@ -17,8 +17,9 @@ from concurrent.futures import Future
 import pytest
 from test_sandbox_attacks import accept_the_chain_here, jail  # noqa: F401 (fixtures)
 
-from workbench.sandbox import HumanEval, Isolation, Limits, Sandbox, launch
+from workbench.sandbox import Isolation, Limits, Sandbox, launch
 from workbench.sandbox import reading
+from workbench.tasks.humaneval import HumanEval
 
 FAST = Limits(timeout_s=5, cpu_s=3)
 ADD = {"task_id": "Test/add", "entry_point": "add", "prompt": 'def add(a, b):\n    """a + b"""\n',
@@ -52,7 +53,8 @@ def test_results_that_would_freeze_the_trainer_score_zero(tmp_path):
     deadline: a freeze there is a failure here, not a hung test run."""
     script = textwrap.dedent(f"""
         import marshal, sys
-        from workbench.sandbox import HumanEval, Limits, reading, values
+        from workbench.sandbox import Limits, reading, values
+        from workbench.tasks.humaneval import HumanEval
         task = HumanEval({_rows(tmp_path)!r}, limits=Limits(timeout_s=5, cpu_s=3), workers=2)
         dag = "x = [1]\\nfor _ in range(60):\\n    x = [x, x]\\n"
         solutions = {{

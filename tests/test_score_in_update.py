@@ -16,7 +16,7 @@ from workbench.rl import scoring
 from workbench.rl import step as step_module
 from workbench.rl.config import TrainConfig
 from workbench.rl.run import TrainerRank
-from workbench.rl.tasks import Arithmetic
+from workbench.tasks import Arithmetic
 from workbench.rl.trainer import ParityError, train, train_step
 
 TIMES = ("time_", "tokens_per_s")

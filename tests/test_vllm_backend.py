@@ -94,7 +94,7 @@ def test_missing_vllm_is_a_clear_error(monkeypatch, tmp_path, capsys):
 
 def test_the_workbench_imports_without_vllm():
     code = ("import sys; sys.modules['vllm'] = None; import workbench.__main__, workbench.rl.trainer, "
-            "workbench.generation.vllm_backend, workbench.compare; print('ok')")
+            "workbench.generation.vllm_backend, workbench.teach.compare; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
 

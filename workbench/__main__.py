@@ -7,25 +7,25 @@ import dataclasses
 import os
 import sys
 
-from .compare import CompareConfig
 from .config import add_arguments, field_docs, from_namespace, parse_overrides, read_config_file
-from .demo import BatchVarianceConfig
 from .generation.vllm_backend import BackendUnavailable
 from .models.hub import FetchConfig, FetchError
 from .models.peft import MergeConfig
 from .nightly import NightlyConfig
-from .rl.config import TrainConfig
 from .onoff.config import OnOffConfig, preset_base
 from .onoff.runner import RunFailed
-from .rl.policy import PolicyConfig
+from .policies.selftrained import PolicyConfig
+from .policies.warmstart import WarmStartConfig
+from .rl.config import TrainConfig
 from .rl.trainer import ParityError, interrupted
-from .rl.warmstart import WarmStartConfig
 from .sweep.runner import EXPERIMENTS, SweepConfig, SweepOptions
+from .teach.compare import CompareConfig
+from .teach.demo import BatchVarianceConfig
 
 
 def _demo(cfg: BatchVarianceConfig, args) -> int:
-    from .demo import batch_variance, format_table, summarize
     from .env import resolve_device
+    from .teach.demo import batch_variance, format_table, summarize
 
     print(f"workbench demo on {resolve_device(cfg.device)}: row 0 of x[:M] @ W.T vs row 0 at M = 1 "
           f"(K={cfg.k}, N={cfg.n})", flush=True)
@@ -39,7 +39,7 @@ def _demo(cfg: BatchVarianceConfig, args) -> int:
 
 
 def _train_policy(cfg: PolicyConfig, args) -> int:
-    from .rl.policy import train_policy
+    from .policies.selftrained import train_policy
     from .rundir import POLICY_FILES, claim
 
     # Before minutes of training, not after; locked until the policy is saved.
@@ -52,7 +52,7 @@ def _train_policy(cfg: PolicyConfig, args) -> int:
 
 
 def _warm_start(cfg: WarmStartConfig, args) -> int:
-    from .rl.warmstart import warm_start
+    from .policies.warmstart import warm_start
 
     table = warm_start(cfg, args.out, progress=True)
     rates = table[table.metric == "sampled_reward"][["step", "value"]].rename(columns={"value": "sampled reward"})
@@ -116,7 +116,7 @@ def _nightly(cfg: NightlyConfig, args) -> int:
 
 
 def _compare(cfg: CompareConfig, args) -> int:
-    from .compare import compare, describe
+    from .teach.compare import compare, describe
     from .generation import format_report, parity_summary
 
     table = compare(cfg)

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out, torchtitan names, and the merged gate_up layout.
+"""Hugging Face checkpoints in and out, and the merged gate_up layout.
 
 Only safetensors are read (never pickle). A directory holds `config.json`,
 `model.safetensors` or shards listed in `model.safetensors.index.json`, and
@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import tempfile
 from pathlib import Path
 
@@ -249,47 +248,6 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike, tokenizer=None) ->
                 {"eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id,
                  "pad_token_id": tokenizer.pad_token_id}, indent=2))
     return path
-
-
-_TITAN_LAYER = {
-    "self_attn.q_proj.weight": "attention.wq.weight",
-    "self_attn.k_proj.weight": "attention.wk.weight",
-    "self_attn.v_proj.weight": "attention.wv.weight",
-    "self_attn.o_proj.weight": "attention.wo.weight",
-    "self_attn.q_norm.weight": "attention.q_norm.weight",
-    "self_attn.k_norm.weight": "attention.k_norm.weight",
-    "mlp.gate_proj.weight": "feed_forward.w1.weight",
-    "mlp.down_proj.weight": "feed_forward.w2.weight",
-    "mlp.up_proj.weight": "feed_forward.w3.weight",
-    "input_layernorm.weight": "attention_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-}
-_TITAN_TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
-              "lm_head.weight": "output.weight"}
-_LAYER_RE = re.compile(r"(model\.)?layers\.(\d+)\.(.+)")
-
-
-def _rename(state: dict, top: dict, layer: dict, prefix_out: str) -> dict:
-    out = {}
-    for name, t in state.items():
-        if name in top:
-            out[top[name]] = t
-            continue
-        m = _LAYER_RE.fullmatch(name)
-        if not m or m.group(3) not in layer:
-            raise KeyError(f"no torchtitan/HF name for {name!r}")
-        out[f"{prefix_out}layers.{m.group(2)}.{layer[m.group(3)]}"] = t
-    return out
-
-
-def hf_to_titan(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hugging Face Qwen3 names -> torchtitan's (tok_embeddings, layers.N.attention.wq, feed_forward.w1, ...)."""
-    return _rename(state, _TITAN_TOP, _TITAN_LAYER, "")
-
-
-def titan_to_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """torchtitan Qwen3 names -> Hugging Face's."""
-    return _rename(state, {v: k for k, v in _TITAN_TOP.items()}, {v: k for k, v in _TITAN_LAYER.items()}, "model.")
 
 
 def merge_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

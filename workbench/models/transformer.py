@@ -11,7 +11,7 @@ path, each projection its own product; the generator's fast paths (packed produc
 kernels) are chosen once, by the view it holds (`decoding.DecodingModel`).
 
 Parameter names are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`),
-so a HF state dict loads as is; see `checkpoint.py` for files and torchtitan names.
+so a HF state dict loads as is; see `checkpoint.py` for files, `titan/weights.py` for torchtitan names.
 LoRA adapters (`lora.py`) hook into `Linear`: the trainer and the generator both run them unmerged.
 Shapes in comments: B batch, T new tokens, S cache length, H hidden, I
 intermediate, Hq/Hkv heads, D head dim, V vocab.

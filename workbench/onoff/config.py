@@ -30,9 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import check_at_least_one
+from ..policies.selftrained import POLICY_SIZES, PolicyConfig
 from ..rl.config import TrainConfig
 from ..rl.losses import get_loss
-from ..rl.policy import POLICY_SIZES, PolicyConfig
 from .arms import arm_settings
 from .mps import wanted
 

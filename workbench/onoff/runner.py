@@ -37,9 +37,9 @@ import torch
 
 from ..config import write_config
 from ..env import environment_record, resolve_device
+from ..policies.selftrained import PolicyConfig, train_policy
 from ..rl.checkpoint import config_changes, latest_checkpoint
 from ..rl.config import TrainConfig
-from ..rl.policy import PolicyConfig, train_policy
 from ..rl.trainer import train
 from ..rundir import claim, start_over
 from .config import OnOffConfig

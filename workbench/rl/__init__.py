@@ -1,8 +1,10 @@
-"""The RL side: the GRPO-family losses and their pieces, the tasks, and the trainer (`trainer.train`, its
-config in `config.py`, one step's pieces in rollout / logprobs / update / weights / sync / checkpoint /
-metrics)."""
+"""The RL trainer: `trainer.train` runs it, its config in `config.py`. A run is set up in `run.py` (a trainer rank,
+and a rollout rank where roles are split); one step (`step.py`) samples through a `Sampler` chosen once at setup
+(`samplers.py`: embedded, vLLM, or a remote rollout rank), scores through a `Scoring` strategy (`scoring.py`: before
+the update, or inside it), and updates; its pieces are in rollout / logprobs / update / weights / sync / checkpoint /
+metrics, the GRPO-family losses and their pieces in `losses.py`. The tasks it trains on are in `workbench.tasks`,
+its starting policies in `workbench.policies`."""
 
-from .answers import extract_answer, lenient_correct, normalize_number
 from .losses import (
     AGGREGATIONS,
     LOSSES,
@@ -14,22 +16,15 @@ from .losses import (
     importance_weights,
     kl_estimate,
 )
-from .tasks import GSM8K, Arithmetic, Problem
 
 __all__ = [
     "AGGREGATIONS",
-    "GSM8K",
     "LOSSES",
-    "Arithmetic",
     "LossConfig",
     "LossSpec",
-    "Problem",
     "aggregate",
-    "extract_answer",
     "get_loss",
     "group_advantages",
     "importance_weights",
     "kl_estimate",
-    "lenient_correct",
-    "normalize_number",
 ]

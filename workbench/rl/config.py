@@ -12,7 +12,7 @@ from ..config import check_at_least_one
 from ..models.config import RECOMPUTE
 from ..models.lora import PROJECTIONS, LoraConfig
 from .losses import AGGREGATIONS, KL_ESTIMATORS, LossConfig, get_loss
-from .tasks import TASKS
+from ..tasks import TASKS
 
 
 @dataclass(frozen=True)

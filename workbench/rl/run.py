@@ -24,17 +24,17 @@ from ..generation import DecodeGraphs
 from ..kernels import mode
 from ..models import build, copy_weights, load_pretrained, load_tokenizer, resolve_model, save_pretrained
 from ..models.lora import base_state
+from ..policies.selftrained import PolicyConfig, train_policy
+from ..tasks import make_task
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_sharded_checkpoint
 from .config import TrainConfig
 from .logprobs import score
 from .metrics import MetricsLog
-from .policy import PolicyConfig, train_policy
 from .rollout import RolloutBatch
 from .samplers import VLLM, Embedded, Remote, StepPrompts, generate_rows
 from .scoring import choose_scoring, parity_rows
 from .step import RewardStage
 from .sync import WeightSync
-from .tasks import make_task
 from .weights import TrainWeights
 
 

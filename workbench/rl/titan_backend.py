@@ -55,10 +55,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ..distributed import fsdp
 from ..models import CausalLM, build, copy_weights
-from ..models.checkpoint import titan_to_hf
 from ..titan.model import build_titan_model, titan_args
 from ..titan.tp import apply_tp, check_tp
-from ..titan.weights import from_titan, to_titan
+from ..titan.weights import from_titan, titan_to_hf, to_titan
 from .config import TrainConfig
 from .metrics import layer_group
 from .weights import TrainWeights

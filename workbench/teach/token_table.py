@@ -21,13 +21,13 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from ..audit import divergence_sweep
 from ..generation import SamplingParams, generate, trainer_logprobs
 from ..generation.fp8 import Fp8Sampler
 from ..kernels import FUSED_ROWWISE, mode
 from ..published import published_label
 from ..records import load_index
 from ..tables import project_path
+from .audit import divergence_sweep
 
 COLUMNS = ["source", "model", "arm", "seq", "pos", "token", "text", "sampler_logprob", "trainer_logprob"]
 

@@ -1,7 +1,8 @@
 """Weights between the workbench's model (Hugging Face names) and torchtitan's (its names and layouts), in memory and
 as torchtitan's DCP checkpoints.
 
-The names are `models.checkpoint`'s tables. Two layouts differ beyond names, and both moves are exact (bits kept):
+The names: `hf_to_titan` and `titan_to_hf`, from the tables below. Two layouts differ beyond names, and both moves
+are exact (bits kept):
 - Llama 3 in torchtitan rotates interleaved pairs, so its wq/wk hold each head's rows in the order HF's
   conversion script permutes them to (torchtitan's `Llama3StateDictAdapter` does the same); Qwen3 keeps HF's rows.
 - A tied head: torchtitan's model has `output.weight` as the embedding's tensor (both names in its state dict);
@@ -20,7 +21,48 @@ import re
 
 import torch
 
-from ..models import ModelConfig, build, hf_to_titan, split_gate_up, titan_to_hf
+from ..models import ModelConfig, build, split_gate_up
+
+_TITAN_LAYER = {
+    "self_attn.q_proj.weight": "attention.wq.weight",
+    "self_attn.k_proj.weight": "attention.wk.weight",
+    "self_attn.v_proj.weight": "attention.wv.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "self_attn.q_norm.weight": "attention.q_norm.weight",
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+_TITAN_TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+              "lm_head.weight": "output.weight"}
+_LAYER_RE = re.compile(r"(model\.)?layers\.(\d+)\.(.+)")
+
+
+def _rename(state: dict, top: dict, layer: dict, prefix_out: str) -> dict:
+    out = {}
+    for name, t in state.items():
+        if name in top:
+            out[top[name]] = t
+            continue
+        m = _LAYER_RE.fullmatch(name)
+        if not m or m.group(3) not in layer:
+            raise KeyError(f"no torchtitan/HF name for {name!r}")
+        out[f"{prefix_out}layers.{m.group(2)}.{layer[m.group(3)]}"] = t
+    return out
+
+
+def hf_to_titan(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face Qwen3 names -> torchtitan's (tok_embeddings, layers.N.attention.wq, feed_forward.w1, ...)."""
+    return _rename(state, _TITAN_TOP, _TITAN_LAYER, "")
+
+
+def titan_to_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """torchtitan Qwen3 names -> Hugging Face's."""
+    return _rename(state, {v: k for k, v in _TITAN_TOP.items()}, {v: k for k, v in _TITAN_LAYER.items()}, "model.")
+
 
 _GATE_UP = re.compile(r"(.*layers\.\d+\.mlp\.)gate_up_proj\.weight")
 _QK = re.compile(r"layers\.\d+\.attention\.w[qk]\.weight")

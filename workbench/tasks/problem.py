@@ -10,4 +10,4 @@ class Problem:
     prompt: str
     answer: str
     """The reference answer: a normalised number (see `answers.normalize_number`), or a word (`Facts`), or the
-    task's own encoding of what a right answer is (`chain.CountingChain`: 'start:step:n')."""
+    task's own encoding of what a right answer is (`counting.CountingChain`: 'start:step:n')."""

@@ -22,7 +22,7 @@ from ..env import resolve_device
 from ..generation import SamplingParams, generate
 from ..kernels import mode
 from ..models import ModelConfig, build, copy_weights, save_pretrained
-from .tasks import Arithmetic
+from ..tasks import Arithmetic
 
 EOS, PAD = "<|endoftext|>", "<pad>"
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from . import bf16
-from .env import resolve_device
-from .kernels import REGISTRY
+from .. import bf16
+from ..env import resolve_device
+from ..kernels import REGISTRY
 
 
 @dataclass(frozen=True)

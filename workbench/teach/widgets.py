@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from . import bf16
+from .. import bf16
 
 
 def bf16_table(values=(0.1, 1.0, 3.14159, 1000.5, -2.7e-5)) -> pd.DataFrame:

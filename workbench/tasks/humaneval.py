@@ -19,11 +19,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import reading
-from .checks import KINDS, CheckResult, Test, prepare_test, run_check
-from .extract import solution_program
-from .pool import SandboxPool
-from .sandbox import Limits
+from ..sandbox import reading
+from ..sandbox.checks import KINDS, CheckResult, Test, prepare_test, run_check
+from ..sandbox.extract import solution_program
+from ..sandbox.pool import SandboxPool
+from ..sandbox.sandbox import Limits
 
 PROMPT_TEMPLATE = ("Complete the following Python function. Reply with the whole function, with the imports it "
                    "needs, in one ```python code block.\n\n```python\n{code}```\n")
@@ -33,7 +33,7 @@ FIELDS = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
 
 @dataclass(frozen=True)
 class CodeProblem:
-    """A problem of a code task; `prompt` and `answer` as in `workbench.rl.problem.Problem`."""
+    """A problem of a code task; `prompt` and `answer` as in `problem.Problem`."""
 
     prompt: str
     """What the model is asked: the instruction, and the signature + docstring in a ```python block."""

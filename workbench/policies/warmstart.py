@@ -9,7 +9,7 @@ rate the way the RL runs will meet it: sampled at their temperature, scored by t
 fine-tune did not see.
 
 The fine-tune runs the standard kernels with fp32 weights and AdamW; the saved checkpoint is bf16, through the one
-cast path (`policy.save_policy`), as every starting policy.
+cast path (`selftrained.save_policy`), as every starting policy.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from ..generation import SamplingParams, generate
 from ..kernels import mode
 from ..models import encode_prompt, load_pretrained, load_tokenizer, resolve_model
 from ..rundir import POLICY_FILES, claim
-from .policy import answer_batch, save_policy, supervised_step
-from .tasks import make_task
+from ..tasks import make_task
+from .selftrained import answer_batch, save_policy, supervised_step
 
 
 @dataclass(frozen=True)

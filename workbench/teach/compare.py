@@ -21,11 +21,11 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from .env import resolve_device
-from .files import make_folder
-from .generation import SamplingParams, generate, parity_summary, parity_table, trainer_logprobs
-from .kernels import FUSED_ROWWISE, mode
-from .models import build, encode_prompt, load_pretrained, load_tokenizer, resolve_model, save_pretrained
+from ..env import resolve_device
+from ..files import make_folder
+from ..generation import SamplingParams, generate, parity_summary, parity_table, trainer_logprobs
+from ..kernels import FUSED_ROWWISE, mode
+from ..models import build, encode_prompt, load_pretrained, load_tokenizer, resolve_model, save_pretrained
 
 
 PROMPT = "The capital of France is"
@@ -134,7 +134,7 @@ def _prompt(cfg: CompareConfig, path: Path, vocab: int) -> list[int]:
 def compare(cfg: CompareConfig) -> pd.DataFrame:
     """The per-token parity table (see `workbench.generation.parity_table`) of backend vs trainer."""
     if cfg.backend == "vllm":
-        from .generation.vllm_backend import require_vllm
+        from ..generation.vllm_backend import require_vllm
 
         require_vllm()  # before anything else: say what is missing
     device = resolve_device("cuda" if cfg.backend == "vllm" else cfg.device)
@@ -148,7 +148,7 @@ def compare(cfg: CompareConfig) -> pd.DataFrame:
          + (": Triton's interpreter runs a real model's invariant kernels slowly on a CPU (minutes; "
             "--kernel-mode standard takes seconds)" if slow else "") + " ...")
     if cfg.backend == "vllm":
-        from .generation.vllm_backend import VLLMGenerator
+        from ..generation.vllm_backend import VLLMGenerator
 
         engine = VLLMGenerator(path, gpu_memory_utilization=cfg.gpu_memory_utilization,
                                batch_invariant=cfg.batch_invariant, seed=cfg.seed, model_impl=cfg.model_impl,

@@ -16,10 +16,10 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
-from . import bf16
-from .kernels import REGISTRY, mode
-from .models import KVCache, CausalLM
-from .models.transformer import Linear, RMSNorm
+from .. import bf16
+from ..kernels import REGISTRY, mode
+from ..models import KVCache, CausalLM
+from ..models.transformer import Linear, RMSNorm
 
 
 def _rows(args: tuple, row_args: tuple[int, ...], index) -> tuple:
