@@ -61,7 +61,7 @@ def _text_reward(self, completion: str, problem) -> float:
 @pytest.mark.parametrize("kw", [
     # A KL in the loss (the reference still scores), clipped, the MLPs recomputed in the backward.
     dict(kl_coef=0.05, kl_to="reference", max_grad_norm=0.5, activation_checkpointing="mlp"),
-    dict(trainer_backend="torchtitan", activation_checkpointing="layers"),
+    pytest.param(dict(trainer_backend="torchtitan", activation_checkpointing="layers"), marks=pytest.mark.slow),
 ], ids=["workbench", "torchtitan"])
 def test_the_folded_update_is_the_score_pass_bit_for_bit(policy, tmp_path, monkeypatch, kw):
     if kw.get("trainer_backend") == "torchtitan":

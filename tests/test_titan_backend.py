@@ -268,6 +268,7 @@ def _llama_fsdp_worker(out: str) -> None:
         torch.save(grads, out)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 def test_fsdp2_llama_qk_gradients_reach_the_reduced_masters(tmp_path):
     """FSDP2 on 2 gloo ranks, both running the same micro-batch: every master's gradient is twice the one-process

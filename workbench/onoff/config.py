@@ -165,7 +165,7 @@ _REALISTIC = {"policy": SMOLLM2, "task": "arithmetic-chat", "difficulty": 1, "ch
               "prompts_per_step": 16, "group_size": 8, "max_new_tokens": 192, "temperature": 1.0, "loss": "grpo",
               "lr": 1e-5, "max_grad_norm": 1.0, "master_dtype": "float32", "mini_batches": 2, "steps": 100,
               "seeds": (0, 1, 2), "arms": ("on", "off", "off-tis"), "keep_checkpoints": False, "workers": 3}
-# The regime map's cell: counting in steps (`rl.chain`, answers sized to the length), GRPO-family with PPO
+# The regime map's cell: counting in steps (`tasks.counting`, answers sized to the length), GRPO-family with PPO
 # mini-batches; 8 seeds: the map's verdicts are Holm-adjusted over its cells, and 3 lengths x 2 losses need
 # 6 x 2/2^n <= 0.05 from the exact sign-flip test (n >= 8); lr and clip as `realistic`.
 # SmolLM2-135M-Instruct starts near 0 on this task at T = 1 (docs/results/2026-11-27_offarm-probe-h100_8217c92):
