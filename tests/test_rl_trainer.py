@@ -295,7 +295,7 @@ def test_a_reward_that_raises_for_one_completion_counts_zero_and_the_run_goes_on
 def test_the_reward_stage_finds_the_failing_completion_of_a_batch_reward():
     from types import SimpleNamespace
 
-    from workbench.rl.step import RewardStage
+    from workbench.rl.rewards import RewardStage
 
     class Task:   # a batch reward (the code task's), and each completion's; "bad" raises in both
         def rewards(self, texts, problems):

@@ -31,9 +31,9 @@ from .config import TrainConfig
 from .logprobs import score
 from .metrics import MetricsLog
 from .rollout import RolloutBatch
+from .rewards import RewardStage
 from .samplers import VLLM, Embedded, Remote, StepPrompts, generate_rows
 from .scoring import choose_scoring, parity_rows
-from .step import RewardStage
 from .sync import WeightSync
 from .weights import TrainWeights
 

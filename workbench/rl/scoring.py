@@ -16,18 +16,15 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from .checkpoint import last_good
 from .config import TrainConfig
 from .logprobs import parity_stats, save_token_logprobs, score
+from .rank import Rank
 from .rollout import RolloutBatch
 from .samplers import Rollout
-
-if TYPE_CHECKING:
-    from .run import TrainerRank
 
 
 class ParityError(RuntimeError):
@@ -76,7 +73,7 @@ def parity_rows(cfg: TrainConfig, step: int, rows) -> list[bool]:
     return [step == 1 or (r + step) % n == 0 for r in rows]
 
 
-def scores_in_update(run: TrainerRank, gen_version: int, version: int) -> bool:
+def scores_in_update(run: Rank, gen_version: int, version: int) -> bool:
     """Whether the update's forward can be this step's scoring pass: where it computes the same log-prob bits as the
     no-grad pass would, on the same weights, and nothing needs them before the update. Each exclusion says why."""
     cfg, weights = run.cfg, run.weights
@@ -96,7 +93,7 @@ def scores_in_update(run: TrainerRank, gen_version: int, version: int) -> bool:
             and weights.scorer is weights.module)
 
 
-def check_parity(run: TrainerRank, step: int, batch: RolloutBatch, recomputed: torch.Tensor,
+def check_parity(run: Rank, step: int, batch: RolloutBatch, recomputed: torch.Tensor,
                  checked: torch.Tensor) -> dict:
     """The parity check over the whole step (every rank's rows, gathered in rank order) on the tokens `checked` (the
     real tokens of the rows recomputed): its statistics logged, step 1's per-token log-probs saved, and in invariant
@@ -131,7 +128,7 @@ def check_parity(run: TrainerRank, step: int, batch: RolloutBatch, recomputed: t
 class ScorePass:
     """A no-grad pass of the trainer's forward over the rows checked, before the update."""
 
-    def __init__(self, run: TrainerRank):
+    def __init__(self, run: Rank):
         self.run = run
 
     def _checked(self, step: int, batch: RolloutBatch, logp: torch.Tensor, entropy: torch.Tensor,
@@ -186,7 +183,7 @@ class Received(ScorePass):
         return self._checked(step, batch, mine(scored[0]), mine(scored[1]), everyone[rows], received.score_s)
 
 
-def choose_scoring(run: TrainerRank) -> ScorePass:
+def choose_scoring(run: Rank) -> ScorePass:
     """The run's scoring: the rollout ranks' (split roles), the update's forward where it gives the same bits, else
     a separate pass."""
     if run.pipeline is not None:

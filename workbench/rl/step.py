@@ -8,8 +8,6 @@ step (docs/distributed.md).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
@@ -17,18 +15,16 @@ from ..distributed.broadcast import digest
 from .checkpoint import last_good
 from .logprobs import score
 from .losses import LossSpec, get_loss, group_advantages, importance_weights, kl_estimate
+from .rank import Rank
 from .rollout import RolloutBatch
 from .samplers import Rollout
 from .scoring import ParityError, Scores
 from .update import UpdateInputs, update
 
-if TYPE_CHECKING:
-    from .run import TrainerRank
-
-__all__ = ["ParityError", "RewardStage", "train_step"]
+__all__ = ["ParityError", "train_step"]
 
 
-def train_step(run: TrainerRank, step: int) -> tuple[float, int]:
+def train_step(run: Rank, step: int) -> tuple[float, int]:
     """One sample -> reward -> score and parity check -> advantages -> update -> publish; metrics go to run.log.
 
     Data-parallel, each rank does it on its share of the step's prompts; what needs the whole step (the parity
@@ -53,7 +49,7 @@ def train_step(run: TrainerRank, step: int) -> tuple[float, int]:
     return rewards_all.mean().item(), scores.parity["tokens_differing"]
 
 
-def _batch(run: TrainerRank, rollout: Rollout, step: int) -> RolloutBatch:
+def _batch(run: Rank, rollout: Rollout, step: int) -> RolloutBatch:
     """The samples in the losses' layout (tensor parallel: checked to be the same bits on the group's ranks)."""
     batch = RolloutBatch.from_generation(rollout.prompts, rollout.completions, run.tok.pad_token_id or 0, run.device)
     if run.tp_mesh is not None:
@@ -61,50 +57,7 @@ def _batch(run: TrainerRank, rollout: Rollout, step: int) -> RolloutBatch:
     return batch
 
 
-class RewardStage:
-    """The task's rewards and scores of a step's completions. A completion whose reward or scores raise (a task's
-    bug, a sandbox's failure) gets reward 0 and scores 0, is counted (metric `reward_failures`), and the run goes
-    on: one bad completion should not cost a run. The first failure prints one line."""
-
-    def __init__(self, task, tok, group_size: int):
-        self.task, self.tok, self.group_size = task, tok, group_size
-        self.warned = False
-
-    def __call__(self, step: int, rollout: Rollout, batch: RolloutBatch) -> tuple[torch.Tensor, list[tuple]]:
-        """([B] rewards on the batch's device, per completion (scores, length, truncated, failed))."""
-        texts = [self.tok.decode(c, skip_special_tokens=True) for c in batch.completions]
-        group = [rollout.problems[i // self.group_size] for i in range(len(texts))]
-        rewards = self._rewards(step, texts, group)
-        scores = [None if r is None else self._guarded(step, i, self.task.scores, t, p)
-                  for i, (r, t, p) in enumerate(zip(rewards, texts, group))]
-        per_sequence = [(s or {}, len(c), g.finish_reason == "length", s is None)
-                        for s, c, g in zip(scores, batch.completions, rollout.completions)]
-        return torch.tensor([0.0 if r is None else r for r in rewards], device=batch.device), per_sequence
-
-    def _rewards(self, step: int, texts: list[str], group: list) -> list[float | None]:
-        """Each completion's reward, None where it raised."""
-        batch_rewards = getattr(self.task, "rewards", None)   # the code task checks a batch in parallel
-        if batch_rewards is not None:
-            try:
-                return list(batch_rewards(texts, group))
-            except Exception:   # one completion's failure: each is rewarded alone, to find it
-                pass
-        return [self._guarded(step, i, self.task.reward, t, p) for i, (t, p) in enumerate(zip(texts, group))]
-
-    def _guarded(self, step: int, i: int, fn, text: str, problem):
-        """fn(text, problem), or None where it raises (the first time with a warning)."""
-        try:
-            return fn(text, problem)
-        except Exception as e:
-            if not self.warned:
-                self.warned = True
-                first = (str(e).splitlines() or [""])[0]
-                print(f"warning: step {step}: the reward of completion {i} raised {type(e).__name__}: {first}; it "
-                      "counts 0 and the run goes on (metric reward_failures counts them; warned once)")
-            return None
-
-
-def _advantages(run: TrainerRank, spec: LossSpec, rollout: Rollout, batch: RolloutBatch, rewards: torch.Tensor,
+def _advantages(run: Rank, spec: LossSpec, rollout: Rollout, batch: RolloutBatch, rewards: torch.Tensor,
                 scores: Scores) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict]:
     """(the whole step's rewards, this rank's advantages, the KL target or None, metrics for after the update).
     The KL in the reward, when asked, is a penalty subtracted after the task rewards' scaling (a zero penalty
@@ -127,7 +80,7 @@ def _advantages(run: TrainerRank, spec: LossSpec, rollout: Rollout, batch: Rollo
     return rewards_all, advantages, kl_target, later
 
 
-def _update(run: TrainerRank, spec: LossSpec, step: int, batch: RolloutBatch, advantages: torch.Tensor,
+def _update(run: Rank, spec: LossSpec, step: int, batch: RolloutBatch, advantages: torch.Tensor,
             kl_target: torch.Tensor | None, scores: Scores, later: dict) -> dict[str, float]:
     """The update on the step's rollouts, its replicas checked; returns its metrics."""
     cfg, dp, mask = run.cfg, run.dp, batch.mask
@@ -149,7 +102,7 @@ def _update(run: TrainerRank, spec: LossSpec, step: int, batch: RolloutBatch, ad
     return stats
 
 
-def _log(run: TrainerRank, step: int, rollout: Rollout, rewards_all: torch.Tensor, scores: Scores,
+def _log(run: Rank, step: int, rollout: Rollout, rewards_all: torch.Tensor, scores: Scores,
          per_sequence: list[tuple], metrics: dict, seconds: dict) -> None:
     """The whole step's numbers (the slowest rank's times), so that rank 0's table describes the step."""
     log, dp = run.log, run.dp
