@@ -61,6 +61,19 @@ def check_positive(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
+def _choices_error(name: str, value, choices: tuple) -> ValueError:
+    *first, last = [repr(c) for c in choices]
+    listed = f"{', '.join(first)} or {last}" if first else last
+    return ValueError(f"{name} must be {listed}, got {value!r}")
+
+
+def check_choices(obj) -> None:
+    """Every `Literal[...]` field of a config holds one of its values, or a ValueError that names the field."""
+    for name, tp in typing.get_type_hints(type(obj)).items():
+        if typing.get_origin(tp) is typing.Literal and getattr(obj, name) not in typing.get_args(tp):
+            raise _choices_error(name, getattr(obj, name), typing.get_args(tp))
+
+
 def check_at_least_one(obj, *names: str) -> None:
     """Integer fields that must be >= 1."""
     for name in names:
@@ -184,6 +197,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         # argparse %-formats help texts: a literal % (e.g. "~15% more compute") must be doubled.
         help_ = f"{docs.get(name, '')} (default: {default!r})".replace("%", "%%")
         origin = typing.get_origin(tp)
+        if origin is typing.Literal:  # checked by the config, whose message names the choices
+            tp = type(typing.get_args(tp)[0])
         if tp is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
         elif origin is tuple:
@@ -218,6 +233,10 @@ def _typed(where: str, name: str, value, tp):
         return tuple(_typed(where, name, v, item) for v in value)
     if origin is tuple:
         raise ValueError(f"{where}: {name} is a list: {name}=[{value}]")
+    if origin is typing.Literal:
+        if value not in typing.get_args(tp):
+            raise ValueError(f"{where}: {_choices_error(name, value, typing.get_args(tp))}")
+        return value
     if tp is bool and isinstance(value, str) and value.lower() in _BOOL_WORDS:
         value = _BOOL_WORDS[value.lower()]
     if tp in (int, float) and isinstance(value, str):
@@ -298,7 +317,8 @@ def parse_overrides(items: list[str], cls: type) -> dict:
         key = key.strip()
         if not sep or not key:
             raise ValueError(f"override {item!r} must be key=value")
-        if types.get(canonical(cls, key) or "") is str:  # a name or a path, kept as typed even where it reads as a number
+        tp = types.get(canonical(cls, key) or "")
+        if tp is str or typing.get_origin(tp) is typing.Literal:  # a name or a path, kept as typed even where it reads as a number
             values[key] = text
             continue
         try:
