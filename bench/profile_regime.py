@@ -80,7 +80,7 @@ def profile(preset_name: str, smoke: bool, policy: str, arms: tuple[str, ...], l
                   **({"policy": policy} if policy else {}))
     start = starting_policy(base)
     shape = Shape.of(start)
-    sequences = base.prompts_per_step * base.group_size
+    sequences = base.run.prompts_per_step * base.run.group_size
     rows = []
     for length in lengths:
         for arm in arms:

@@ -33,7 +33,8 @@
 # arms, two steps): the pipeline runs, the numbers mean nothing. Each preset's full report (figures too):
 # `python -m workbench on-off --preset ...`, or `workbench.onoff.publish.report(out_dir)`. The long
 # metrics table of every preset goes to `run_dir/metrics/on_off.csv` (a `preset` column tells them
-# apart); notebook 05 plots it.
+# apart); notebook 05 plots it. `settings` sets any experiment or train setting for every preset's runs,
+# as on the command line (e.g. "kl_coef=0.05 clip_low=0.1 adapter=lora").
 
 # %% tags=["parameters"]
 smoke = True
@@ -42,11 +43,13 @@ run_dir = "runs/notebooks"
 presets = "blog,blog-dose,realistic"
 policy = ""
 tensorboard = False
+settings = ""
 
 # %%
 import pandas as pd
 
-from workbench.onoff.config import preset
+from workbench.config import parse_overrides
+from workbench.onoff.config import OnOffConfig, preset
 from workbench.onoff.runner import run_on_off
 from workbench.onoff.stats import summarize, verdict
 from workbench.tables import project_path, save_table
@@ -55,7 +58,8 @@ run_dir = str(project_path(run_dir))  # against the project root, not the kernel
 
 # %%
 configs = {name: preset(name, smoke=smoke, device=device, out_dir=f"{run_dir}/work/on_off/{name}", progress=True,
-                        tensorboard=tensorboard, **({"policy": policy} if policy else {}))
+                        tensorboard=tensorboard, **({"policy": policy} if policy else {}),
+                        **parse_overrides(settings.split(), OnOffConfig))
            for name in presets.split(",")}
 configs
 

@@ -39,7 +39,7 @@ def test_toml_and_tuples_for_the_experiment(tmp_path, monkeypatch):
     f.write_text('seeds = [0, 1, 2]\narms = ["on", "off-tis"]\nsteps = 5\n')
     got = _capture(monkeypatch, "on-off")
     assert main(["on-off", "--config", str(f), "mini_batches=2"]) == 0
-    assert got["cfg"].seeds == (0, 1, 2) and got["cfg"].steps == 5 and got["cfg"].mini_batches == 2
+    assert got["cfg"].seeds == (0, 1, 2) and got["cfg"].run.steps == 5 and got["cfg"].run.mini_batches == 2
     assert got["cfg"].arms == ("on", "off-tis")
 
 
@@ -49,14 +49,15 @@ def test_a_preset_is_the_base_that_files_options_and_overrides_change(tmp_path, 
     got = _capture(monkeypatch, "on-off")
     assert main(["on-off", "--preset", "blog", "--steps", "7", "seeds=[1]"]) == 0
     cfg = got["cfg"]
-    assert (cfg.loss, cfg.task, cfg.lr, cfg.master_dtype, cfg.max_grad_norm) == ("blog", "facts", 1e-5, "bfloat16", 1.0)
-    assert cfg.arms == PRESETS["blog"]["arms"] and (cfg.steps, cfg.seeds) == (7, (1,))
+    run = cfg.run
+    assert (run.loss, run.task, run.lr, run.master_dtype, run.max_grad_norm) == ("blog", "facts", 1e-5, "bfloat16", 1.0)
+    assert cfg.arms == PRESETS["blog"]["arms"] and (run.steps, cfg.seeds) == (7, (1,))
     f = tmp_path / "dose.yaml"
     f.write_text("preset: blog-dose\nsmoke: true\n")
     got.clear()
     assert main(["on-off", "--config", str(f)]) == 0
     cfg = got["cfg"]
-    assert cfg.arms == ("on", "noise=0.01") and cfg.policy == "" and cfg.steps == 2, "smoke shrinks it"
+    assert cfg.arms == ("on", "noise=0.01") and cfg.run.policy == "" and cfg.run.steps == 2, "smoke shrinks it"
     with pytest.raises(SystemExit):
         main(["on-off", "--preset", "huge"])
 
@@ -107,5 +108,45 @@ def test_every_command_prints_its_help(command, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"usage: python -m workbench {command}")
     _, cls, _ = COMMANDS[command]
-    assert all("--" + f.name.replace("_", "-") in out for f in dataclasses.fields(cls))
+    names = [f.name for f in dataclasses.fields(cls) if f.name != "run"]
+    names += [f.name for f in dataclasses.fields(TrainConfig)] if cls is OnOffConfig else []  # every run setting
+    missing = [n for n in names if "--" + n.replace("_", "-") not in out]
+    assert not missing
 
+
+
+def test_every_train_setting_reaches_an_on_off_run(tmp_path, monkeypatch):
+    """`OnOffConfig.run` is a TrainConfig: a setting the arms leave alone (clip_low, kl_coef, parity_sample) is set
+    for every run, by its bare name or its dotted path, on the command line or in a nested file table."""
+    f = tmp_path / "on_off.yaml"
+    f.write_text("arms: [on, off-tis]\nrun:\n  kl_coef: 0.05\n  lr: 2.0e-4\n")
+    got = _capture(monkeypatch, "on-off")
+    assert main(["on-off", "--config", str(f), "--clip-low", "0.1", "run.max_grad_norm=2", "lr=3e-4"]) == 0
+    run = got["cfg"].run_config("on", 3)
+    assert (run.kl_coef, run.clip_low, run.max_grad_norm, run.lr) == (0.05, 0.1, 2, 3e-4), "the later name wins"
+    assert (run.seed, run.kernel_mode, got["cfg"].run_config("off-tis", 0).correction) == (3, "invariant", "tis-token")
+    assert OnOffConfig(arms=("on",), parity_sample=2).run_config("on", 0).parity_sample == 2
+    with pytest.raises(ValueError, match="parity_sample=2 takes the generator's log-probs"):
+        OnOffConfig(arms=("on", "off"), parity_sample=2)  # the off arm's standard kernels: checked per arm
+    with pytest.raises(ValueError, match="kernel_mode is set per run by its arm"):
+        OnOffConfig(kernel_mode="standard")
+    with pytest.raises(ValueError, match="seed is set per run by its seed"):
+        OnOffConfig(seed=1)
+    with pytest.raises(ValueError, match=r"unknown setting 'run.lrr' for OnOffConfig; did you mean 'run.lr'\?"):
+        parse_overrides(["run.lrr=1"], OnOffConfig)
+
+
+def test_an_on_off_config_written_before_the_nesting_still_reads(tmp_path):
+    """Runs folders of earlier versions hold a flat config.yaml (the run settings beside the experiment's); resume
+    and the report read it."""
+    f = tmp_path / "config.yaml"
+    f.write_text("# OnOffConfig: the resolved settings of this run\npreset: blog\nsmoke: false\npolicy: ''\n"
+                 "policy_size: tiny\nout_dir: runs/x\narms:\n- 'on'\n- 'off'\nseeds:\n- 0\nsteps: 7\ntask: facts\n"
+                 "chat_template: false\nloss: blog\nlr: 1.0e-05\nmaster_dtype: bfloat16\ncheckpoint_every: 0\n"
+                 "device: cpu\ntrainer_backend: workbench\ntensorboard: false\nprogress: true\n")
+    cfg = OnOffConfig(**read_config_file(f, OnOffConfig))
+    assert (cfg.run.steps, cfg.run.task, cfg.run.lr, cfg.run.master_dtype, cfg.arms) == (
+        7, "facts", 1e-5, "bfloat16", ("on", "off"))
+    write_config(cfg, f)
+    assert "\nrun:\n  policy: ''\n" in f.read_text()
+    assert OnOffConfig(**read_config_file(f, OnOffConfig)) == cfg

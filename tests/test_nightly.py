@@ -194,7 +194,7 @@ def test_the_nightly_hands_tensorboard_to_the_rl_notebook(tmp_path):
     assert "tensorboard = False" in (ROOT / "notebooks" / "04_rl_training.py").read_text()
     from workbench.onoff.config import preset
 
-    assert preset("blog", smoke=True, tensorboard=True).tensorboard
+    assert preset("blog", smoke=True, tensorboard=True).run.tensorboard
     assert preset("blog", smoke=True).run_config("on", 0).tensorboard is False
 
 

@@ -138,8 +138,9 @@ def test_smoke_shrinks_any_preset_to_a_cpu_check():
     """(The nightly's smoke test runs the blog, blog-dose and realistic presets' smoke versions.)"""
     for name in PRESETS:
         cfg = preset(name, smoke=True)
-        assert cfg.arms == PRESETS[name].get("arms", OnOffConfig.arms)[:2] and cfg.steps == 2 and cfg.policy == ""
-        assert cfg.device == "cpu" and cfg.task == "arithmetic" and cfg.run_config(cfg.arms[0], 0).loss == cfg.loss
+        assert cfg.arms == PRESETS[name].get("arms", OnOffConfig.arms)[:2] and cfg.run.steps == 2 and cfg.run.policy == ""
+        assert cfg.run.device == "cpu" and cfg.run.task == "arithmetic"
+        assert cfg.run_config(cfg.arms[0], 0).loss == cfg.run.loss
 
 
 def test_bad_experiment_configs():

@@ -203,7 +203,7 @@ def test_bad_training_inputs(policy, tmp_path):
         TrainConfig(group_size=1)
     with pytest.raises(ValueError, match="lr must be a finite number >= 0"):
         TrainConfig(lr=-1.0)
-    with pytest.raises(ValueError, match="unknown correction"):
+    with pytest.raises(ValueError, match="correction must be 'none', 'tis-token'"):
         TrainConfig(correction="magic")
     for correction in ("tis-token", "mask-token"):
         with pytest.raises(ValueError, match="use tis-sequence or mask-sequence"):

@@ -61,8 +61,10 @@ def test_points_are_named_by_their_swept_fields():
     assert point_name({"seeds": (0, 1)}, ["seeds"]) == "seeds=0+1" and point_name({"steps": 2}, []) == "single"
     with pytest.raises(ValueError, match="would share the folder 'policy=a_b'"):
         point_names([{"policy": "a/b"}, {"policy": "a b"}], ["policy"])
-    with pytest.raises(ValueError, match="grid point kernel_mode=fast: kernel_mode must be"):
-        sweep(SweepConfig(grid=("kernel_mode=standard,fast",), out_root="unused"))
+    with pytest.raises(ValueError, match="grid item 'kernel_mode=standard,fast': kernel_mode must be"):
+        SweepConfig(grid=("kernel_mode=standard,fast",), out_root="unused")  # a choice: refused as the grid is read
+    with pytest.raises(ValueError, match="grid point generator=vllm: generator='vllm' holds its own copy"):
+        sweep(SweepConfig(grid=("generator=embedded,vllm", "sync=shared"), out_root="unused"))
     with pytest.raises(ValueError, match="unknown experiment 'nightly'; a sweep runs one of train, on-off"):
         SweepConfig(experiment="nightly")
 

@@ -7,7 +7,8 @@ import dataclasses
 import os
 import sys
 
-from .config import add_arguments, field_docs, from_namespace, parse_overrides, read_config_file
+from .config import (add_arguments, canonical_values, field_docs, from_namespace, namespace_values,
+                     parse_overrides, read_config_file)
 from .generation.vllm_backend import BackendUnavailable
 from .models.hub import FetchConfig, FetchError
 from .models.peft import MergeConfig
@@ -193,19 +194,20 @@ class _Parser(argparse.ArgumentParser):
 def _resolve(cls, args, argv: list[str]):
     """The settings: defaults < the preset they name (on-off) < --config file < options given on the command line
     < key=value overrides."""
-    parsed = vars(from_namespace(cls, args))
+    parsed = namespace_values(cls, args)
     given = set()
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
+    for name in parsed:
+        flag = "--" + name.replace("_", "-")
         if any(t in (flag, "--no-" + flag[2:]) or t.startswith(flag + "=") for t in argv):
-            given.add(f.name)
+            given.add(name)
     explicit = read_config_file(args.config, cls) if args.config else {}
     explicit.update({k: parsed[k] for k in given})
     explicit.update(parse_overrides(args.overrides, cls))
-    base = {f.name: parsed[f.name] for f in dataclasses.fields(cls)}
+    explicit = canonical_values(cls, explicit)
+    base = dict(parsed)
     if cls is OnOffConfig:
         base.update(preset_base(explicit))
-    return cls(**{**base, **explicit})
+    return cls(**canonical_values(cls, {**base, **explicit}))
 
 
 def parse(argv: list[str]) -> tuple:

@@ -6,6 +6,10 @@ Each field carries a one-line docstring (the string literal right under it);
 A run's settings can live in a file (YAML, or TOML as torchtitan keeps them), with `key=value` overrides on
 the command line; both are checked against the same dataclass (`read_config_file`, `parse_overrides`), and
 `write_config` records the resolved settings next to a run's metrics.
+
+A field whose type is itself a config dataclass is a group (`OnOffConfig.run`, a `TrainConfig`). Its settings are
+named by their dotted path (`run.lr`) or, where no other field or group has the name, by their bare name (`lr`):
+on the command line, in files (flat, or nested tables), and in the constructor of a class marked `@flat_names`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import math
 import re
@@ -56,6 +61,19 @@ def check_positive(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
+def _choices_error(name: str, value, choices: tuple) -> ValueError:
+    *first, last = [repr(c) for c in choices]
+    listed = f"{', '.join(first)} or {last}" if first else last
+    return ValueError(f"{name} must be {listed}, got {value!r}")
+
+
+def check_choices(obj) -> None:
+    """Every `Literal[...]` field of a config holds one of its values, or a ValueError that names the field."""
+    for name, tp in typing.get_type_hints(type(obj)).items():
+        if typing.get_origin(tp) is typing.Literal and getattr(obj, name) not in typing.get_args(tp):
+            raise _choices_error(name, getattr(obj, name), typing.get_args(tp))
+
+
 def check_at_least_one(obj, *names: str) -> None:
     """Integer fields that must be >= 1."""
     for name in names:
@@ -76,17 +94,111 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One --option per field, typed from the annotation, the field docstring as help."""
-    docs = field_docs(cls)
+def _groups(cls: type) -> dict[str, type]:
+    """{field name: its config class} for the fields of `cls` that are groups of settings."""
     hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
+
+
+def _default(cls: type, name: str):
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+@functools.cache
+def settings(cls: type) -> tuple[dict[str, type], dict[str, str]]:
+    """({dotted path: type} of every setting of `cls`, {bare name: dotted path} of its groups' settings whose
+    bare name no field of `cls` and no other group has)."""
+    hints, groups = typing.get_type_hints(cls), _groups(cls)
+    types, found = {}, {}
     for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        flag = "--" + f.name.replace("_", "-")
+        if f.name not in groups:
+            types[f.name] = hints[f.name]
+            continue
+        inner, aliases = settings(groups[f.name])
+        for path, tp in inner.items():
+            types[f"{f.name}.{path}"] = tp
+        for bare in dict.fromkeys([*aliases, *(p for p in inner if "." not in p)]):
+            found.setdefault(bare, []).append(f"{f.name}.{aliases.get(bare, bare)}")
+    return types, {bare: paths[0] for bare, paths in found.items() if len(paths) == 1 and bare not in types}
+
+
+def canonical(cls: type, key: str) -> str | None:
+    """The dotted path of setting `key` (a field, a dotted path, or a group setting's unique bare name)."""
+    types, aliases = settings(cls)
+    return key if key in types else aliases.get(key)
+
+
+def _setting_docs(cls: type) -> dict[str, str]:
+    """{name: docstring} of `cls`'s own fields and its groups' settings by bare name."""
+    docs = field_docs(cls)
+    for bare, path in settings(cls)[1].items():
+        group, _, rest = path.partition(".")
+        docs[bare] = _setting_docs(_groups(cls)[group]).get(rest, "")
+    return docs
+
+
+def options(cls: type) -> dict[str, tuple[type, object]]:
+    """{name: (type, default)} of the command-line options: own fields and groups' settings by bare name."""
+    types, aliases = settings(cls)
+    out = {name: (tp, _default(cls, name)) for name, tp in types.items() if "." not in name}
+    for bare, path in aliases.items():
+        group, _, rest = path.partition(".")
+        value = _default(cls, group)
+        for part in rest.split("."):
+            value = getattr(value, part)
+        out[bare] = (types[path], value)
+    return out
+
+
+def flat_names(cls: type[T]) -> type[T]:
+    """Let `cls(...)` and `dataclasses.replace` take its groups' settings by bare or dotted name, each applied to
+    the group given (or its default): `OnOffConfig(lr=1e-5)` is `OnOffConfig(run=replace(default run, lr=1e-5))`."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, **values):
+        init(self, **nest(cls, values))
+
+    cls.__init__ = __init__
+    return cls
+
+
+def nest(cls: type, values: dict) -> dict:
+    """`values` by field of `cls`: settings named by dotted path or bare name go into their group (a dataclass
+    given for it, or its default); a group given as a dict (a nested table) is read as its settings."""
+    groups = _groups(cls)
+    out, inner = {}, {g: {} for g in groups}
+    for key, value in values.items():
+        if key in groups and isinstance(value, dict):
+            inner[key].update(value)
+            continue
+        if key in {f.name for f in dataclasses.fields(cls)}:
+            out[key] = value
+            continue
+        path = canonical(cls, key)
+        if path is None:
+            raise TypeError(str(_unknown(cls.__name__, key, cls)))
+        group, _, rest = path.partition(".")
+        inner[group][rest] = value
+    for group, changes in inner.items():
+        if changes:
+            base = out[group] if group in out else _default(cls, group)
+            out[group] = dataclasses.replace(base, **changes)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One --option per field (and per group setting with a unique bare name), typed from the annotation, the
+    field docstring as help."""
+    docs = _setting_docs(cls)
+    for name, (tp, default) in options(cls).items():
+        flag = "--" + name.replace("_", "-")
         # argparse %-formats help texts: a literal % (e.g. "~15% more compute") must be doubled.
-        help_ = f"{docs.get(f.name, '')} (default: {default!r})".replace("%", "%%")
+        help_ = f"{docs.get(name, '')} (default: {default!r})".replace("%", "%%")
         origin = typing.get_origin(tp)
+        if origin is typing.Literal:  # checked by the config, whose message names the choices
+            tp = type(typing.get_args(tp)[0])
         if tp is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
         elif origin is tuple:
@@ -96,17 +208,19 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(flag, type=tp, default=default, help=help_)
 
 
+def namespace_values(cls: type, ns: argparse.Namespace) -> dict[str, Any]:
+    """{option name: value} of the options `add_arguments` gave `cls`."""
+    return {name: tuple(v) if isinstance(v := getattr(ns, name), list) else v for name in options(cls)}
+
+
 def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        v = getattr(ns, f.name)
-        values[f.name] = tuple(v) if isinstance(v, list) else v
-    return cls(**values)
+    return cls(**nest(cls, namespace_values(cls, ns)))
 
 
 def _unknown(where: str, key: str, cls: type) -> ValueError:
-    names = [f.name for f in dataclasses.fields(cls)]
-    near = difflib.get_close_matches(key, names, n=1)
+    types, aliases = settings(cls)
+    names = [*(n for n in types if "." not in n), *aliases]
+    near = difflib.get_close_matches(key, [*names, *types], n=1)
     hint = f"; did you mean {near[0]!r}?" if near else f"; valid settings: {', '.join(names)}"
     return ValueError(f"{where}: unknown setting {key!r} for {cls.__name__}{hint}")
 
@@ -119,6 +233,10 @@ def _typed(where: str, name: str, value, tp):
         return tuple(_typed(where, name, v, item) for v in value)
     if origin is tuple:
         raise ValueError(f"{where}: {name} is a list: {name}=[{value}]")
+    if origin is typing.Literal:
+        if value not in typing.get_args(tp):
+            raise ValueError(f"{where}: {_choices_error(name, value, typing.get_args(tp))}")
+        return value
     if tp is bool and isinstance(value, str) and value.lower() in _BOOL_WORDS:
         value = _BOOL_WORDS[value.lower()]
     if tp in (int, float) and isinstance(value, str):
@@ -135,20 +253,43 @@ def _typed(where: str, name: str, value, tp):
     return float(value) if tp is float else value
 
 
-def check_values(where: str, values: dict, cls: type) -> dict:
-    """The values, typed by `cls`'s fields; unknown keys and wrong types are errors naming the key."""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
+def _flatten(values: dict, groups: dict[str, type], prefix: str = "") -> dict:
+    """A nested table's group tables as dotted keys (`run: {lr: 1}` -> `run.lr: 1`)."""
     out = {}
     for key, value in values.items():
-        if key not in fields:
+        if key in groups and isinstance(value, dict):
+            out.update(_flatten(value, _groups(groups[key]), f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def check_values(where: str, values: dict, cls: type) -> dict:
+    """The values, typed by `cls`'s settings (fields, dotted paths, groups' unique bare names; a group's nested
+    table becomes dotted keys); unknown keys and wrong types are errors naming the key."""
+    types = settings(cls)[0]
+    out = {}
+    for key, value in _flatten(values, _groups(cls)).items():
+        path = canonical(cls, key)
+        if path is None:
             raise _unknown(where, key, cls)
-        out[key] = _typed(where, key, value, hints[key])
+        out[key] = _typed(where, key, value, types[path])
+    return out
+
+
+def canonical_values(cls: type, values: dict) -> dict:
+    """`values` keyed by dotted path, so that one setting given by two names is one key (the later wins)."""
+    out = {}
+    for key, value in values.items():
+        path = canonical(cls, key) or key
+        out.pop(path, None)
+        out[path] = value
     return out
 
 
 def read_config_file(path: str | Path, cls: type) -> dict:
-    """A run's settings from a .yaml/.yml or .toml file (a flat table of `cls`'s fields), typed and checked."""
+    """A run's settings from a .yaml/.yml or .toml file (a table of `cls`'s settings, flat or with a group's as a
+    nested table), typed and checked."""
     p = Path(path)
     text = read_text(p, "config file")
     try:
@@ -169,14 +310,15 @@ def read_config_file(path: str | Path, cls: type) -> dict:
 
 def parse_overrides(items: list[str], cls: type) -> dict:
     """['lr=1e-5', 'seeds=[0, 1, 2]', ...] -> typed values (each value read as YAML: numbers, booleans, lists)."""
-    hints = typing.get_type_hints(cls)
+    types = settings(cls)[0]
     values = {}
     for item in items:
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep or not key:
             raise ValueError(f"override {item!r} must be key=value")
-        if hints.get(key) is str:  # a name or a path, kept as typed even where it reads as a number
+        tp = types.get(canonical(cls, key) or "")
+        if tp is str or typing.get_origin(tp) is typing.Literal:  # a name or a path, kept as typed even where it reads as a number
             values[key] = text
             continue
         try:
@@ -188,6 +330,9 @@ def parse_overrides(items: list[str], cls: type) -> dict:
 
 def write_config(cfg, path: str | Path) -> None:
     """The resolved settings of a run, as YAML (readable back by `read_config_file`)."""
-    values = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
+    def plain(v):
+        return {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else list(v) if isinstance(v, tuple) else v
+
+    values = plain(dataclasses.asdict(cfg))
     Path(path).write_text(f"# {type(cfg).__name__}: the resolved settings of this run\n"
                           + yaml.safe_dump(values, sort_keys=False))

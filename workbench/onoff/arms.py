@@ -98,6 +98,11 @@ def get_arm(name: str) -> Arm:
     raise ValueError(f"unknown arm {name!r}; choose from {', '.join(ARMS)} or {NOISE_PREFIX}<sigma>")
 
 
+ARM_FIELDS = ("variant", "kernel_mode", "old_logprobs", "sampler_noise", "generator", "vllm_model", "sampler_kernels",
+              "sampler_precision", "correction", "correction_cap")
+"""The TrainConfig fields every arm sets (`arm_settings`)."""
+
+
 def arm_settings(name: str, sequence_level: bool) -> dict:
     """The TrainConfig fields arm `name` sets (`sequence_level`: the loss has one ratio per sequence)."""
     arm = get_arm(name)

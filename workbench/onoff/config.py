@@ -1,7 +1,9 @@
 """`OnOffConfig`: one ON/OFF experiment (arms x seeds of one run config), and its presets.
 
 A preset is a set of field values; `python -m workbench on-off --preset blog` starts from it, and a
-config file, options and key=value overrides change it field by field. `smoke=True` shrinks any preset
+config file, options and key=value overrides change it field by field. Every run's settings are a `TrainConfig`
+(`run`), so any train setting (clip_low, kl_coef, adapter, parity_sample, ...) can be set for an ON/OFF run, by
+its name or as run.<name>. `smoke=True` shrinks any preset
 to a CPU check of the pipeline (the tiny self-trained policy on its arithmetic, two arms, two steps, one seed):
 the numbers it gives are no result.
 
@@ -27,26 +29,26 @@ Invariant On-Policy Reinforcement Learning with vLLM and TorchTitan"; torchtitan
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..config import check_at_least_one
+from ..config import check_at_least_one, flat_names
 from ..policies.selftrained import POLICY_SIZES, PolicyConfig
 from ..rl.config import TrainConfig
 from ..rl.losses import get_loss
-from .arms import arm_settings
+from .arms import ARM_FIELDS, arm_settings
 from .mps import wanted
 
 SMOLLM2 = "smollm2-135m-instruct"
+_RUN = TrainConfig(steps=3)
 
 
+@flat_names
 @dataclass(frozen=True)
 class OnOffConfig:
     preset: str = ""
     """The preset these settings started from ('' for none; see PRESETS). Recorded, and used by the CLI."""
     smoke: bool = False
     """Shrink the preset to a CPU check of the pipeline (tiny self-trained policy on arithmetic, 2 steps, 1 seed)."""
-    policy: str = ""
-    """Starting policy (registry name, folder, .gguf or hub id); empty: train one into out_dir/policy first."""
     policy_size: str = "tiny"
     """Size of the self-trained starting policy: 'tiny' (CPU) or 'small' (GPU)."""
     policy_steps: int = 400
@@ -60,38 +62,6 @@ class OnOffConfig:
     noise=<sigma>."""
     seeds: tuple[int, ...] = (0,)
     """Seeds per arm (data order, sampling); an arm's runs and another's with the same seed see the same prompts."""
-    steps: int = 3
-    """RL steps per run."""
-    task: str = "arithmetic"
-    """arithmetic, arithmetic-chat, gsm8k or facts."""
-    difficulty: int = 1
-    """Arithmetic difficulty (of the task and of the self-trained policy)."""
-    chat_template: bool = True
-    """Wrap prompts in the policy's chat template (where it has one)."""
-    prompts_per_step: int = 2
-    """Prompts per step."""
-    group_size: int = 4
-    """Completions per prompt."""
-    max_new_tokens: int = 4
-    """Completion length limit."""
-    temperature: float = 1.0
-    """Sampling temperature."""
-    loss: str = "grpo"
-    """grpo, dr_grpo, dapo, gspo or blog."""
-    lr: float = 1e-3
-    """AdamW learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: float = 0.0
-    """Gradient-norm clip (0: none)."""
-    master_dtype: str = "float32"
-    """'float32' (fp32 masters) or 'bfloat16' (AdamW on the bf16 weights)."""
-    mini_batches: int = 1
-    """Optimizer steps per epoch (PPO mini-batches)."""
-    epochs: int = 1
-    """Passes over a step's sequences."""
-    max_tokens_per_microbatch: int = 16384
-    """Padded tokens per forward/backward."""
     checkpoint_every: int = 0
     """Checkpoint every this many steps (0: four times per run)."""
     keep_checkpoints: bool = True
@@ -108,14 +78,10 @@ class OnOffConfig:
     next call with the same out_dir continues (0: no limit)."""
     publish: str = ""
     """Also copy the report to <publish>/<date>_onoff-<preset>-<device>_<sha>/ (e.g. docs/results)."""
-    device: str = "auto"
-    """'cpu', 'cuda' or 'auto'."""
-    trainer_backend: str = "workbench"
-    """Every run's update: the workbench's own loop or torchtitan's components (TrainConfig.trainer_backend)."""
-    tensorboard: bool = False
-    """Also write each run's metrics to TensorBoard (in its folder's tensorboard/)."""
-    progress: bool = True
-    """Progress bars while training."""
+    run: TrainConfig = _RUN
+    """Every run's settings (policy, task, loss, optimizer, device, ...: see TrainConfig), each settable by its
+    name (lr=1e-5) or as run.<name>; the arm sets the generator's and the ratio's, the seed and out_dir the run's
+    own. An empty policy: train one into out_dir/policy first."""
 
     def __post_init__(self):
         if self.policy_size not in POLICY_SIZES:
@@ -137,22 +103,19 @@ class OnOffConfig:
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0 (0: four times per run), got {self.checkpoint_every}")
         PolicyConfig(size=self.policy_size, target_accuracy=tuple(self.policy_accuracy), device="cpu")
+        for name in ("seed", *ARM_FIELDS):  # set per run: a value given for all runs would be dropped unseen
+            if getattr(self.run, name) != getattr(_RUN, name):
+                by, instead = ("seed", "seeds (e.g. seeds=[0,1])") if name == "seed" else ("arm", "arms")
+                raise ValueError(f"{name} is set per run by its {by} (workbench.onoff.arms), not for all runs: "
+                                 f"choose {instead}")
         for arm in self.arms:  # every run's settings, checked by TrainConfig itself before anything runs
             self.run_config(arm, self.seeds[0])
 
     def run_config(self, arm: str, seed: int, policy: str = "") -> TrainConfig:
-        """The TrainConfig of one run: the shared settings, the arm's, and the seed."""
-        return TrainConfig(
-            policy=policy or self.policy, out_dir=f"{self.out_dir}/{arm}-seed{seed}", task=self.task,
-            difficulty=self.difficulty, chat_template=self.chat_template, loss=self.loss, steps=self.steps,
-            prompts_per_step=self.prompts_per_step, group_size=self.group_size, max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature, lr=self.lr, weight_decay=self.weight_decay,
-            max_grad_norm=self.max_grad_norm, master_dtype=self.master_dtype, mini_batches=self.mini_batches,
-            epochs=self.epochs, max_tokens_per_microbatch=self.max_tokens_per_microbatch, seed=seed,
-            device=self.device, trainer_backend=self.trainer_backend,
-            checkpoint_every=self.checkpoint_every or max(1, self.steps // 4), tensorboard=self.tensorboard,
-            progress=self.progress,
-            **arm_settings(arm, get_loss(self.loss).sequence_level))
+        """The TrainConfig of one run: the shared settings (`run`), the arm's, and the seed."""
+        return replace(self.run, policy=policy or self.run.policy, out_dir=f"{self.out_dir}/{arm}-seed{seed}",
+                       seed=seed, checkpoint_every=self.checkpoint_every or max(1, self.run.steps // 4),
+                       **arm_settings(arm, get_loss(self.run.loss).sequence_level))
 
 
 _BLOG = {"policy": SMOLLM2, "task": "facts", "chat_template": False, "prompts_per_step": 5, "group_size": 4,

@@ -30,7 +30,7 @@ def probe(cfg: OnOffConfig, steps: int = 1, lengths: tuple[int, ...] = ()) -> pd
     """Run cfg's arms x seeds for `steps` steps at each of `lengths` (max_new_tokens; empty: cfg's own), each length
     into cfg.out_dir/L<length>; returns `probe_table` of them all. Finished probes are not run again."""
     tables = []
-    for length in lengths or (cfg.max_new_tokens,):
+    for length in lengths or (cfg.run.max_new_tokens,):
         cell = dataclasses.replace(cfg, steps=steps, max_new_tokens=length, out_dir=f"{cfg.out_dir}/L{length}",
                                    keep_checkpoints=False, checkpoint_every=steps)
         tables.append(probe_table(run_on_off(cell), cell))
@@ -39,11 +39,11 @@ def probe(cfg: OnOffConfig, steps: int = 1, lengths: tuple[int, ...] = ()) -> pd
 
 def probe_table(metrics: pd.DataFrame, cfg: OnOffConfig) -> pd.DataFrame:
     """One row per (arm, seed): the mean over the probed steps of each of PROBE_METRICS, with the cell's settings."""
-    rows = metrics[metrics.metric.isin(PROBE_METRICS) & (metrics.step <= cfg.steps)]
+    rows = metrics[metrics.metric.isin(PROBE_METRICS) & (metrics.step <= cfg.run.steps)]
     wide = rows.pivot_table(index=["variant", "seed"], columns="metric", values="value", aggfunc="mean")
     wide = wide.reset_index().rename(columns={"variant": "arm"})
-    for name, value in (("preset", cfg.preset), ("task", cfg.task), ("loss", cfg.loss),
-                        ("max_new_tokens", cfg.max_new_tokens), ("steps", cfg.steps)):
+    for name, value in (("preset", cfg.preset), ("task", cfg.run.task), ("loss", cfg.run.loss),
+                        ("max_new_tokens", cfg.run.max_new_tokens), ("steps", cfg.run.steps)):
         wide.insert(0, name, value)
     return wide
 

@@ -56,15 +56,15 @@ _RUN_FOLDER = re.compile(r"(?P<arm>.+)-seed(?P<seed>\d+)")
 
 
 def starting_policy(cfg: OnOffConfig) -> str:
-    """The checkpoint every run starts from: cfg.policy, or one trained (once) into out_dir/policy.
+    """The checkpoint every run starts from: cfg.run.policy, or one trained (once) into out_dir/policy.
 
     A policy already there is reused only if it was trained with the same settings.
     """
-    if cfg.policy:
-        return cfg.policy
+    if cfg.run.policy:
+        return cfg.run.policy
     folder = Path(cfg.out_dir) / "policy"
-    policy_cfg = PolicyConfig(size=cfg.policy_size, difficulty=cfg.difficulty, max_steps=cfg.policy_steps,
-                              target_accuracy=tuple(cfg.policy_accuracy), device=resolve_device(cfg.device))
+    policy_cfg = PolicyConfig(size=cfg.policy_size, difficulty=cfg.run.difficulty, max_steps=cfg.policy_steps,
+                              target_accuracy=tuple(cfg.policy_accuracy), device=resolve_device(cfg.run.device))
     wanted = {k: v for k, v in asdict(policy_cfg).items() if k != "device"}
     wanted["target_accuracy"] = list(wanted["target_accuracy"])
     record = folder / "policy_config.json"
@@ -74,7 +74,7 @@ def starting_policy(cfg: OnOffConfig) -> str:
             raise ValueError(f"{folder} holds a starting policy trained with other settings ({saved}, now {wanted}); "
                              "use another out_dir or pass policy=...")
         return str(folder)
-    _, _, table = train_policy(policy_cfg, folder, progress=cfg.progress)
+    _, _, table = train_policy(policy_cfg, folder, progress=cfg.run.progress)
     table.to_csv(folder / "sft_metrics.csv", index=False)
     record.write_text(json.dumps(wanted, indent=1))
     return str(folder)
@@ -188,8 +188,8 @@ def _run_on_off(cfg: OnOffConfig) -> pd.DataFrame:
         spawn = multiprocessing.get_context("spawn")
         with contextlib.ExitStack() as stack:
             # First in, last out: the daemon outlives the pool's workers, which connect to it at their start.
-            stack.enter_context(mps_daemon(cfg.mps, out, resolve_device(cfg.device), cfg.workers))
-            gpus = _gpu_slots(stack, spawn, cfg.workers, resolve_device(cfg.device))
+            stack.enter_context(mps_daemon(cfg.mps, out, resolve_device(cfg.run.device), cfg.workers))
+            gpus = _gpu_slots(stack, spawn, cfg.workers, resolve_device(cfg.run.device))
             pool = stack.enter_context(ProcessPoolExecutor(max_workers=cfg.workers, mp_context=spawn,
                                                            max_tasks_per_child=1))
             futures = {pool.submit(_execute_in_worker, asdict(run), deadline, cfg.keep_checkpoints,
@@ -200,7 +200,7 @@ def _run_on_off(cfg: OnOffConfig) -> pd.DataFrame:
                     results[name] = future.result()
                 except Exception as e:  # noqa: BLE001
                     failures.append((name, e))
-                if cfg.progress:
+                if cfg.run.progress:
                     print(f"{Path(name).name}: {results.get(name, 'FAILED')}", flush=True)
     table = collect(out)
     _log_invocation(out, started, time.time() - t0, results, failures)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Literal
 
-from ..config import check_at_least_one
+from ..config import check_at_least_one, check_choices
 from ..models.config import RECOMPUTE
 from ..models.lora import PROJECTIONS, LoraConfig
 from .losses import AGGREGATIONS, KL_ESTIMATORS, LossConfig, get_loss
@@ -23,13 +24,13 @@ class TrainConfig:
     """Wrap each prompt in the tokenizer's chat template (instruct models), where it has one."""
     out_dir: str = "runs/train"
     """Where metrics and checkpoints go."""
-    kernel_mode: str = "invariant"
+    kernel_mode: Literal["invariant", "standard"] = "invariant"
     """'invariant' (bitwise generator = trainer) or 'standard' (the mismatched control)."""
-    sampler_kernels: str = "trainer"
+    sampler_kernels: Literal["trainer", "engine"] = "trainer"
     """The embedded generator's kernels: 'trainer' (the trainer's kernel mode) or 'engine' (with
     kernel_mode='standard': an inference engine's fast path, the norms, SiLU and RoPE fused and rounded once as
     vLLM's kernels do, against the trainer's Hugging Face formulas; see onoff/arms.py)."""
-    sampler_precision: str = "bf16"
+    sampler_precision: Literal["bf16", "fp8"] = "bf16"
     """The embedded generator's decoder products: 'bf16', or 'fp8' (W8A8 as vLLM's default fp8; with
     sampler_kernels='engine'; generation/fp8.py)."""
     task: str = "arithmetic"
@@ -72,10 +73,10 @@ class TrainConfig:
     """AdamW's decoupled weight decay."""
     max_grad_norm: float = 0.0
     """Scale the gradient down to this global norm when it is larger (0: no clipping)."""
-    master_dtype: str = "float32"
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
     """'float32': AdamW on fp32 master weights, cast to bf16 once per update; 'bfloat16': AdamW on the bf16
     weights themselves (no masters; bf16 optimizer state and gradient accumulation)."""
-    adapter: str = "none"
+    adapter: Literal["none", "lora"] = "none"
     """'none' (train every weight) or 'lora' (freeze the base, train LoRA adapters: see docs/lora.md)."""
     lora_rank: int = 16
     """adapter='lora': the adapters' rank r."""
@@ -87,7 +88,7 @@ class TrainConfig:
     """Optimizer steps per epoch: the step's sequences are cut into this many mini-batches (PPO)."""
     epochs: int = 1
     """Passes over the step's sequences (each pass reshuffled into mini-batches)."""
-    old_logprobs: str = "recompute"
+    old_logprobs: Literal["recompute", "sampler"] = "recompute"
     """The PPO ratio's old policy: 'recompute' (the trainer's forward on the sampling weights) or 'sampler'
     (the generator's own log-probs, as vLLM-based trainers use them)."""
     max_tokens_per_microbatch: int = 16384
@@ -102,28 +103,28 @@ class TrainConfig:
     time_limit_s: float = 0.0
     """Stop after the step during which this many seconds have passed, with a checkpoint; resume=True goes on
     (for machines that allow a few minutes per command; 0: no limit)."""
-    parity: str = "error"
+    parity: Literal["error", "warn"] = "error"
     """In invariant mode, what a log-prob difference does: 'error' or 'warn'."""
     parity_sample: int = 1
     """Where a separate pass scores the samples (policy lag, split roles, FSDP2, ...): recompute 1 completion in n,
     a different one of each n rows each step, every one at step 1 (1: all). n > 1 needs invariant mode with
     parity='error': the rows not recomputed take the generator's log-probs, which the check shows are the trainer's
     bits on the others."""
-    correction: str = "none"
+    correction: Literal["none", "tis-token", "tis-sequence", "mask-token", "mask-sequence"] = "none"
     """Off-policy correction: none, tis-token, tis-sequence, mask-token, mask-sequence."""
     correction_cap: float = 2.0
     """Cap C of the correction (truncate at C, or mask outside [1/C, C])."""
     kl_coef: float = 0.0
     """Weight of the KL penalty (0: none, and no reference model is built)."""
-    kl_to: str = "reference"
+    kl_to: Literal["reference", "sampler"] = "reference"
     """What the KL is measured to: 'reference' (the frozen starting policy) or 'sampler' (the generator)."""
     kl_estimator: str = "auto"
     """k1, k2, k3 or 'auto' (k3 in the reward, k2 in the loss); k1 only in the reward (see losses.kl_estimate)."""
     kl_in_reward: bool = False
     """Penalise the KL in the advantages (after the task rewards' scaling: see group_advantages), not in the loss."""
-    generator: str = "embedded"
+    generator: Literal["embedded", "vllm"] = "embedded"
     """'embedded' (the workbench's sampler) or 'vllm' (vLLM running the workbench model: needs vLLM, a GPU)."""
-    vllm_model: str = "workbench"
+    vllm_model: Literal["workbench", "vllm"] = "workbench"
     """generator='vllm': 'workbench' (vLLM runs the workbench model and kernels) or 'vllm' (vLLM's own model
     implementation and kernels: default kernels in standard mode, its batch-invariant ones in invariant mode)."""
     vllm_memory: float = 0.3
@@ -132,16 +133,16 @@ class TrainConfig:
     """generator='embedded': keep its KV caches and CUDA graphs from one step's rollouts to the next (captured once,
     not every step; the same bits in invariant mode); that memory stays held through the update: False where memory
     is short. No effect with sync='checkpoint' (a new generator model every step)."""
-    sync: str = "shared"
+    sync: Literal["shared", "copy", "checkpoint"] = "shared"
     """Weight sync into the generator: shared (same bf16 model), copy, or checkpoint (through disk)."""
     policy_lag: int = 0
     """0: synchronous; k > 0: the generator samples with the weights k updates behind (needs sync='copy'; the trainer
     keeps the last k + 1 versions in bf16)."""
     rollout_ranks: int = 0
     """Under torchrun: the last this-many ranks only generate, the others only train (0: every rank does both)."""
-    parallel: str = "replicate"
+    parallel: Literal["replicate", "fsdp2"] = "replicate"
     """Trainer ranks under torchrun: 'replicate' (each holds all fp32 masters and AdamW state) or 'fsdp2' (sharded)."""
-    trainer_backend: str = "workbench"
+    trainer_backend: Literal["workbench", "torchtitan"] = "workbench"
     """The update's forward, backward and optimizer step: 'workbench' (its own) or 'torchtitan' (torchtitan's model,
     optimizer and LR-scheduler builders and FSDP2 recipe, on the workbench's kernels: workbench/rl/titan_backend.py)."""
     tensor_parallel: int = 1
@@ -158,6 +159,7 @@ class TrainConfig:
     """A progress bar on the terminal (reward, parity) while training."""
 
     def __post_init__(self):
+        check_choices(self)
         spec = get_loss(self.loss)
         if not 0 <= self.clip_low < 1:
             raise ValueError(f"clip_low must lie in [0, 1) (0: the loss's published value), got {self.clip_low!r}")
@@ -170,15 +172,9 @@ class TrainConfig:
         if self.aggregation and spec.sequence_level:
             raise ValueError(f"loss {self.loss!r} averages one term per sequence and takes no aggregation (it would "
                              "be ignored): leave aggregation empty, or use grpo, dr_grpo or dapo")
-        if self.kernel_mode not in ("invariant", "standard"):
-            raise ValueError(f"kernel_mode must be 'invariant' or 'standard', got {self.kernel_mode!r}")
-        if self.sampler_kernels not in ("trainer", "engine"):
-            raise ValueError(f"sampler_kernels must be 'trainer' or 'engine', got {self.sampler_kernels!r}")
         if self.sampler_kernels == "engine" and (self.kernel_mode != "standard" or self.generator != "embedded"):
             raise ValueError("sampler_kernels='engine' models an inference engine beside a standard trainer: it needs "
                              "kernel_mode='standard' and generator='embedded'")
-        if self.sampler_precision not in ("bf16", "fp8"):
-            raise ValueError(f"sampler_precision must be 'bf16' or 'fp8', got {self.sampler_precision!r}")
         if self.sampler_precision == "fp8" and (self.sampler_kernels != "engine" or self.adapter != "none"
                                                 or self.rollout_ranks):
             raise ValueError("sampler_precision='fp8' models an fp8 inference engine beside a bf16 trainer: it needs "
@@ -199,13 +195,9 @@ class TrainConfig:
         if self.mini_batches > self.prompts_per_step * self.group_size:
             raise ValueError(f"mini_batches={self.mini_batches} exceeds the step's "
                              f"{self.prompts_per_step * self.group_size} sequences")
-        if self.master_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"master_dtype must be 'float32' or 'bfloat16', got {self.master_dtype!r}")
         if self.activation_checkpointing not in RECOMPUTE:
             raise ValueError(f"activation_checkpointing must be one of {', '.join(RECOMPUTE)} (true/false were "
                              f"renamed 'layers'/'none'), got {self.activation_checkpointing!r}")
-        if self.adapter not in ("none", "lora"):
-            raise ValueError(f"adapter must be 'none' (full fine-tuning) or 'lora', got {self.adapter!r}")
         LoraConfig(self.lora_rank, self.lora_alpha, self.lora_targets)  # names a bad lora_* field, even unused
         if self.adapter == "lora" and self.generator == "vllm":
             raise ValueError("adapter='lora' with generator='vllm' is not supported: vLLM would run the adapters "
@@ -213,14 +205,10 @@ class TrainConfig:
                              "moves adapters into the embedded generator only. Use generator='embedded' (exact, "
                              "unmerged), or merge the adapters (python -m workbench lora-merge) and serve the "
                              "merged checkpoint")
-        if self.old_logprobs not in ("recompute", "sampler"):
-            raise ValueError(f"old_logprobs must be 'recompute' or 'sampler', got {self.old_logprobs!r}")
         if self.old_logprobs == "sampler" and self.correction != "none":
             raise ValueError(f"correction {self.correction!r} weighs the trainer's old policy against the sampler; "
                              "with old_logprobs='sampler' they are one policy and the weight is 1: "
                              "use old_logprobs='recompute' or correction='none'")
-        if self.parity not in ("error", "warn"):
-            raise ValueError(f"parity must be 'error' or 'warn', got {self.parity!r}")
         if not isinstance(self.parity_sample, int) or isinstance(self.parity_sample, bool) or self.parity_sample < 1:
             raise ValueError(f"parity_sample must be an integer >= 1 (1: check every completion), got "
                              f"{self.parity_sample!r}")
@@ -235,22 +223,16 @@ class TrainConfig:
             raise ValueError(f"parity_sample={self.parity_sample} exceeds the step's "
                              f"{self.prompts_per_step * self.group_size} completions: some steps would check none; "
                              "lower it")
-        if self.correction not in ("none", "tis-token", "tis-sequence", "mask-token", "mask-sequence"):
-            raise ValueError(f"unknown correction {self.correction!r}")
         if get_loss(self.loss).sequence_level and self.correction.endswith("-token"):
             raise ValueError(f"loss {self.loss!r} has one ratio per sequence: a per-token correction "
                              f"({self.correction}) has no place in it; use tis-sequence or mask-sequence")
         if self.kl_coef < 0 or not math.isfinite(self.kl_coef):
             raise ValueError(f"kl_coef must be a finite number >= 0, got {self.kl_coef!r}")
-        if self.kl_to not in ("reference", "sampler"):
-            raise ValueError(f"kl_to must be 'reference' or 'sampler', got {self.kl_to!r}")
         if self.kl_estimator not in ("auto", *KL_ESTIMATORS):
             raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; choose auto, k1, k2 or k3")
         if self.kl_estimator == "k1" and self.kl_coef > 0 and not self.kl_in_reward:
             raise ValueError("kl_estimator='k1' in the loss has a gradient of expectation 0 (it penalises nothing): "
                              "use k2 (or auto) in the loss, or kl_in_reward=True")
-        if self.sync not in ("shared", "copy", "checkpoint"):
-            raise ValueError(f"sync must be 'shared', 'copy' or 'checkpoint', got {self.sync!r}")
         if not isinstance(self.policy_lag, int) or isinstance(self.policy_lag, bool) or self.policy_lag < 0:
             raise ValueError(f"policy_lag must be an integer >= 0 (0: synchronous; k: k updates behind), got "
                              f"{self.policy_lag!r}")
@@ -269,14 +251,10 @@ class TrainConfig:
         if self.rollout_ranks and self.sync != "copy":
             raise ValueError(f"rollout_ranks={self.rollout_ranks} keeps the generators in processes of their own, "
                              "which get the weights by broadcast: use sync='copy'")
-        if self.parallel not in ("replicate", "fsdp2"):
-            raise ValueError(f"parallel must be 'replicate' or 'fsdp2', got {self.parallel!r}")
         if self.parallel == "fsdp2" and (self.master_dtype != "float32" or self.adapter != "none"):
             raise ValueError(f"parallel='fsdp2' shards the fp32 masters of full fine-tuning; master_dtype="
                              f"{self.master_dtype!r} with adapter={self.adapter!r} has none to shard: set "
                              "master_dtype='float32' and adapter='none', or parallel='replicate'")
-        if self.trainer_backend not in ("workbench", "torchtitan"):
-            raise ValueError(f"trainer_backend must be 'workbench' or 'torchtitan', got {self.trainer_backend!r}")
         if self.trainer_backend == "torchtitan" and self.adapter != "none":
             raise ValueError(f"trainer_backend='torchtitan' trains every weight (torchtitan has no adapters); "
                              f"adapter={self.adapter!r} needs trainer_backend='workbench', or set adapter='none'")
@@ -296,16 +274,12 @@ class TrainConfig:
                                  "masters replicated over the data-parallel groups, every rank generating): set "
                                  "parallel='replicate', master_dtype='float32', rollout_ranks=0, "
                                  "generator='embedded', or tensor_parallel=1")
-        if self.generator not in ("embedded", "vllm"):
-            raise ValueError(f"generator must be 'embedded' or 'vllm', got {self.generator!r}")
         if self.generator == "vllm" and self.sync == "shared":
             raise ValueError("generator='vllm' holds its own copy of the weights: use sync='copy' (in place into "
                              "the running engine) or sync='checkpoint' (through disk)")
         if self.generator == "vllm" and self.sampler_noise:
             raise ValueError("sampler_noise perturbs the embedded generator's logits; vLLM's sampler has no such "
                              "knob: use generator='embedded'")
-        if self.vllm_model not in ("workbench", "vllm"):
-            raise ValueError(f"vllm_model must be 'workbench' or 'vllm', got {self.vllm_model!r}")
         if not 0 < self.vllm_memory < 1:
             raise ValueError(f"vllm_memory must lie in (0, 1), got {self.vllm_memory!r}")
 
