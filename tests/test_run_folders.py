@@ -100,7 +100,8 @@ def test_two_real_train_processes_into_one_folder(policy, tmp_path):
     first = subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
-        while not (out / "metrics.csv").exists():   # step 1 done: the run is well under way
+        # Step 1's rows in the metrics: the run is well under way (the log may exist, empty, from the setup on).
+        while not (out / "metrics.csv").exists() or "\n1," not in (out / "metrics.csv").read_text():
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()
             time.sleep(0.2)
         config = (out / "config.yaml").read_text()
@@ -113,7 +114,9 @@ def test_two_real_train_processes_into_one_folder(policy, tmp_path):
     finally:
         first.kill()
     assert first.returncode == 130, err
-    at = int(re.search(r"interrupted; the last good checkpoint \(step (\d+)\)", err).group(1))
+    found = re.search(r"interrupted; the last good checkpoint \(step (\d+)\)", err)
+    assert found, err
+    at = int(found.group(1))
     assert 0 < at < 100 and "--resume" in err, "checkpointed at the step the Ctrl-C came in, not at step 100"
     done = subprocess.run([sys.executable, "-m", "workbench", "train", "--config", str(out / "config.yaml"),
                            "--resume", "--steps", str(at)], env=_env(), capture_output=True, text=True, timeout=300)

@@ -418,7 +418,8 @@ def test_a_tp_update_is_the_one_process_one_up_to_the_ranks_sum(trained):
     """TitanWeights at tensor_parallel=2, one backward and step: both ranks hold the same whole gradients and
     generator; the gradients are the one-process ones up to the ranks' sum of partial dx (measured: up to 9.7e-3 of
     a tensor's largest element, layer 0's wk, q/k norm and wq the worst; the final norm and the last block's w2 bit
-    for bit), the gradient norm to 7e-4 (220.746 vs 220.899) and the weight-change metrics (each replicated weight
+    for bit), the gradient norm within the gradients' own
+    difference (the triangle inequality; measured 0.81 against a bound of 1.69 at a norm of 273) and the weight-change metrics (each replicated weight
     counted once) to 2.5e-4 (the embedding's; the others 1e-5 to 4e-5); the generator after the step within 2 lr and
     a bf16 rounding of the one-process one (measured 4.8e-3)."""
     (_, _, ranks, _), (_, _, (grads, metrics, model)) = trained
@@ -428,8 +429,14 @@ def test_a_tp_update_is_the_one_process_one_up_to_the_ranks_sum(trained):
     assert rel["norm.weight"] == 0 and rel["layers.1.feed_forward.w2.weight"] == 0, rel
     assert 0 < max(rel.values()) <= 2**-5, sorted(rel.items(), key=lambda kv: -kv[1])[:3]
     assert m0.keys() == metrics.keys()
+    # The gradient norm can move by at most the gradients' own difference (the triangle inequality): the bound the
+    # ranks' sum of partial dx leaves it, whatever the data (a fixed 2e-3 held on one machine's policy, not another's).
+    moved = float(sum(((g0[k].double() - grads[k].double()) ** 2).sum() for k in grads).sqrt())
     for k in m0:
-        assert m0[k] == pytest.approx(metrics[k], rel=2e-3), k
+        if k == "grad_norm":
+            assert abs(m0[k] - metrics[k]) <= 1.001 * moved + 1e-6, (m0[k], metrics[k], moved)
+        else:
+            assert m0[k] == pytest.approx(metrics[k], rel=2e-3), k
     assert max(float((model0[k].float() - model[k].float()).abs().max()) for k in model) <= 2 * TRAIN["lr"] + 2**-7
 
 

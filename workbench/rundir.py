@@ -38,6 +38,8 @@ LOCK = ".workbench.lock"
 """The lock file in a folder in use; removed when the holder ends normally."""
 RUN_FILES = ("config.yaml", "metrics.csv", "checkpoints", "checkpoint", ".checkpoint-old", "policy", "tensorboard")
 """What a training run writes into its folder: any of them means the folder holds a run."""
+_RUN_FOLDERS = {"checkpoints", "checkpoint", ".checkpoint-old", "policy", "tensorboard"}
+"""Those of RUN_FILES a run writes as folders: a file of such a name is not a run's (and its save will say so)."""
 POLICY_FILES = ("config.json", "model.safetensors")
 """What a saved policy (train-policy, warm-start) is."""
 _RESOLVED = re.compile(r"# \w+: the resolved settings of this run")
@@ -148,7 +150,7 @@ def _check(folder: Path, holds: tuple[str, ...], resume: bool, resumable: Callab
             raise ValueError(f"{folder / 'config.yaml'} is not a config a run wrote, and the run writes its resolved "
                              f"settings there: keep your file outside {folder} (e.g. {folder}.yaml, then --config "
                              f"{folder}.yaml), or give another {option}")
-    found = [name for name in holds if (folder / name).exists()]
+    found = [name for name in holds if ((folder / name).is_dir() if name in _RUN_FOLDERS else (folder / name).exists())]
     if not resume:
         if found:
             resumed = " continue it with resume=True (--resume), or" if resumable is not None else ""
