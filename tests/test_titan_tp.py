@@ -418,9 +418,9 @@ def test_a_tp_update_is_the_one_process_one_up_to_the_ranks_sum(trained):
     """TitanWeights at tensor_parallel=2, one backward and step: both ranks hold the same whole gradients and
     generator; the gradients are the one-process ones up to the ranks' sum of partial dx (measured: up to 9.7e-3 of
     a tensor's largest element, layer 0's wk, q/k norm and wq the worst; the final norm and the last block's w2 bit
-    for bit), the gradient norm within the gradients' own
-    difference (the triangle inequality; measured 0.81 against a bound of 1.69 at a norm of 273) and the weight-change metrics (each replicated weight
-    counted once) to 2.5e-4 (the embedding's; the others 1e-5 to 4e-5); the generator after the step within 2 lr and
+    for bit), the gradient norm within the gradients' own difference (the triangle inequality; measured 0.81
+    against a bound of 1.69 at a norm of 273) and the weight-change metrics (each replicated weight counted once) to
+    2.5e-4 (the embedding's; the others 1e-5 to 4e-5); the generator after the step within 2 lr and
     a bf16 rounding of the one-process one (measured 4.8e-3)."""
     (_, _, ranks, _), (_, _, (grads, metrics, model)) = trained
     (g0, m0, model0), (g1, _, model1) = (r["update"] for r in ranks)
