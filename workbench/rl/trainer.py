@@ -66,10 +66,13 @@ def _train(cfg: TrainConfig, fresh: bool) -> pd.DataFrame:
                 # One decision for every rank, or the ranks that go on would wait for the others forever.
                 late = time.perf_counter() - start > cfg.time_limit_s
                 out_of_time = bool(cfg.time_limit_s) and run.trainers.any(late)
-                if step % cfg.checkpoint_every == 0 or step == cfg.steps or out_of_time or stop.requested:
+                # Read once: a Ctrl-C that comes after the checkpoint decision (during the metrics' write) stops
+                # at the next step's end, never before a checkpoint of the step it stops at.
+                stopping = stop.requested
+                if step % cfg.checkpoint_every == 0 or step == cfg.steps or out_of_time or stopping:
                     run.checkpoint(step)
                 run.log.write()   # metrics.csv current after every step, also when the process is killed
-                if stop.requested and step < cfg.steps:   # Ctrl-C: checkpointed at this step's end
+                if stopping and step < cfg.steps:   # Ctrl-C: checkpointed at this step's end
                     raise KeyboardInterrupt
                 if out_of_time and step < cfg.steps:
                     if run.dp.is_main:
