@@ -58,14 +58,20 @@ def test_standard_rows_follow_the_batch_and_invariant_rows_do_not():
     from workbench.kernels import REGISTRY
 
     op = REGISTRY["attention_paged"]
-    differs = []
-    for trial in range(4):
+
+    def inputs(trial):
         seed = seed_for(trial)
         q, table, kv_len, kp, vp = op.make_inputs(8, "small", torch.Generator().manual_seed(seed), "cpu",
                                                   torch.bfloat16)
         kv_len = torch.full_like(kv_len, 19)
         kv_len[0] = 3
-        alone = (q[:1], table[:1], kv_len[:1], kp, vp)
-        assert torch.equal(op.invariant(q, table, kv_len, kp, vp)[:1], op.invariant(*alone)), f"seed {seed}"
-        differs.append(not torch.equal(op.standard(q, table, kv_len, kp, vp)[:1], op.standard(*alone)))
+        return seed, (q, table, kv_len, kp, vp), (q[:1], table[:1], kv_len[:1], kp, vp)
+
+    for trial in range(4):
+        seed, batch, alone = inputs(trial)
+        assert torch.equal(op.invariant(*batch)[:1], op.invariant(*alone)), f"seed {seed}"
+    # The control: about a third of draws show the padded row's bits move (measured, 17 of 48 seeds), so it draws
+    # until one does; 64 draws all alike would happen once in ~10^12 by chance.
+    differs = [not torch.equal(op.standard(*batch)[:1], op.standard(*alone))
+               for _, batch, alone in map(inputs, range(64))]
     assert any(differs), "standard paged attention gave a row the same bits in every batch: the control shows nothing"
