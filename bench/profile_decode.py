@@ -1,6 +1,6 @@
 """Where a decode step's time goes (issue 16's first item): the embedded generator at the Qwen3-1.7B shape (random
 weights), 128-token prompts, batch 64 and 256, invariant mode, the fast standard baseline (`standard-fused`) and
-Hugging Face's eager formulas (`standard`). Per decode step:
+Hugging Face's eager formulas (`standard`); `--shape smollm2-135M` the regime map's model. Per decode step:
 
 - the step as `generate` runs it (CUDA graph replay plus the loop's bookkeeping), from its own timer, over the
   same steps;
@@ -135,18 +135,19 @@ def main() -> None:
     ap.add_argument("--out", help="also write the table (markdown) to this file")
     ap.add_argument("--batches", nargs="+", type=int, default=[64, 256])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--shape", default="qwen3-1.7B", help="a named shape (workbench.models.config), random weights")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also list the N kernels taking the most time per step, by name")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode.py needs a CUDA GPU")
-    model = build("qwen3-1.7B", device="cuda", seed=0)
+    model = build(a.shape, device="cuda", seed=0)
     cfg = model.config
     gbs = max(copy_gbs())
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" not in n)
     kinds = [k for k, _ in KINDS] + ["other"]
     lines = [header(), "",
-             f"Qwen3-1.7B shape, random weights, {PROMPT}-token prompts; kernels per decode step = (profile of "
+             f"{a.shape} shape, random weights, {PROMPT}-token prompts; kernels per decode step = (profile of "
              f"{STEPS} eager decode steps - profile of the prefill alone) / {STEPS}, at a mean KV length of "
              f"{PROMPT + STEPS // 2}; the step as `generate` runs it (graphs, the same {STEPS} steps), median of 5. "
              "In `standard` mode norms, RoPE and SwiGLU are ATen elementwise kernels, counted under `other`. Floors "
