@@ -191,7 +191,7 @@ def main() -> None:
     ap.add_argument("--out", help="also write the table (markdown) to this file")
     ap.add_argument("--quick", action="store_true", help="only steps up to 64 x 1,024 tokens")
     ap.add_argument("--sizes", nargs="+", type=int, help="sequences per step (default 8 64 512; --quick: 8 64)")
-    ap.add_argument("--configs", nargs="+", type=_config, default=[(8192, False), (16384, False), (32768, True)],
+    ap.add_argument("--configs", nargs="+", type=_config, default=[(8192, "none"), (16384, "none"), (32768, "layers")],
                     help="micro-batch token budgets, +mlp or +layers for activation checkpointing (e.g. 8192 "
                          "16384+mlp 32768+layers)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))

@@ -19,6 +19,7 @@ each: every term left out would only add):
 Defaults: an H200's 4.8 TB/s and 990e12 bf16 FLOP/s (dense).
 
     python bench/profile_regime.py [--policy DIR] [--lengths 512 1024 2048] [--steps 3] [--out FILE.md]
+                                   [--set max_tokens_per_microbatch=32768 ...]
     python bench/profile_regime.py --smoke --out FILE.md     # CPU: the tiny self-trained policy, 4 tokens
 """
 
@@ -36,7 +37,8 @@ from workbench.models import build
 from workbench.models.checkpoint import read_config
 from workbench.models.config import ModelConfig
 from workbench.models.hub import resolve_model
-from workbench.onoff.config import preset
+from workbench.config import parse_overrides
+from workbench.onoff.config import OnOffConfig, preset
 from workbench.onoff.runner import execute, run_status, starting_policy
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -74,10 +76,10 @@ def floors(shape: Shape, sequences: int, length: float, epochs: int, scored: boo
 
 
 def profile(preset_name: str, smoke: bool, policy: str, arms: tuple[str, ...], lengths: tuple[int, ...], steps: int,
-            warmup: int, out_dir: Path, hbm: float, flops: float) -> pd.DataFrame:
+            warmup: int, out_dir: Path, hbm: float, flops: float, overrides: dict | None = None) -> pd.DataFrame:
     """One row per arm x length x phase (and the whole step): measured median seconds and the floor."""
     base = preset(preset_name, smoke, arms=arms, seeds=(0,), workers=1, progress=False, out_dir=str(out_dir),
-                  **({"policy": policy} if policy else {}))
+                  **({"policy": policy} if policy else {}), **(overrides or {}))
     start = starting_policy(base)
     shape = Shape.of(start)
     sequences = base.run.prompts_per_step * base.run.group_size
@@ -124,11 +126,14 @@ def main() -> None:
     p.add_argument("--out-dir", default="runs/profile-regime")
     p.add_argument("--out", help="also write the table (markdown) to this file")
     p.add_argument("--smoke", action="store_true", help="a CPU check of the script: its numbers are no result")
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="the preset's settings changed (e.g. max_tokens_per_microbatch=32768)")
     a = p.parse_args()
     lengths = tuple(a.lengths or ((4,) if a.smoke else (512, 1024, 2048)))
     table = profile(a.preset, a.smoke, a.policy, tuple(a.arms), lengths, a.steps, a.warmup, Path(a.out_dir),
-                    a.hbm_bytes_s, a.flops)
-    header = (f"Regime step by phase: preset `{a.preset}`{' (smoke)' if a.smoke else ''}, medians of steps after "
+                    a.hbm_bytes_s, a.flops, parse_overrides(a.set, OnOffConfig))
+    header = (f"Regime step by phase: preset `{a.preset}`{' (smoke)' if a.smoke else ''}"
+              f"{''.join(' ' + x for x in a.set)}, medians of steps after "
               f"{a.warmup}; floors at {a.hbm_bytes_s / 1e12:g} TB/s and {a.flops / 1e12:g} TFLOP/s (bench/"
               "profile_regime.py's docstring: decode bytes, 2N / 6N FLOPs a token)")
     emit(markdown(table, header), a.out)
