@@ -50,15 +50,12 @@ import dataclasses
 import json
 import math
 import multiprocessing as mp
-import os
 import shutil
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
 from timing import emit, header
 
 import numpy as np

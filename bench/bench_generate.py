@@ -24,18 +24,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from timing import copy_gbs, emit, gpu_ms, header, in_mode, peak_flops  # noqa: E402
+from timing import copy_gbs, emit, gpu_ms, header, in_mode, peak_flops
 
-from workbench.generation import DecodeGraphs, SamplingParams, generate  # noqa: E402
-from workbench.models import KVCache, build, load_pretrained, save_pretrained  # noqa: E402
-from workbench.models.decoding import DecodingModel  # noqa: E402
+from workbench.generation import DecodeGraphs, SamplingParams, generate
+from workbench.models import KVCache, build, load_pretrained, save_pretrained
+from workbench.models.decoding import DecodingModel
 
 PROMPT, NEW = 128, 256
 LONG = ((64, 1024), (64, 4096), (256, 1024))

@@ -17,16 +17,13 @@ see bench/timing.py).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(__file__))
-from timing import copy_gbs, emit, gpu_ms, header, with_grad  # noqa: E402
+from timing import copy_gbs, emit, gpu_ms, header, with_grad
 
-from workbench.kernels import REGISTRY  # noqa: E402
+from workbench.kernels import REGISTRY
 
 SHAPES = [(2048, 4096), (2048, 2048), (2048, 12288), (6144, 2048), (2048, 151936)]
 MS = [1, 8, 32, 128, 512, 2048, 8192]

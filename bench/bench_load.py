@@ -9,19 +9,16 @@ file's bytes over the measured host-to-device copy rate from pinned memory.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from timing import emit, header  # noqa: E402
+from timing import emit, header
 
-from workbench.models import build, load_pretrained, save_pretrained  # noqa: E402
+from workbench.models import build, load_pretrained, save_pretrained
 
 
 def _median_s(fn, repeats: int) -> float:

@@ -14,24 +14,21 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
-import sys
 import tempfile
 from functools import partial
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_train import _config, _timed, make_batch, make_weights, new_update  # noqa: E402
-from timing import emit, header  # noqa: E402
+from bench_train import _config, _timed, make_batch, make_weights, new_update
+from timing import emit, header
 
-from workbench.models import build, copy_weights  # noqa: E402
-from workbench.models.lora import LoraConfig, adapter_state, copy_adapters  # noqa: E402
-from workbench.rl.config import TrainConfig  # noqa: E402
-from workbench.rl.sync import WeightSync  # noqa: E402
-from workbench.rl.weights import TrainWeights  # noqa: E402
+from workbench.models import build, copy_weights
+from workbench.models.lora import LoraConfig, adapter_state, copy_adapters
+from workbench.rl.config import TrainConfig
+from workbench.rl.sync import WeightSync
+from workbench.rl.weights import TrainWeights
 
 SEQ_LEN = 1024
 PEAK_TARGET, SYNC_TARGET_MS = 0.5, 10.0

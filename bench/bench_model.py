@@ -12,18 +12,15 @@
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(__file__))
-from timing import emit, gpu_ms, header  # noqa: E402
+from timing import emit, gpu_ms, header
 
-from workbench.kernels import REGISTRY, mode, token_logprobs  # noqa: E402
-from workbench.models import build  # noqa: E402
+from workbench.kernels import REGISTRY, mode, token_logprobs
+from workbench.models import build
 
 
 def train_step_ms(model, ids, reps: int = 5) -> float:

@@ -16,21 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from timing import emit, header  # noqa: E402
+from timing import emit, header
 
-from workbench.env import resolve_device  # noqa: E402
-from workbench.generation import SamplingParams  # noqa: E402
-from workbench.generation.parity import parity_triangle  # noqa: E402
-from workbench.kernels import mode  # noqa: E402
-from workbench.models import encode_prompt, load_pretrained, load_tokenizer  # noqa: E402
-from workbench.tasks import PROMPT_TEMPLATE  # noqa: E402
+from workbench.env import resolve_device
+from workbench.generation import SamplingParams
+from workbench.generation.parity import parity_triangle
+from workbench.kernels import mode
+from workbench.models import encode_prompt, load_pretrained, load_tokenizer
+from workbench.tasks import PROMPT_TEMPLATE
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 

@@ -7,11 +7,8 @@ inside the embedded generator (Qwen3-1.7B shape, random weights, 128-token promp
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
 from timing import emit, gpu_ms, header
 
 import torch

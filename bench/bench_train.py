@@ -17,24 +17,21 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from timing import MODES, emit, gpu_ms, header, in_mode, peak_flops  # noqa: E402
+from timing import MODES, emit, gpu_ms, header, in_mode, peak_flops
 
-from workbench.kernels import token_logprobs  # noqa: E402
-from workbench.kernels.matmul import matmul  # noqa: E402
-from workbench.models import RECOMPUTE, build  # noqa: E402
-from workbench.rl.config import TrainConfig  # noqa: E402
-from workbench.rl.logprobs import completion_logprobs, score  # noqa: E402
-from workbench.rl.losses import get_loss  # noqa: E402
-from workbench.rl.rollout import RolloutBatch  # noqa: E402
-from workbench.rl.update import UpdateInputs, update  # noqa: E402
-from workbench.rl.weights import TrainWeights  # noqa: E402
+from workbench.kernels import token_logprobs
+from workbench.kernels.matmul import matmul
+from workbench.models import RECOMPUTE, build
+from workbench.rl.config import TrainConfig
+from workbench.rl.logprobs import completion_logprobs, score
+from workbench.rl.losses import get_loss
+from workbench.rl.rollout import RolloutBatch
+from workbench.rl.update import UpdateInputs, update
+from workbench.rl.weights import TrainWeights
 
 
 def random_start(shape, device: str = "cuda"):

@@ -32,7 +32,6 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
 from timing import emit, header
 
 import torch

@@ -22,23 +22,20 @@ Hugging Face's eager formulas (`standard`); `--shape smollm2-135M` the regime ma
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_generate import PROMPT, _prompts  # noqa: E402
-from timing import MODES, copy_gbs, emit, header, in_mode  # noqa: E402
+from bench_generate import PROMPT, _prompts
+from timing import MODES, copy_gbs, emit, header, in_mode
 
-from workbench.generation import DecodeGraphs, SamplingParams, generate  # noqa: E402
-from workbench.generation.generator import DecodeStep, Record  # noqa: E402
-from workbench.generation.sampling import KEYED_SEED, request_keys  # noqa: E402
-from workbench.models import KVCache, build  # noqa: E402
-from workbench.models.decoding import DecodingModel  # noqa: E402
+from workbench.generation import DecodeGraphs, SamplingParams, generate
+from workbench.generation.generator import DecodeStep, Record
+from workbench.generation.sampling import KEYED_SEED, request_keys
+from workbench.models import KVCache, build
+from workbench.models.decoding import DecodingModel
 
 STEPS = 255  # 256 new tokens (bench_generate's): the first comes from the prefill
 # Kernel name fragments -> kind, first match wins (Triton kernels by their function names, cuBLAS/ATen by theirs;

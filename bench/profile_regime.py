@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -41,9 +39,8 @@ from workbench.config import parse_overrides
 from workbench.onoff.config import OnOffConfig, preset
 from workbench.onoff.runner import execute, run_status, starting_policy
 
-sys.path.insert(0, os.path.dirname(__file__))
-from step_breakdown import PARTS, breakdown  # noqa: E402
-from timing import emit  # noqa: E402
+from step_breakdown import PARTS, breakdown
+from timing import emit
 
 HBM_BYTES_S = 4.8e12
 """An H200's HBM3e bandwidth."""

@@ -28,17 +28,16 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_vllm import BACKENDS, _prompts  # noqa: E402
-from profile_decode import kind_of  # noqa: E402
-from timing import emit, header  # noqa: E402
+from bench_vllm import BACKENDS, _prompts
+from profile_decode import kind_of
+from timing import emit, header
 
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-from workbench.generation import SamplingParams  # noqa: E402
-from workbench.kernels import mode  # noqa: E402
-from workbench.models import build, save_pretrained  # noqa: E402
+from workbench.generation import SamplingParams
+from workbench.kernels import mode
+from workbench.models import build, save_pretrained
 
 
 def _busy_us(intervals: list[tuple[float, float]]) -> float:

@@ -12,14 +12,11 @@ medians over the steps after --warmup (the first compile and autotune) of
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from pathlib import Path
 
 import pandas as pd
 
-sys.path.insert(0, os.path.dirname(__file__))
-from timing import emit  # noqa: E402
+from timing import emit
 
 PARTS = ("generate", "score", "update", "sync", "other")
 

@@ -14,22 +14,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_train import _timed, make_batch, random_start  # noqa: E402
+from bench_train import _timed, make_batch, random_start
 
-from workbench.distributed.data_parallel import DataParallel  # noqa: E402
-from workbench.kernels import mode  # noqa: E402
-from workbench.models import ModelConfig, config  # noqa: E402
-from workbench.rl.config import TrainConfig  # noqa: E402
-from workbench.rl.logprobs import score  # noqa: E402
-from workbench.rl.losses import get_loss  # noqa: E402
-from workbench.rl.trainer import train_weights  # noqa: E402
-from workbench.rl.update import UpdateInputs, update  # noqa: E402
+from workbench.distributed.data_parallel import DataParallel
+from workbench.kernels import mode
+from workbench.models import ModelConfig, config
+from workbench.rl.config import TrainConfig
+from workbench.rl.logprobs import score
+from workbench.rl.losses import get_loss
+from workbench.rl.trainer import train_weights
+from workbench.rl.update import UpdateInputs, update
 
 TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=16, max_position_embeddings=64)

@@ -20,12 +20,14 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_distributed.py"
 
 @pytest.fixture(scope="module")
 def bench():
+    sys.path.insert(0, str(BENCH.parent))   # as `python bench/bench_distributed.py` has it: timing.py beside it
     spec = importlib.util.spec_from_file_location("bench_distributed", BENCH)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module   # its dataclasses look their module up there
     spec.loader.exec_module(module)
     yield module
     del sys.modules[spec.name]
+    sys.path.remove(str(BENCH.parent))
 
 
 def test_two_gpus_are_the_runs_of_before(bench):
