@@ -32,17 +32,13 @@ from workbench.config import parse_overrides
 from workbench.onoff.config import OnOffConfig, preset
 from workbench.onoff.runner import run_on_off
 
+from step_breakdown import PARTS, breakdown
 from timing import emit, header
 
 
-def _steps(out: Path, arm: str, seeds: tuple[int, ...], warmup: int) -> list[float]:
-    """Each run's median step seconds over its steps after `warmup`."""
-    medians = []
-    for seed in seeds:
-        m = pd.read_csv(out / f"{arm}-seed{seed}" / "metrics.csv")
-        t = m[(m.metric == "time_step") & (m.step > warmup)].value
-        medians.append(float(t.median()))
-    return medians
+def _runs(out: Path, arm: str, seeds: tuple[int, ...], warmup: int) -> list[dict]:
+    """Each run's medians over its steps after `warmup`: the step and its phases (step_breakdown.py)."""
+    return [breakdown(pd.read_csv(out / f"{arm}-seed{seed}" / "metrics.csv"), warmup) for seed in seeds]
 
 
 def measure(arm: str, length: int, steps: int, seeds: tuple[int, ...], warmup: int, policy: str, out: Path,
@@ -56,7 +52,7 @@ def measure(arm: str, length: int, steps: int, seeds: tuple[int, ...], warmup: i
     t = time.perf_counter()
     run_on_off(preset("regime", smoke, seeds=seeds, workers=len(seeds), mps="on", out_dir=str(packed), **common))
     wall = time.perf_counter() - t
-    return {"alone": _steps(alone, arm, seeds[:1], warmup)[0], "packed": _steps(packed, arm, seeds, warmup),
+    return {"alone": _runs(alone, arm, seeds[:1], warmup)[0], "packed": _runs(packed, arm, seeds, warmup),
             "wall": wall}
 
 
@@ -80,18 +76,23 @@ def main() -> None:
     seeds = tuple(range(a.seeds))
     r = measure(a.arm, a.max_new_tokens, a.steps, seeds, a.warmup, a.policy, Path(a.out_dir),
                 parse_overrides(a.set, OnOffConfig), a.smoke)
-    packed = sorted(r["packed"])[len(seeds) // 2]
-    start_s = max(r["wall"] - a.steps * max(r["packed"]), 0.0)
+    steps = sorted(x["step"] for x in r["packed"])
+    packed, alone = steps[len(seeds) // 2], r["alone"]["step"]
+    start_s = max(r["wall"] - a.steps * steps[-1], 0.0)
     arm_min = (a.arm_steps * packed + start_s) / 60
-    serial_min = len(seeds) * a.arm_steps * r["alone"] / 60
+    serial_min = len(seeds) * a.arm_steps * alone / 60
+    phases = {p: sorted(x[p] for x in r["packed"])[len(seeds) // 2] for p in PARTS}
     lines = [header(), "",
              f"Preset `regime`, arm `{a.arm}`, {a.max_new_tokens} max new tokens, {a.policy or 'the base policy'}"
              f"{''.join(' ' + x for x in a.set)}; {a.steps} steps a run, medians after step {a.warmup}.", "",
              "| figure | value |", "|---|---|",
-             f"| step alone (1 run, no MPS) | {r['alone']:.2f} s |",
+             f"| step alone (1 run, no MPS) | {alone:.2f} s |",
              f"| step packed ({len(seeds)} runs under MPS), median of runs | {packed:.2f} s "
-             f"(runs {min(r['packed']):.2f}-{max(r['packed']):.2f}) |",
-             f"| packing factor (aggregate / one run's) | {len(seeds) * r['alone'] / packed:.2f}x |",
+             f"(runs {steps[0]:.2f}-{steps[-1]:.2f}) |",
+             f"| packing factor (aggregate / one run's) | {len(seeds) * alone / packed:.2f}x |",
+             *(f"| {p}: alone / packed (medians) | {r['alone'][p]:.2f} s / {phases[p]:.2f} s |" for p in PARTS),
+             f"| mean completion tokens: alone / packed | {r['alone']['length']:.0f} / "
+             f"{sorted(x['length'] for x in r['packed'])[len(seeds) // 2]:.0f} |",
              f"| packed call's start (wall not in steps) | {start_s:.0f} s |",
              f"| arm projected ({len(seeds)} seeds x {a.arm_steps} steps, packed) | {arm_min:.1f} min |",
              f"| baseline: the seeds one after another, alone | {serial_min:.1f} min |",
