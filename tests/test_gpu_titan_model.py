@@ -18,6 +18,7 @@ from workbench.titan.model import build_titan_model, titan_model
 from workbench.titan.weights import to_titan
 
 pytestmark = pytest.mark.gpu
+pytest.importorskip("torchtitan")   # an extra (`.[titan]`), as the other torchtitan tests
 
 SHAPES = ("smollm2-135M", "qwen3-1.7B")
 
