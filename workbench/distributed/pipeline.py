@@ -1,47 +1,12 @@
 """Split roles: rollout ranks that only generate, trainer ranks that only train, and what passes between them.
 
 With `rollout_ranks = r > 0` of W ranks (`launch.roles`) the last r ranks hold a bf16 generator and nothing else;
-the first W - r train, replicated data-parallel among themselves (`DataParallel` over their own group). Three
-things move, each a plain torch.distributed collective:
-
-- orders (`Order`): "generate step s with weights version v", or "stop" (with the error that stopped the
-  trainers, or none at the run's end), broadcast from trainer rank 0 over the group {trainer rank 0} + rollout
-  ranks (`sync_group`);
-- the weights, when an order names a version the rollout ranks do not hold yet: `broadcast.broadcast_weights`
-  over the same group, with its digest check;
-- the samples (`Share`: the completions with the generator's own log-probs, the trainer's log-probs and entropies
-  of the same tokens, the weight version that drew them, the rollout rank's times): `all_gather_object` over every
-  rank, the rollout ranks' shares in rank order (which is the step's row order), the trainer ranks' contributions
-  empty.
-
-A rollout rank scores its own samples: it runs the trainer's forward (`workbench.rl.logprobs.score`, the code a
-trainer rank would run) on the weights that sampled, which it holds, as soon as it has generated them. The parity
-check then compares the generator's log-probs with the trainer's kernels, as in one process: the same function on
-the same bits gives the same bits on any GPU of the job (the world-size tests check it). What moves is the work: a
-trainer rank only updates, and the rollout rank, which at the Qwen3-1.7B shape generates a step in half the time a
-trainer rank took to score and update it, has the time (docs/distributed.md). With `parity_sample = n` (invariant
-mode) it recomputes 1 completion in n, and the scoring's share of its time falls n-fold.
-
-The trainer side alone decides; a rollout rank follows orders (`serve`) and holds no schedule of its own. Every
-rank meets the collectives in one sequence (a rollout rank: order, weights if any, share; the trainer ranks: share
-of step s, the order of step s + 1 with its weights, ...), which is why blocking collectives over three groups cannot
-deadlock. Trainer rank 0 orders step s + 1 (`advance`, called once step s's samples are in and again after its
-update) as soon as the weights that step samples with exist:
-- policy_lag 0: after the update of step s (its weights are the next step's);
-- policy_lag k >= 1: right after step s's samples arrive, with version s - k (the trainer holds s - 1 then, the
-  update of step s not yet made; older versions come from its kept copies), so the rollout ranks generate step
-  s + 1 while the trainer updates on step s: the overlap is real, and the generator is exactly k updates behind,
-  as `policy_lag=k` means in one process. The rollout ranks run at most one step ahead whatever k: a larger k
-  makes the samples older, not the overlap longer.
-The trainer keeps its own copies of the weights versions it may still send (`workbench.rl.sync.WeightSync`): the
-older ones at policy lag k >= 2, and the lagged ones its checkpoints hold.
-
-A stop reaches everyone. Every trainer rank raises the same errors (the data-parallel decisions), then `end`: if the
-rollout ranks were ordered a step the trainers have not taken yet, that step's samples are gathered and dropped, so
-the rollout ranks are back at their next order, which is the stop; they raise the trainer's error (pickled with
-the order) or, at the run's end or a time limit, return. A rollout rank's own failure travels in its share: the
-trainers raise it, and the stop follows. A failed weight broadcast raises on every rank of its group (and on the
-other trainer ranks through `on_main`), so no order follows it. Nobody is left blocked in a collective.
+the first W - r train, replicated data-parallel among themselves. Orders (`Order`), weights (`broadcast`) and
+samples with their trainer log-probs (`Share`) move as plain torch.distributed collectives; a rollout rank scores
+its own samples with the trainer's forward on the weights that drew them, so the parity check still compares the
+generator with the trainer's kernels. The trainer side alone decides and every rank meets the collectives in one
+sequence, which is why blocking collectives over three groups cannot deadlock, and a stop reaches everyone. The
+protocol in full (orders, policy lag, stops, failures): docs/distributed.md, "The split-roles protocol".
 """
 
 from __future__ import annotations

@@ -1,46 +1,10 @@
 """torchtitan as the RL update's trainer (`TrainConfig.trainer_backend='torchtitan'`): `TitanWeights`, the
-`TrainWeights` interface (`module`, `zero_grad`, `before_backward`, `step`, `sync_model`, `sharded`, the bf16 `model`
-the generator runs) on torchtitan's components. Rollouts, rewards, advantages, losses and the parity check stay the
-workbench's; what the update runs is torchtitan's:
-
-- the model: torchtitan's Qwen3/Llama3 (`build_titan_model`, its ops on the workbench's kernels), which the update's
-  forward and backward and the parity check's forward (`scorer`) run;
-- the optimizer: `torchtitan.components.optimizer.build_optimizers` from its `Optimizer` config (AdamW, 'fused',
-  the workbench's betas (0.9, 0.999) and eps 1e-8 instead of torchtitan's defaults 0.95 and weight decay 0.1);
-- the learning rate: `build_lr_schedulers` from its `LRScheduler` config, with no warmup and no decay (every
-  step's factor is 1.0, so the lr is cfg.lr's bits, the workbench's constant rate);
-- clipping: torchtitan's `clip_grad_norm_` (torch's `get_total_norm` and `clip_grads_with_norm_`, DTensor-aware);
-  without max_grad_norm it runs with max_norm inf (scale 1.0: no bit changes) for the norm the metrics log;
-- FSDP2 (`parallel='fsdp2'`): torchtitan's recipe (`fully_shard` per TransformerBlock, bf16 params and fp32
-  reduce, its `disable_fsdp_gradient_division`) over the trainer ranks' group; see `shard` for the two places it
-  departs from `parallelize_qwen3` and why;
-- tensor parallelism (`tensor_parallel`, `tp_mesh`): `titan.tp.apply_tp` (every product column-parallel, so the
-  forward keeps the generator's bits) on the bf16 compute model and on the fp32 masters, whose DTensors torchtitan's
-  AdamW and `clip_grad_norm_` step; each master's fp32 gradient is its rank's part of the flat buffer as a DTensor
-  (the kernels add dW into it as on one process); the compute model has its own memory (the generator stays whole
-  on each rank) and `sync_model` all-gathers its bf16 shards into the generator. The gradients differ from one
-  process's in their last bits (the ranks' partial input gradients are summed: titan/tp.py); the forward, and so
-  the parity check, does not.
-
-Precision (how torchtitan's mixed precision maps): torchtitan keeps fp32 parameters and computes in bf16 through
-FSDP2's `MixedPrecisionPolicy` (or autocast on one device). Here master_dtype 'float32' is that: the fp32 titan model
-holds the parameters the optimizer steps; with FSDP2 it is the sharded module and FSDP2 casts for compute, on one
-process (no FSDP2: a one-rank FSDP2 would need a process group the run does not have, and autocast does not reach
-the Triton kernels) a bf16 titan model computes, its parameters the memory of the generator's bf16 model (so the
-cast after each step serves both) and its gradients added into the fp32 masters' (`main_grad`, as TrainWeights).
-master_dtype 'bfloat16' is torchtitan's `training.dtype='bfloat16'`: AdamW on the bf16 weights.
-
-`masters` hold torchtitan's names and layouts (Llama 3's interleaved q/k rows); TrainWeights' step runs over them
-in the order of their workbench names, the order the workbench's own trainer uses, so on one process the update is
-the workbench trainer's bit for bit, fp32 or bf16, clipped or not (tests/test_titan_backend.py; replicated data
-parallelism sums the same flat fp32 gradient buffer). With FSDP2 the gradient norm is torchtitan's, the norm of the
-DTensor gradients (DTensor's reduction over the ranks), where the workbench sums each rank's squared local total: the
-norm's last bits differ, so the clipped step and the masters differ from the workbench's FSDP2 run by up to ~1e-7.
-
-Checkpoints are the workbench's (rl/checkpoint.py: safetensors, and DCP with FSDP2), with the optimizer torchtitan
-built: torchtitan's CheckpointManager owns its folder layout, step numbering and dataloader state and knows nothing
-of the run's metrics, lagged generator weights and config, which the workbench's atomic step folders keep together.
-The LR scheduler's state is not saved: its factor is 1.0 at every step, so a resumed run restarts it bit for bit.
+`TrainWeights` interface on torchtitan's components. Rollouts, rewards, advantages, losses and the parity check stay
+the workbench's; the update runs torchtitan's model (its ops on the workbench's kernels), its optimizer and LR
+scheduler builders (constant rate: every factor 1.0), its `clip_grad_norm_`, its FSDP2 recipe and `titan.tp`'s
+tensor parallelism. On one process the update is the workbench trainer's bit for bit; where and why the bits
+depart under FSDP2 and tensor parallelism, how torchtitan's mixed precision maps onto master_dtype, and why the
+checkpoints stay the workbench's: docs/distributed.md, "torchtitan as the trainer".
 """
 
 from __future__ import annotations
