@@ -153,7 +153,7 @@ def test_an_incomplete_cell_is_reported_not_tested(tmp_path):
     cut = _arm(tmp_path, "noise=0.6", 1024, "blog", _runs("noise=0.6", dict(zip(SEEDS, base - 0.3)), rng,
                                                                      steps=150, kl=0.1), finished=False)
     table = map_table(assemble([on, short, cut]))
-    for name, words in (("P2", "`off` has seeds 0-5 complete of 0-7"), ("P1", "`noise=0.6` has seeds none complete")):
+    for name, words in (("P2", "`off`: 6 of 8 seeds complete (0-5;"), ("P1", "`noise=0.6`: 0 of 8 seeds complete (none;")):
         row = _row(table, name)
         assert not row.tested and words in row.status and np.isnan(row.d) and not row.resolved, row.status
         assert row.verdict.startswith("not tested")
@@ -161,7 +161,7 @@ def test_an_incomplete_cell_is_reported_not_tested(tmp_path):
         "a published dose run's mismatch is shown though its cell is not tested"
     assert _row(table, "P3").status == "`on` not published; `off` not published"
     assert "No cell of the regime map is complete yet (3 arm records" in map_message(table, 3)
-    with pytest.raises(ValueError, match="No cell of the regime map is complete yet.*P2: `off` has seeds 0-5"):
+    with pytest.raises(ValueError, match="No cell of the regime map is complete yet.*P2: `off`: 6 of 8 seeds"):
         publish_map([on, short, cut], RegimeMapConfig(root=str(tmp_path)))
     grid = map_table(assemble([]))[GRID]
     assert list(grid.name) == [c.name for c in CELLS] and "No arm of the regime map" in map_message(grid.assign(
@@ -182,7 +182,8 @@ def test_the_figures_draw(tmp_path):
     assert axes[0].get_xscale() == "log"
     mism = plan_mismatch(table)
     mism.savefig(io.BytesIO(), format="png", dpi=50)
-    assert len(mism.axes[0].patches) == 3, "P1, P6 and S4 (published, not complete)"
+    assert len(mism.axes[0].lines) == 3, "P1, P6 and S4 (published, not complete)"
+    assert [line.get_markerfacecolor() == "white" for line in mism.axes[0].lines] == [False, False, True]
     with pytest.raises(ValueError, match="no tested cell"):
         plan_map(map_table(assemble([])))
 

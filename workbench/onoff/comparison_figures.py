@@ -205,27 +205,28 @@ def plan_map(table: pd.DataFrame) -> Figure:
 
 def plan_mismatch(table: pd.DataFrame) -> Figure:
     """The mismatch of each planned cell's published dose runs (`regime_plan.MISMATCH`, means over steps and seeds):
-    one panel per metric, one bar per cell (hatched: the cell is not complete)."""
+    one panel per metric, one row per cell (hollow: the cell is not complete, so not tested)."""
     shown = table[table[list(MISMATCH)].notna().any(axis=1)]
     if shown.empty:
         raise ValueError("no planned cell has published dose runs with mismatch metrics")
-    fig = Figure(figsize=(2.6 * len(MISMATCH), 0.9 + 0.28 * len(shown)), layout="constrained")
+    fig = Figure(figsize=(2.4 * len(MISMATCH), 1.0 + 0.25 * len(shown)), layout="constrained")
     axes = fig.subplots(1, len(MISMATCH), sharey=True)
     colors = arm_colors(shown.arm)
     y = np.arange(len(shown))[::-1]
     for ax, (col, name) in zip(axes, MISMATCH.items()):
-        bars = ax.barh(y, shown[col].fillna(0), color=[colors[a] for a in shown.arm], edgecolor="white")
-        for bar, tested in zip(bars, shown.tested.astype(bool)):
-            bar.set_hatch(None if tested else "//")
+        for yi, row in zip(y, shown.itertuples()):
+            color = colors[row.arm]
+            ax.plot(getattr(row, col), yi, "o", ms=6, color=color, mfc=color if row.tested else "white")
         if col in ("kl_per_token", "t_x_kl") and (shown[col] > 0).any():
             ax.set_xscale("log")
         if col == "t_x_kl":
             for x in BOUNDARIES.values():
                 ax.axvline(x, color="0.4", lw=0.8, ls=":")
         ax.set_title(name, fontsize=8)
-        ax.grid(alpha=0.3, axis="x")
+        ax.grid(alpha=0.3)
     axes[0].set_yticks(y, [f"{r.name} {r.loss} {r.arm} {r.max_new_tokens}" for r in shown.itertuples()],
                        fontsize=7)
-    fig.supxlabel("the dose runs' means over steps and seeds; hatched: the cell is not complete (not tested); "
-                  "dotted: T x KL 3 (H1) and 20", **NOTE_STYLE)
+    axes[0].set_ylim(-0.7, len(shown) - 0.3)
+    fig.supxlabel("the dose runs' means over steps and seeds; hollow: the cell is not complete (not tested); "
+                  "dotted: T x KL 3 (H1) and 20 (the literature)", **NOTE_STYLE)
     return fig

@@ -214,8 +214,8 @@ def _status(arm: str, runs: pd.DataFrame) -> str:
     done = set(runs[runs.complete].seed)
     if set(SEEDS) <= done:
         return ""
-    return (f"`{arm}` has seeds {_seeds_words(done)} complete of {_seeds_words(SEEDS)} ({STEPS} steps, finished; "
-            f"published: {_seeds_words(runs.seed)})")
+    return (f"`{arm}`: {len(done & set(SEEDS))} of {len(SEEDS)} seeds complete ({_seeds_words(done & set(SEEDS))}; "
+            f"complete: finished at {STEPS} steps), seeds published {_seeds_words(runs.seed)}")
 
 
 def map_table(long: pd.DataFrame) -> pd.DataFrame:
