@@ -153,7 +153,8 @@ def test_an_incomplete_cell_is_reported_not_tested(tmp_path):
     cut = _arm(tmp_path, "noise=0.6", 1024, "blog", _runs("noise=0.6", dict(zip(SEEDS, base - 0.3)), rng,
                                                                      steps=150, kl=0.1), finished=False)
     table = map_table(assemble([on, short, cut]))
-    for name, words in (("P2", "`off`: 6 of 8 seeds complete (0-5;"), ("P1", "`noise=0.6`: 0 of 8 seeds complete (none;")):
+    for name, words in (("P2", "`off`: 6 of 8 seeds complete (0-5;"),
+                        ("P1", "`noise=0.6`: 0 of 8 seeds complete (none;")):
         row = _row(table, name)
         assert not row.tested and words in row.status and np.isnan(row.d) and not row.resolved, row.status
         assert row.verdict.startswith("not tested")

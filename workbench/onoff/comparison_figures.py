@@ -1,7 +1,7 @@
 """Figures of the calibrated comparison, drawn from `stats`' summary tables: the dose-response over the `noise=`
 arms (`stats.dose_response`), the regime map over lengths and losses (`stats.regime_table`), and the pre-registered
-map over T x KL (`regime_plan.map_table`), each effect with its 95% paired t-interval (`paired`). The long table's per-step figures are in `figures`, with the arm colours and
-labels that these share.
+map over T x KL (`regime_plan.map_table`), each effect with its 95% paired t-interval (`paired`). The long table's
+per-step figures are in `figures`, with the arm colours and labels that these share.
 """
 
 from __future__ import annotations

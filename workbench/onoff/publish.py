@@ -216,8 +216,9 @@ def _arm_verdict(folder: Path, done: pd.DataFrame, summary: pd.DataFrame) -> str
     return (f"One arm published alone: `{row.variant}` at {settings['max_new_tokens']} new tokens, loss "
             f"`{settings['loss']}`, {row.runs} finished run{'' if row.runs == 1 else 's'} (seeds {seeds}) x "
             f"{row.steps} steps. It calls nothing: `python -m workbench regime-map` pairs it by seed with the other "
-            f"arms of its (length, loss) from their records. {final_reward_words(int(row.steps), summary.attrs['window'])}"
-            f" `{row.variant}`: final reward {row.final_reward:.3g}{ci}; mean KL / token {row.kl_mean:.3g}; "
+            f"arms of its (length, loss) from their records. "
+            f"{final_reward_words(int(row.steps), summary.attrs['window'])} `{row.variant}`: final reward "
+            f"{row.final_reward:.3g}{ci}; mean KL / token {row.kl_mean:.3g}; "
             f"{row.tokens_differing:.0f} tokens differed between sampler and trainer.")
 
 
@@ -357,7 +358,8 @@ def published_results(root: str | Path = "docs/results") -> list[Published]:
     up through the index it regenerates."""
     newest: dict[str, Record] = {}
     for record in load_index(root):
-        if record.kind != "onoff" or record.smoke or record.preset.endswith(ARM_SUFFIX) or not (project_path(root) / record.folder / "summary.md").exists():
+        if (record.kind != "onoff" or record.smoke or record.preset.endswith(ARM_SUFFIX)
+                or not (project_path(root) / record.folder / "summary.md").exists()):
             continue
         if record.preset not in newest or (record.date, record.folder) > (newest[record.preset].date,
                                                                           newest[record.preset].folder):

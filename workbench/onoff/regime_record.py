@@ -65,8 +65,9 @@ def _markdown(table: pd.DataFrame, arms: pd.DataFrame, figures: list[str], sha: 
     bad = table[table.on_tokens_differing > 0]
     lines += [f"- WARNING: `on` of {r.name} is not bitwise ({r.on_tokens_differing:.0f} tokens differed)"
               for r in bad.itertuples()]
-    lines += ["", "## Cells", "", "| cell | family (tested) | tokens | loss | arm | status | " + " | ".join(MISMATCH.values())
-              + " | dose − on [95% t-CI] | p | p (Holm, family) | detectable |", "|---" * (10 + len(MISMATCH)) + "|"]
+    lines += ["", "## Cells", "", "| cell | family (tested) | tokens | loss | arm | status | "
+              + " | ".join(MISMATCH.values()) + " | dose − on [95% t-CI] | p | p (Holm, family) | detectable |",
+              "|---" * (10 + len(MISMATCH)) + "|"]
     for r in table.itertuples():
         mism = " | ".join(_g(getattr(r, c)) for c in MISMATCH)
         d = f"{_g(r.d)} [{_g(r.lo)}, {_g(r.hi)}]" if r.tested else "–"
