@@ -20,7 +20,7 @@ from workbench.onoff.config import preset
 from workbench.onoff.regime_plan import (CELLS, SEEDS, STEPS, RegimeMapConfig, assemble, detectable_effect,
                                         map_table)
 from workbench.onoff.regime_record import GRID, map_message, publish_map, published_arms
-from workbench.records import Record, read_record, write_index, write_record
+from workbench.records import Record, read_record, stale, write_record
 
 _METRICS = ("reward_mean", "response_length", "sampler_trainer_kl", "seq_logratio_sd", "token_ratio_outside_0.2",
             "seq_sum_ratio_outside_0.2", "is_ess", "parity_tokens_differing")
@@ -220,5 +220,8 @@ def test_one_arm_publishes_as_an_arm_record_and_the_map_command_reads_it(tmp_pat
     assert table.loc["P1", "resolved"] and not table.loc["P2", "resolved"] and table.loc["P1", "family_in"] == "2 of 6"
     assert read_record(made[0]).preset == "regime-map" and (made[0] / "plan_map.png").exists()
     assert [p.folder.name for p in publish.published_results(dest)] == [made[0].name]
-    write_index(dest)  # the map command left the index current
+    assert not stale(dest), "the map command left the index current"
+    elsewhere = tmp_path / "elsewhere" / "map"
+    assert main(["regime-map", "--root", str(dest), "--out", str(elsewhere)]) == 0 and (elsewhere / "map.csv").exists()
+    assert not (tmp_path / "elsewhere" / "index.json").exists() and not stale(dest)
     assert main(["regime-map", str(tmp_path / "nowhere")]) == 2

@@ -93,7 +93,8 @@ def _verdict(table: pd.DataFrame) -> str:
 
 def publish_map(folders, cfg: RegimeMapConfig) -> Path:
     """Assemble the arm records `folders` (all of cfg.root's `<preset>-arm` records when empty), compute the plan's
-    map and write its record folder; returns it. ValueError where no planned cell is complete."""
+    map and write its record folder (cfg.root's index regenerated when the folder is in it); returns it. ValueError
+    where no planned cell is complete."""
     folders = [Path(f) for f in folders] or published_arms(cfg.root, cfg.preset)
     if not folders:
         raise ValueError(f"no arm record to build the map from: name arm folders, or publish arms "
@@ -128,5 +129,6 @@ def publish_map(folders, cfg: RegimeMapConfig) -> Path:
                                  f"docs/results/{f.name}" for f in folders) + f" --out docs/results/{out.name}",
                              verdict=_verdict(table),
                              preset=f"{cfg.preset}-map"))
-    write_index(out.parent)
+    if out.parent.resolve() == project_path(cfg.root).resolve():  # a folder elsewhere is no record of root's
+        write_index(cfg.root)
     return out
