@@ -115,13 +115,22 @@ def test_holm_runs_within_the_family_only(tmp_path):
     assert _row(table, "S1").family_in == "1 of 6"
 
 
+def test_gspo_cells_join_the_secondary_family_where_run(tmp_path):
+    rng = np.random.default_rng(8)
+    table = map_table(assemble(_cell(tmp_path, rng, "off", 512, "gspo", np.zeros(8))))
+    assert list(table.name[-1:]) == ["Sg1"] and len(table) == len(CELLS) + 1
+    sg1 = _row(table, "Sg1")
+    assert (sg1.family, sg1.loss, sg1.arm, sg1.max_new_tokens, sg1.tested) == ("secondary", "gspo", "off", 512, True)
+    assert sg1.family_in == "1 of 7" and _row(table, "S1").family_in == "1 of 7"
+
+
 def test_arms_whose_settings_differ_are_refused(tmp_path):
     rng = np.random.default_rng(3)
     on, dose = _cell(tmp_path, rng, "off", 1024, "blog", np.zeros(8), lr=3e-5)
     with pytest.raises(ValueError, match=r"refusing to join .*off-L1024-blog.* with .*on-L1024-blog.*: the same cell "
-                                         r"\(1024 tokens, blog\) differs in lr \(3e-05 vs 1e-05\)"):
+                                         r"\(1024 tokens, blog\) differs in lr \(3e-05 here, 1e-05 there\)"):
         assemble([on, dose])
-    with pytest.raises(ValueError, match=r"the plan \(256 tokens, blog\) differs in steps \(30 vs 300\)"):
+    with pytest.raises(ValueError, match=r"the plan \(256 tokens, blog\) differs in steps \(30 here, 300 there\)"):
         assemble([on, _arm(tmp_path / "c", "on", 256, "blog", _runs("on", {0: 0.4}, rng, steps=30), steps=30)])
     joined = assemble([on, _arm(tmp_path / "d", "on", 256, "blog", _runs("on", {0: 0.4}, rng), policy="/other")])
     assert set(joined.max_new_tokens) == {256, 1024}, "cells differ in length, loss and warm start"

@@ -77,8 +77,10 @@ CELLS = (
     *(Cell(f"G{i}", "several GPUs", length, loss, arm) for i, (length, loss, arm) in
       enumerate(itertools.product((2048, 4096), ("blog", "grpo"), ("off", "off-fp8")), 1)),
 )
-"""Every planned cell, in the plan's order (gspo cells, 'if run', are not planned)."""
+"""Every planned cell, in the plan's order; `gspo` cells join the secondary family where run (`cells`)."""
 FAMILIES = tuple(dict.fromkeys(c.family for c in CELLS))
+IF_RUN = ("gspo", "secondary")
+"""The plan's cells 'if run': any dose arm of this loss at any length, in this family (named Sg1, Sg2, ...)."""
 
 MAP_METRICS = ("reward_mean", "response_length", "sampler_trainer_kl", "seq_logratio_sd", "token_ratio_outside_0.2",
                "seq_sum_ratio_outside_0.2", "is_ess", "parity_tokens_differing")
@@ -119,7 +121,7 @@ def recorded_settings(folder: Path) -> dict:
 
 
 def _differences(a: dict, b: dict, free: frozenset) -> list[str]:
-    return [f"{k} ({a[k]!r} vs {b[k]!r})" for k in sorted(set(a) & set(b) - free) if a[k] != b[k]]
+    return [f"{k} ({a[k]!r} here, {b[k]!r} there)" for k in sorted(set(a) & set(b) - free) if a[k] != b[k]]
 
 
 def assemble(folders) -> pd.DataFrame:
@@ -141,7 +143,7 @@ def assemble(folders) -> pd.DataFrame:
             if other is not None and (diff := _differences(settings, other[1], free)):
                 raise ValueError(f"refusing to join {folder.name} with {other[0].name}: "
                                  f"{'the same cell' if free == _RUN_ONLY else 'the plan'} "
-                                 f"({cell[0]} tokens, {cell[1]}) differs in {'; '.join(diff)} (this vs that); an "
+                                 f"({cell[0]} tokens, {cell[1]}) differs in {'; '.join(diff)}; an "
                                  "arm may differ from the others only in its arm: leave one out or rerun it")
         cells.setdefault(cell, (folder, settings))
         first = first or (folder, settings)
@@ -163,9 +165,9 @@ def assemble(folders) -> pd.DataFrame:
                   "commit": record.commit, "date": record.date} for v in pd.unique(runs.variant)]
     long = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(
         columns=["step", "metric", "value", *KEY, "source", "finished", "target_steps"])
-    twice = long.groupby(KEY).source.nunique()
-    if (twice > 1).any():
-        length, loss, arm, seed = twice[twice > 1].index[0]
+    sources = long.groupby(KEY).source.nunique()
+    if (sources > 1).any():
+        length, loss, arm, seed = sources[sources > 1].index[0]
         both = sorted(set(long.set_index(KEY).loc[(length, loss, arm, seed)].source))
         raise ValueError(f"the run `{arm}` seed {seed} at {length} tokens, {loss}, is in two folders "
                          f"({', '.join(both)}): name one of them")
@@ -218,8 +220,16 @@ def _status(arm: str, runs: pd.DataFrame) -> str:
             f"complete: finished at {STEPS} steps), seeds published {_seeds_words(runs.seed)}")
 
 
+def cells(runs: pd.DataFrame) -> tuple[Cell, ...]:
+    """CELLS, and the cells 'if run' (IF_RUN) that `runs` (`run_table`) hold a dose arm of, by length and arm."""
+    loss, family = IF_RUN
+    found = runs[(runs.loss == loss) & (runs.variant != REFERENCE)]
+    extra = sorted(set(zip(found.max_new_tokens.astype(int), found.variant)))
+    return CELLS + tuple(Cell(f"Sg{i}", family, length, loss, arm) for i, (length, arm) in enumerate(extra, 1))
+
+
 def map_table(long: pd.DataFrame) -> pd.DataFrame:
-    """The plan's numbers, one row per planned cell (CELLS' order): `on_seeds`/`dose_seeds` (complete runs), its
+    """The plan's numbers, one row per planned cell (`cells`' order): `on_seeds`/`dose_seeds` (complete runs), its
     `status` ('complete' or what is missing), the dose runs' mismatch (MISMATCH, means over steps and seeds, of
     whatever dose runs are published), and for a complete cell (`tested`) the paired difference dose - `on` of the
     endpoint (`d`, `lo`/`hi`: 95% t-interval, `p`: exact sign-flip, `p_holm`: Holm over the complete cells of its
@@ -233,7 +243,7 @@ def map_table(long: pd.DataFrame) -> pd.DataFrame:
         return arm[arm.complete].set_index("seed").final_reward.reindex(SEEDS)
 
     rows = []
-    for cell in CELLS:
+    for cell in cells(runs):
         at = runs[(runs.max_new_tokens == cell.max_new_tokens) & (runs.loss == cell.loss)]
         on, dose = at[at.variant == REFERENCE], at[at.variant == cell.arm]
         missing = [s for s in (_status(REFERENCE, on), _status(cell.arm, dose)) if s]

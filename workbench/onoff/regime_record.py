@@ -18,7 +18,7 @@ from ..records import Figure, Record, load_index, write_index, write_record
 from ..tables import project_path
 from .comparison_figures import plan_map, plan_mismatch
 from .publish import ARM_SUFFIX
-from .regime_plan import (CELLS, FAMILIES, MISMATCH, PLAN, SEEDS, STEPS, WINDOW, RegimeMapConfig, assemble,
+from .regime_plan import (FAMILIES, MISMATCH, PLAN, SEEDS, STEPS, WINDOW, RegimeMapConfig, assemble,
                           map_table)
 
 
@@ -107,7 +107,7 @@ def publish_map(folders, cfg: RegimeMapConfig) -> Path:
     sha = git_sha()
     date = datetime.date.today().isoformat()
     out = Path(cfg.out) if cfg.out else project_path(cfg.root) / (
-        f"{date}_regime-map-{int(table.tested.sum())}of{len(CELLS)}_{sha[:7]}")
+        f"{date}_regime-map-{int(table.tested.sum())}of{len(table)}_{sha[:7]}")
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "map.csv", index=False)
     arms = long.attrs["arms"]
