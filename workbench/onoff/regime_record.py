@@ -97,13 +97,18 @@ def publish_map(folders, cfg: RegimeMapConfig) -> Path:
     where no planned cell is complete."""
     folders = [Path(f) for f in folders] or published_arms(cfg.root, cfg.preset)
     if not folders:
-        raise ValueError(f"no arm record to build the map from: name arm folders, or publish arms "
-                         f"(on-off --preset {cfg.preset} arms=[<arm>] publish={cfg.root})")
+        raise ValueError(f"no arm record to build the map from (smoke records are left out): name arm folders, or "
+                         f"publish arms (on-off --preset {cfg.preset} arms=[<arm>] publish={cfg.root})")
     long = assemble(folders)
     table = map_table(long)
     if not table.tested.any():
         started = [f"{r.name}: {r.status}" for r in table.itertuples() if r.status.count("not published") < 2]
-        raise ValueError(map_message(table, len(folders)) + (" " + "; ".join(started) if started else ""))
+        planned = {(r.max_new_tokens, r.loss, arm) for r in table.itertuples() for arm in (r.arm, "on")}
+        unplanned = [f"`{a.variant}` at {a.max_new_tokens} tokens, {a.loss}" for a in long.attrs["arms"].itertuples()
+                     if (a.max_new_tokens, a.loss, a.variant) not in planned]
+        words = [map_message(table, len(folders)), "; ".join(started) + "." if started else "",
+                 f"In no planned cell: {'; '.join(unplanned)}." if unplanned else ""]
+        raise ValueError(" ".join(w for w in words if w))
     sha = git_sha()
     date = datetime.date.today().isoformat()
     out = Path(cfg.out) if cfg.out else project_path(cfg.root) / (
