@@ -2,7 +2,7 @@
 experiments) on any machine: `python -m workbench regime-map [arm folders...] --out <folder>`, or every arm record in
 docs/results/index.json when none is named. The folder holds map.csv (`regime_plan.map_table`), arms.csv (the arm
 records it read), the figures (`comparison_figures.plan_map`, `plan_mismatch`), summary.md, README.md and
-result.json; the index is regenerated."""
+result.json; the records' index is regenerated where the folder is one of them."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from ..records import Figure, Record, load_index, write_index, write_record
 from ..tables import project_path
 from .comparison_figures import plan_map, plan_mismatch
 from .publish import ARM_SUFFIX
-from .regime_plan import (FAMILIES, MISMATCH, PLAN, SEEDS, STEPS, WINDOW, RegimeMapConfig, assemble,
+from .paired import ALPHA
+from .regime_plan import (FAMILIES, MISMATCH, PLAN, POWER, SEEDS, STEPS, WINDOW, RegimeMapConfig, assemble,
                           map_table)
 
 
@@ -56,8 +57,9 @@ def _markdown(table: pd.DataFrame, arms: pd.DataFrame, figures: list[str], sha: 
              f"{', '.join(sorted(set(arms.device)))} at commits {', '.join(sorted(set(arms.commit)))}",
              f"- endpoint: a run's mean reward over steps {STEPS - WINDOW + 1}-{STEPS}; dose - `on` paired by seed "
              f"({SEEDS[0]}-{SEEDS[-1]}); a cell is called only if its exact sign-flip p, Holm-adjusted within its "
-             "family over the family's tested cells, is <= 0.05 and its 95% paired t-interval excludes 0; "
-             "'detectable': the |difference| the test finds with 80% power from the cell's own SD (all 8 signs)",
+             f"family over the family's tested cells, is <= {ALPHA:g} and its 95% paired t-interval excludes 0; "
+             f"'detectable': the |difference| the test finds with {POWER:.0%} power from the cell's own SD (all "
+             f"{len(SEEDS)} signs alike)",
              "", "## Verdict", ""]
     lines += [f"- {r.name} (`{r.arm}` x {r.loss}, {r.max_new_tokens} tokens, T x KL {_g(r.t_x_kl)}): dose - `on` "
               f"{_g(r.d)} [{_g(r.lo)}, {_g(r.hi)}], detectable {_g(r.detectable)}: {r.verdict}"
