@@ -35,9 +35,11 @@ published = "docs/results"
 from IPython.display import Image, Markdown, display
 
 from workbench.env import resolve_device
-from workbench.onoff.comparison_figures import dose_response_figure, regime_map
+from workbench.onoff.comparison_figures import dose_response_figure, plan_map, plan_mismatch, regime_map
 from workbench.onoff.figures import MISMATCH_PANELS, mismatch_panels, reward_curves
 from workbench.onoff.publish import published_results
+from workbench.onoff.regime_plan import assemble, map_table
+from workbench.onoff.regime_record import GRID, map_message, published_arms
 from workbench.onoff.stats import (
     CELL,
     FINAL_WINDOW,
@@ -65,6 +67,28 @@ for result in shown:
     display(Markdown(result.markdown))
     for path in result.figures:
         display(Markdown(f"*{path.stem}, {result.label}*"), Image(filename=str(path)))
+
+# %% [markdown]
+# ## The regime map, as pre-registered (published arms)
+#
+# The plan (`docs/results/2026-12-02_regime-plan`, written before any run) names its cells: a dose arm against `on`
+# at one generation length and loss, each arm run alone (seeds 0-7, 300 steps) and published as a record of its
+# own. The map is computed here from the arm records listed in `docs/results/index.json`, on any machine: per
+# complete cell, final reward (steps 281-300) dose − `on` paired by seed, exact sign-flip p Holm-adjusted within the
+# cell's family, at the T x KL its dose runs measured. A family with fewer cells tested than planned is an interim
+# result. The grid below shows every planned cell and which of its arms are published.
+
+# %%
+arms = published_arms(published)
+plan = map_table(assemble(arms))
+print(map_message(plan, len(arms)))
+if plan.tested.any():
+    for name, figure in (("plan_map", plan_map(plan)), ("plan_mismatch", plan_mismatch(plan))):
+        save_figure(figure, f"{run_dir}/figures", name)
+        display(figure)
+    display(plan[plan.tested][["name", "t_x_kl", "d", "lo", "hi", "p", "p_holm", "family_in", "detectable",
+                               "verdict"]])
+display(plan[GRID])
 
 # %% [markdown]
 # ## This run

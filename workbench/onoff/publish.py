@@ -3,7 +3,11 @@ table of endpoints, the caveats), the figures as SVG and PNG, and the long metri
 `publish` copies that folder to <dest>/<date>_onoff-<preset>-<device>_<sha>/ (docs/results for the records) with its
 result.json, and regenerates dest's index (`workbench.records`),
 `reissue` rewrites a published folder's statistics from its own files, and `published_results` lists the newest
-published record per preset, found through that index, for a reader without a GPU."""
+published record per preset, found through that index, for a reader without a GPU.
+
+An experiment of one arm (`arms=[off]`: one arm of a regime-map cell, run inside one GPU hold) is published as an
+arm record: its folder named by the arm, length and loss, its preset `<preset>-arm`, and its report calling nothing
+(`regime_record` pairs the arms of a cell from their records)."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from .arms import get_arm
 from .comparison_figures import dose_response_figure, regime_map
 from .config import OnOffConfig
 from .figures import delta_histogram, mismatch_panels, reward_curves
+from .regime_plan import recorded_settings
 from .runner import collect, finished_runs, total_wall_s
 from .stats import (CELL, dose_response, dose_sentence, dose_slope, final_reward_words, regime_table, summarize,
                     verdict)
@@ -135,7 +140,8 @@ def write_report(folder: str | Path, window: int = 10, smooth: int = 5, header: 
             m for m in sorted(set(table.metric)) if m.startswith("accuracy_")), smooth=smooth,
             title=f"ON/OFF {name}: reward, mean over seeds"),
             "mismatch": mismatch_panels(table, smooth=smooth, title=f"ON/OFF {name}: mismatch and update health")}
-    dose = dose_response(done, window) if not done.empty and regime is None else None
+    one_arm = len(cfg.arms) == 1
+    dose = dose_response(done, window) if not done.empty and regime is None and not one_arm else None
     if dose is not None and dose.variant.str.startswith("noise=").any():
         figures["dose_response"] = dose_response_figure(dose)
         dose.to_csv(folder / "dose_response.csv", index=False)
@@ -154,6 +160,10 @@ def write_report(folder: str | Path, window: int = 10, smooth: int = 5, header: 
         return
     summary = summarize(done, window)
     summary.to_csv(folder / "summary.csv", index=False)
+    if one_arm:
+        (folder / "summary.md").write_text(_summary_markdown(cfg, folder, done, summary, dose, shown, header, note,
+                                                             _arm_verdict(folder, done, summary)))
+        return
     (folder / "summary.md").write_text(_summary_markdown(cfg, folder, done, summary, dose, shown, header, note))
 
 
@@ -197,12 +207,29 @@ def _header(cfg: OnOffConfig, out: Path, done, summary) -> list[str]:
              f"{cfg.run.lr:g}; settings in config.yaml")]
 
 
-def _summary_markdown(cfg: OnOffConfig, out: Path, done, summary, dose, figures, header=None, note="") -> str:
+def _arm_verdict(folder: Path, done: pd.DataFrame, summary: pd.DataFrame) -> str:
+    """The verdict of a one-arm record: what it holds, its own endpoints, and that it compares nothing."""
+    row, settings = summary.iloc[0], recorded_settings(folder)
+    seeds = ", ".join(str(s) for s in sorted(set(done.seed)))
+    ci = f" (95% t-CI {row.final_reward_lo:.3g} to {row.final_reward_hi:.3g})" if np.isfinite(row.final_reward_lo) \
+        else ""
+    return (f"One arm published alone: `{row.variant}` at {settings['max_new_tokens']} new tokens, loss "
+            f"`{settings['loss']}`, {row.runs} finished run{'' if row.runs == 1 else 's'} (seeds {seeds}) x "
+            f"{row.steps} steps. It calls nothing: `python -m workbench regime-map` pairs it by seed with the other "
+            f"arms of its (length, loss) from their records. "
+            f"{final_reward_words(int(row.steps), summary.attrs['window'])} `{row.variant}`: final reward "
+            f"{row.final_reward:.3g}{ci}; mean KL / token {row.kl_mean:.3g}; "
+            f"{row.tokens_differing:.0f} tokens differed between sampler and trainer.")
+
+
+def _summary_markdown(cfg: OnOffConfig, out: Path, done, summary, dose, figures, header=None, note="",
+                      text: str = "") -> str:
     runs = pd.read_csv(out / "runs.csv")
     unfinished = runs[~runs.finished.astype(bool)]
     ref = summary.attrs["reference"]
     head = header or _header(cfg, out, done, summary)
-    lines = [head[0], "", *head[1:], ""] + ([note, ""] if note else []) + ["## Verdict", "", verdict(summary), ""]
+    lines = [head[0], "", *head[1:], ""] + ([note, ""] if note else []) + ["## Verdict", "",
+                                                                           text or verdict(summary), ""]
     if dose is not None:
         lines += ["## Dose-response", "", dose_sentence(dose_slope(dose)), ""]
     lines += ["## Endpoints", "",
@@ -270,7 +297,12 @@ def publish(out_dir: str | Path, dest: str | Path) -> Path:
     sha = str(calls.git_sha.iloc[-1])[:7]
     date = datetime.date.today().isoformat()
     preset = cfg.preset or "custom"
-    target = Path(dest) / f"{date}_onoff-{preset}{'-smoke' if cfg.smoke else ''}-{slug}_{sha}"
+    name = preset
+    if len(cfg.arms) == 1:  # one arm of a cell: arms of one day and commit must not overwrite each other
+        settings = recorded_settings(folder)
+        preset = f"{preset}{ARM_SUFFIX}"
+        name = f"{preset}-{re.sub(r'[^A-Za-z0-9.-]', '', cfg.arms[0])}-L{settings['max_new_tokens']}-{settings['loss']}"
+    target = Path(dest) / f"{date}_onoff-{name}{'-smoke' if cfg.smoke else ''}-{slug}_{sha}"
     if target.exists():
         shutil.rmtree(target)
     shutil.copytree(folder, target)
@@ -289,11 +321,14 @@ def _record(folder: Path, cfg: OnOffConfig, preset: str, device: str, sha: str, 
                if column in summary and np.isfinite(pd.to_numeric(row[column], errors="coerce"))}
     return Record(folder=folder.name, kind="onoff", question=text.splitlines()[0].lstrip("# ").strip() or folder.name,
                   figures=figures, device=device, commit=sha, date=date,
-                  command=f"python -m workbench on-off --preset {preset} (settings in config.yaml)",
+                  command=f"python -m workbench on-off --preset {cfg.preset or 'custom'}"
+                          + (f" arms=[{cfg.arms[0]}]" if len(cfg.arms) == 1 else "") + " (settings in config.yaml)",
                   verdict=verdict.group(1).replace("\n", " ") if verdict else "see summary.md", preset=preset,
                   smoke=cfg.smoke)
 
 
+ARM_SUFFIX = "-arm"
+"""The suffix of a one-arm record's preset: no comparison, so no published result of its own."""
 _FIGURE_ORDER = ("regime_map", "dose_response", "reward", "mismatch", "delta_histogram")
 
 
@@ -319,11 +354,12 @@ class Published:
 
 def published_results(root: str | Path = "docs/results") -> list[Published]:
     """The newest published ON/OFF record of each preset in `root`'s index (a relative root is the project's), smoke
-    records left out, the regime map's first and then the newest first. A folder `publish` wrote is picked up through
-    the index it regenerates."""
+    and one-arm records left out, the regime map's first and then the newest first. A folder `publish` wrote is picked
+    up through the index it regenerates."""
     newest: dict[str, Record] = {}
     for record in load_index(root):
-        if record.kind != "onoff" or record.smoke or not (project_path(root) / record.folder / "summary.md").exists():
+        if (record.kind != "onoff" or record.smoke or record.preset.endswith(ARM_SUFFIX)
+                or not (project_path(root) / record.folder / "summary.md").exists()):
             continue
         if record.preset not in newest or (record.date, record.folder) > (newest[record.preset].date,
                                                                           newest[record.preset].folder):

@@ -357,7 +357,8 @@ def regime_table(table: pd.DataFrame, window: int = FINAL_WINDOW, reference: str
     `table` is the long metrics table with `max_new_tokens` and `loss` columns. Per row: `seeds` (paired with the
     reference), the arm's mismatch (mean KL/token, mean SD of the sequence log-ratio where `seq_logratio_sd` is
     logged, clip fraction, min ESS), and final reward arm - reference through `paired.compare_paired`, with Holm's
-    correction over every compared (cell, arm): the map is one family, and the verdict column reads its rule.
+    correction over every compared (cell, arm): the map is one family, and the verdict column reads its rule. The
+    pre-registered map (Holm within each family, over arms published one at a time) is `regime_plan.map_table`.
     """
     missing = [c for c in CELL if c not in table]
     if missing:
