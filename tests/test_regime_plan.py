@@ -141,6 +141,27 @@ def test_arms_whose_settings_differ_are_refused(tmp_path):
         assemble([on, again])
 
 
+def test_arms_started_from_other_weights_under_one_path_are_refused(tmp_path):
+    """Each hold warm-starts its own copy of the policy at the same path: the runner's digest of the weights, not
+    the path, decides whether two arms share a start."""
+    from workbench.onoff.runner import POLICY_RECORD, record_policy
+
+    rng = np.random.default_rng(4)
+    on, dose = _cell(tmp_path, rng, "off", 1024, "blog", np.zeros(8))
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    for folder, payload in ((on, b"weights of hold 1"), (dose, b"weights of hold 1")):
+        (warm / "model.safetensors").write_bytes(payload)
+        record_policy(str(warm), folder)
+    assert set(assemble([on, dose]).variant) == {"on", "off"}, "the same weights join"
+    (warm / "model.safetensors").write_bytes(b"weights of hold 2")
+    record_policy(str(warm), dose)
+    assert (dose / POLICY_RECORD).exists()
+    with pytest.raises(ValueError, match=r"refusing to join .*off-L1024.* with .*on-L1024.*: their starting policies "
+                                         r"\(.*\) are other weights"):
+        assemble([on, dose])
+
+
 def test_t_x_kl_is_the_dose_runs_mean_of_length_times_kl(tmp_path):
     rng = np.random.default_rng(4)
     folders = _cell(tmp_path, rng, "off", 512, "blog", np.zeros(8), kl=3e-3)

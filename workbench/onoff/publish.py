@@ -30,7 +30,7 @@ from .comparison_figures import dose_response_figure, regime_map
 from .config import OnOffConfig
 from .figures import delta_histogram, mismatch_panels, reward_curves
 from .regime_plan import recorded_settings
-from .runner import collect, finished_runs, total_wall_s
+from .runner import POLICY_RECORD, collect, finished_runs, total_wall_s
 from .stats import (CELL, dose_response, dose_sentence, dose_slope, final_reward_words, regime_table, summarize,
                     verdict)
 
@@ -95,7 +95,7 @@ def report(out_dir: str | Path, window: int = 10, smooth: int = 5) -> Path:
         shutil.rmtree(folder)
     folder.mkdir()
     table.to_csv(folder / "metrics.csv.gz", index=False)
-    for name in ("runs.csv", "invocations.csv", "config.yaml"):
+    for name in ("runs.csv", "invocations.csv", "config.yaml", POLICY_RECORD):
         if (out / name).exists():
             shutil.copy(out / name, folder / name)
     # Arms that differ only in what the update does with the log-probs share step 1's: one of them is enough.

@@ -13,6 +13,7 @@ tested where both arms are complete, its status where not.
 from __future__ import annotations
 
 import itertools
+import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,12 @@ _PER_CELL = frozenset({"max_new_tokens", "loss", "policy"})
 KEY = ["max_new_tokens", "loss", "variant", "seed"]
 
 
+def _policy_weights(folder: Path) -> str:
+    """The sha256 of the arm's starting weights (the runner's starting_policy.json), or '' in a record without it."""
+    path = folder / "starting_policy.json"
+    return json.loads(path.read_text())["weights_sha256"] if path.exists() else ""
+
+
 def recorded_settings(folder: Path) -> dict:
     """A published folder's config.yaml as {setting: value}, groups flattened to their settings' bare names (a
     dotted path where two groups share a name): so records written before and after a setting moved into a group
@@ -129,12 +136,13 @@ def assemble(folders) -> pd.DataFrame:
     seed): MAP_METRICS' rows with the cell's columns, the folder (`source`), whether the run `finished` and the steps
     it was set to run (`target_steps`). `attrs['arms']` lists the arms found. Raises ValueError, in one line, where
     two arms of a cell differ in a setting other than the arm (or two cells in one besides length, loss and policy),
-    or where two folders hold the same run (or one name)."""
+    or started from other weights (the runner's starting_policy.json, where both records hold it), or where two
+    folders hold the same run (or one name)."""
     folders = [Path(f) for f in folders]
     named = Counter(f.name for f in folders)
     if twice := [name for name, n in named.items() if n > 1]:
         raise ValueError(f"{twice[0]} is named {named[twice[0]]} times: name each arm record once")
-    parts, arms, first, cells = [], [], None, {}
+    parts, arms, first, cells, starts = [], [], None, {}, {}
     for folder in folders:
         record = read_record(folder)
         settings = recorded_settings(folder)
@@ -145,6 +153,12 @@ def assemble(folders) -> pd.DataFrame:
                                  f"{'the same cell' if free == _RUN_ONLY else 'the plan'} "
                                  f"({cell[0]} tokens, {cell[1]}) differs in {'; '.join(diff)}; an "
                                  "arm may differ from the others only in its arm: leave one out or rerun it")
+        weights = _policy_weights(folder)
+        if cell in starts and weights and starts[cell][1] and weights != starts[cell][1]:
+            raise ValueError(f"refusing to join {folder.name} with {starts[cell][0].name}: their starting policies "
+                             f"({settings.get('policy')}) are other weights (sha256 {weights[:12]} vs "
+                             f"{starts[cell][1][:12]}); warm-start once per length and start every arm from it")
+        starts.setdefault(cell, (folder, weights))
         cells.setdefault(cell, (folder, settings))
         first = first or (folder, settings)
         table = pd.read_csv(folder / "metrics.csv.gz")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import hashlib
 import json
 import multiprocessing
 import os
@@ -37,6 +38,8 @@ import torch
 
 from ..config import write_config
 from ..env import environment_record, resolve_device
+from ..models.gguf import file_sha256
+from ..models.hub import resolve_model
 from ..policies.selftrained import PolicyConfig, train_policy
 from ..rl.checkpoint import config_changes, latest_checkpoint
 from ..rl.config import TrainConfig
@@ -78,6 +81,25 @@ def starting_policy(cfg: OnOffConfig) -> str:
     table.to_csv(folder / "sft_metrics.csv", index=False)
     record.write_text(json.dumps(wanted, indent=1))
     return str(folder)
+
+
+POLICY_RECORD = "starting_policy.json"
+"""Beside config.yaml: the starting policy's path and the sha256 of its weights files."""
+
+
+def record_policy(policy: str, out: Path) -> dict:
+    """Write POLICY_RECORD for `policy` (a folder; a registry name or hub id is resolved through the model cache):
+    arms run in other holds or sessions, each from its own copy of a warm start, join one cell only where the
+    weights are the same bits (`regime_plan.assemble`), not just the same path."""
+    path = Path(policy).expanduser()
+    folder = path if path.is_dir() else resolve_model(policy)
+    digest = hashlib.sha256()
+    for f in sorted(folder.glob("*.safetensors")):
+        digest.update(f.name.encode())
+        digest.update(file_sha256(f).encode())
+    record = {"path": str(policy), "weights_sha256": digest.hexdigest()}
+    (out / POLICY_RECORD).write_text(json.dumps(record, indent=1))
+    return record
 
 
 def run_status(run: TrainConfig) -> str:
@@ -172,6 +194,7 @@ def _run_on_off(cfg: OnOffConfig) -> pd.DataFrame:
     out = Path(cfg.out_dir)
     write_config(cfg, out / "config.yaml")
     policy = starting_policy(cfg)
+    record_policy(policy, out)
     deadline = t0 + 60 * cfg.time_limit_min if cfg.time_limit_min else 0.0
     todo = [cfg.run_config(arm, seed, policy) for seed in cfg.seeds for arm in cfg.arms]
     todo = [run for run in todo if run_status(run) != "done"]
