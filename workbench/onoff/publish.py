@@ -192,9 +192,9 @@ def _header(cfg: OnOffConfig, out: Path, done, summary) -> list[str]:
             (f"- {finished} finished runs: arms {', '.join(f'`{v}`' for v in summary.variant)} "
              f"x seeds {sorted(set(done.seed))}, {int(done.step.max())} steps each; total wall time "
              f"{total_wall_s(out) / 60:.1f} min over {len(calls)} call{'' if len(calls) == 1 else 's'}"),
-            (f"- policy `{cfg.run.policy or 'self-trained ' + cfg.policy_size}`, task `{cfg.run.task}`, loss `{cfg.run.loss}`, "
-             f"{cfg.run.prompts_per_step} prompts x {cfg.run.group_size} samples x {cfg.run.max_new_tokens} new tokens, lr "
-             f"{cfg.run.lr:g}; settings in config.yaml")]
+            (f"- policy `{cfg.run.policy or 'self-trained ' + cfg.policy_size}`, task `{cfg.run.data.task}`, loss `{cfg.run.objective.loss}`, "
+             f"{cfg.run.rollout.prompts_per_step} prompts x {cfg.run.rollout.group_size} samples x {cfg.run.rollout.max_new_tokens} new tokens, lr "
+             f"{cfg.run.optim.lr:g}; settings in config.yaml")]
 
 
 def _summary_markdown(cfg: OnOffConfig, out: Path, done, summary, dose, figures, header=None, note="") -> str:

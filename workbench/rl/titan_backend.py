@@ -1,4 +1,4 @@
-"""torchtitan as the RL update's trainer (`TrainConfig.trainer_backend='torchtitan'`): `TitanWeights`, the
+"""torchtitan as the RL update's trainer (`TrainConfig.distributed.trainer_backend='torchtitan'`): `TitanWeights`, the
 `TrainWeights` interface (`module`, `zero_grad`, `before_backward`, `step`, `sync_model`, `sharded`, the bf16 `model`
 the generator runs) on torchtitan's components. Rollouts, rewards, advantages, losses and the parity check stay the
 workbench's; what the update runs is torchtitan's:
@@ -8,7 +8,7 @@ workbench's; what the update runs is torchtitan's:
 - the optimizer: `torchtitan.components.optimizer.build_optimizers` from its `Optimizer` config (AdamW, 'fused',
   the workbench's betas (0.9, 0.999) and eps 1e-8 instead of torchtitan's defaults 0.95 and weight decay 0.1);
 - the learning rate: `build_lr_schedulers` from its `LRScheduler` config, with no warmup and no decay (every
-  step's factor is 1.0, so the lr is cfg.lr's bits, the workbench's constant rate);
+  step's factor is 1.0, so the lr is cfg.optim.lr's bits, the workbench's constant rate);
 - clipping: torchtitan's `clip_grad_norm_` (torch's `get_total_norm` and `clip_grads_with_norm_`, DTensor-aware);
   without max_grad_norm it runs with max_norm inf (scale 1.0: no bit changes) for the norm the metrics log;
 - FSDP2 (`parallel='fsdp2'`): torchtitan's recipe (`fully_shard` per TransformerBlock, bf16 params and fp32
@@ -154,14 +154,14 @@ class TitanWeights(TrainWeights):
         `tp_mesh`: the 1-D mesh of this rank's tensor-parallel group (`tensor_parallel`)."""
         (build_lr_schedulers, build_optimizers, LRScheduler, Optimizer, ParallelDims, self._clip_grad_norm,
          _) = _titan()
-        if cfg.adapter != "none":
+        if cfg.optim.adapter != "none":
             raise ValueError("trainer_backend='torchtitan' trains every weight: set adapter='none'")
-        if (shard_group is not None or tp_mesh is not None) and cfg.master_dtype != "float32":
+        if (shard_group is not None or tp_mesh is not None) and cfg.optim.master_dtype != "float32":
             raise ValueError("FSDP2 and tensor parallelism shard the fp32 masters: master_dtype='float32'")
         if shard_group is not None and tp_mesh is not None:
             raise ValueError("tensor_parallel > 1 with parallel='fsdp2' is not supported: use parallel='replicate'")
-        self.max_grad_norm = cfg.max_grad_norm
-        self.has_masters = cfg.master_dtype == "float32"
+        self.max_grad_norm = cfg.optim.max_grad_norm
+        self.has_masters = cfg.optim.master_dtype == "float32"
         self.lora = None
         self._base_checksum = None
         self.grad_buffer = None
@@ -215,13 +215,13 @@ class TitanWeights(TrainWeights):
         tp = 1 if tp_mesh is None else tp_mesh.size()
         dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=world * tp)
         self.optimizers = build_optimizers(
-            [master_module], Optimizer(name="AdamW", lr=cfg.lr, beta1=ADAMW_BETAS[0], beta2=ADAMW_BETAS[1],
-                                       eps=ADAMW_EPS, weight_decay=cfg.weight_decay, implementation="fused"), dims)
+            [master_module], Optimizer(name="AdamW", lr=cfg.optim.lr, beta1=ADAMW_BETAS[0], beta2=ADAMW_BETAS[1],
+                                       eps=ADAMW_EPS, weight_decay=cfg.optim.weight_decay, implementation="fused"), dims)
         # The torch AdamW torchtitan built (one model part): TrainWeights steps it one layer group at a time, and the
         # workbench's checkpoints save its state as they save their own.
         self.opt = self.optimizers.optimizers[0]
         self.lr_schedulers = build_lr_schedulers(self.optimizers, LRScheduler(warmup_steps=0, decay_ratio=0.0),
-                                                 cfg.steps * cfg.epochs * cfg.mini_batches)
+                                                 cfg.steps * cfg.optim.epochs * cfg.optim.mini_batches)
         self.sync_model()
 
     @property
