@@ -288,7 +288,8 @@ def rl_table(runs: list[Run], args) -> list[str]:
         steady[run.name] = later
         step_s = later["time_step"].median()
         parts = (later["time_generate"].median(), later["time_train"].median())
-        tokens = (later["response_length"] * cfg.rollout.prompts_per_step * cfg.rollout.group_size / later["time_step"]).median()
+        sequences = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+        tokens = (later["response_length"] * sequences / later["time_step"]).median()
         busy = ""
         if run.rollout_ranks:
             rollout = ((later["time_generate"] + later["time_score"]) / later["time_step"]).mean()
@@ -369,7 +370,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures")
     ap.add_argument("--microbatch-tokens", type=int, default=16384)
     ap.add_argument("--keep-graphs", action=argparse.BooleanOptionalAction, default=True,
-                    help="keep the generator's KV caches and decode graphs between steps (TrainConfig.rollout.keep_graphs)")
+                    help="keep the generator's KV caches and decode graphs between steps "
+                         "(TrainConfig.rollout.keep_graphs)")
     ap.add_argument("--activation-checkpointing", default="none", choices=["none", "mlp", "layers"],
                     help="what the update's backward recomputes (TrainConfig.optim.activation_checkpointing)")
     ap.add_argument("--parity-sample", type=int, default=1,

@@ -51,7 +51,8 @@ def test_a_preset_is_the_base_that_files_options_and_overrides_change(tmp_path, 
     assert main(["on-off", "--preset", "blog", "--steps", "7", "seeds=[1]"]) == 0
     cfg = got["cfg"]
     run = cfg.run
-    assert (run.objective.loss, run.data.task, run.optim.lr, run.optim.master_dtype, run.optim.max_grad_norm) == ("blog", "facts", 1e-5, "bfloat16", 1.0)
+    assert (run.objective.loss, run.data.task, run.optim.lr, run.optim.master_dtype, run.optim.max_grad_norm) == (
+        "blog", "facts", 1e-5, "bfloat16", 1.0)
     assert cfg.arms == PRESETS["blog"]["arms"] and (run.steps, cfg.seeds) == (7, (1,))
     f = tmp_path / "dose.yaml"
     f.write_text("preset: blog-dose\nsmoke: true\n")
@@ -128,8 +129,10 @@ def test_every_train_setting_reaches_an_on_off_run(tmp_path, monkeypatch):
     got = _capture(monkeypatch, "on-off")
     assert main(["on-off", "--config", str(f), "--clip-low", "0.1", "run.max_grad_norm=2", "lr=3e-4"]) == 0
     run = got["cfg"].run_config("on", 3)
-    assert (run.objective.kl_coef, run.objective.clip_low, run.optim.max_grad_norm, run.optim.lr) == (0.05, 0.1, 2, 3e-4), "the later name wins"
-    assert (run.seed, run.kernel_mode, got["cfg"].run_config("off-tis", 0).objective.correction) == (3, "invariant", "tis-token")
+    assert (run.objective.kl_coef, run.objective.clip_low, run.optim.max_grad_norm, run.optim.lr) == (
+        0.05, 0.1, 2, 3e-4), "the later name wins"
+    tis = got["cfg"].run_config("off-tis", 0)
+    assert (run.seed, run.kernel_mode, tis.objective.correction) == (3, "invariant", "tis-token")
     assert OnOffConfig(arms=("on",), parity_sample=2).run_config("on", 0).parity_sample == 2
     with pytest.raises(ValueError, match="parity_sample=2 takes the generator's log-probs"):
         OnOffConfig(arms=("on", "off"), parity_sample=2)  # the off arm's standard kernels: checked per arm

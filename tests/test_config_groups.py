@@ -18,12 +18,13 @@ from workbench.rl.checkpoint import config_changes
 from workbench.rl.config import TrainConfig
 
 # TrainConfig's fields before the groups (the flat layout of state.json and run.json), in that order.
-OLD_FIELDS = """policy chat_template out_dir kernel_mode sampler_kernels sampler_precision task task_source question_field
-answer_field difficulty loss clip_low clip_high aggregation steps prompts_per_step group_size max_new_tokens temperature
-sampler_noise lr weight_decay max_grad_norm master_dtype adapter lora_rank lora_alpha lora_targets mini_batches epochs
-old_logprobs max_tokens_per_microbatch activation_checkpointing seed variant time_limit_s parity parity_sample correction
-correction_cap kl_coef kl_to kl_estimator kl_in_reward generator vllm_model vllm_memory keep_graphs sync policy_lag
-rollout_ranks parallel trainer_backend tensor_parallel checkpoint_every resume tensorboard device progress""".split()
+OLD_FIELDS = """policy chat_template out_dir kernel_mode sampler_kernels sampler_precision task task_source
+question_field answer_field difficulty loss clip_low clip_high aggregation steps prompts_per_step group_size
+max_new_tokens temperature sampler_noise lr weight_decay max_grad_norm master_dtype adapter lora_rank lora_alpha
+lora_targets mini_batches epochs old_logprobs max_tokens_per_microbatch activation_checkpointing seed variant
+time_limit_s parity parity_sample correction correction_cap kl_coef kl_to kl_estimator kl_in_reward generator
+vllm_model vllm_memory keep_graphs sync policy_lag rollout_ranks parallel trainer_backend tensor_parallel
+checkpoint_every resume tensorboard device progress""".split()
 
 
 def _parsed(monkeypatch, argv):
@@ -61,8 +62,9 @@ def test_every_name_of_a_run_setting_gives_the_same_on_off_config(tmp_path, monk
     for names in ({"run.lr": 1e-5, "run.group_size": 3}, {"run.optim.lr": 1e-5, "run.rollout.group_size": 3},
                   {"run": {"optim": {"lr": 1e-5}, "group_size": 3}}):
         assert OnOffConfig(**names) == want, names
-    for text in ("run:\n  optim:\n    lr: 1.0e-5\n  rollout:\n    group_size: 3\n", "run:\n  lr: 1.0e-5\n  group_size: 3\n",
-                 "run.optim.lr: 1.0e-5\nrun.group_size: 3\n", "lr: 1.0e-5\ngroup_size: 3\n"):
+    for text in ("run:\n  optim:\n    lr: 1.0e-5\n  rollout:\n    group_size: 3\n",
+                 "run:\n  lr: 1.0e-5\n  group_size: 3\n", "run.optim.lr: 1.0e-5\nrun.group_size: 3\n",
+                 "lr: 1.0e-5\ngroup_size: 3\n"):
         (tmp_path / "c.yaml").write_text(text)
         assert OnOffConfig(**read_config_file(tmp_path / "c.yaml", OnOffConfig)) == want, text
     assert _parsed(monkeypatch, ["on-off", "--lr", "1e-5", "--group-size", "3"]) == want

@@ -95,7 +95,8 @@ def _grads(cfg, batch, inputs, start_seed=0):
 
     weights.step = capture
     with mode(cfg.kernel_mode):
-        stats = update(cfg, get_loss(cfg.objective.loss), weights, batch, inputs, 1, lambda loss: pytest.fail("bad loss"))
+        stats = update(cfg, get_loss(cfg.objective.loss), weights, batch, inputs, 1,
+                       lambda loss: pytest.fail("bad loss"))
     return captured, stats
 
 
@@ -155,7 +156,8 @@ def _fp32_grad(cfg, batch, inputs):
     """The fp32 gradient (flat) of one update and the update's stats."""
     weights = _Fp32Weights()
     with mode("standard"):
-        stats = update(cfg, get_loss(cfg.objective.loss), weights, batch, inputs, 1, lambda loss: pytest.fail("bad loss"))
+        stats = update(cfg, get_loss(cfg.objective.loss), weights, batch, inputs, 1,
+                       lambda loss: pytest.fail("bad loss"))
     return weights.grad, stats
 
 

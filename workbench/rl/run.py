@@ -51,8 +51,8 @@ def _starting_policy(cfg: TrainConfig, out: Path, device: str, dp: DataParallel,
                          "only knows arithmetic")
     # Rank 0 trains it and saves it; the other ranks load that copy, for its shape and tokenizer (the weights
     # every rank starts from are rank 0's: `DataParallel.replicate`).
-    trained = dp.on_main(lambda: train_policy(PolicyConfig(seed=cfg.seed, difficulty=cfg.data.difficulty, device=device),
-                                              out / "policy", progress=cfg.progress)[:2])
+    policy = PolicyConfig(seed=cfg.seed, difficulty=cfg.data.difficulty, device=device)
+    trained = dp.on_main(lambda: train_policy(policy, out / "policy", progress=cfg.progress)[:2])
     return trained or (load_pretrained(out / "policy", dtype=dtype, device=device), load_tokenizer(out / "policy"))
 
 
@@ -62,19 +62,20 @@ def _vllm_engine(cfg: TrainConfig, model, out: Path):
 
     save_pretrained(model, out / "vllm_start")
     return VLLMGenerator(out / "vllm_start", gpu_memory_utilization=cfg.rollout.vllm_memory,
-                         batch_invariant=cfg.kernel_mode == "invariant", seed=cfg.seed, model_impl=cfg.rollout.vllm_model,
-                         kernel_mode=cfg.kernel_mode)
+                         batch_invariant=cfg.kernel_mode == "invariant", seed=cfg.seed,
+                         model_impl=cfg.rollout.vllm_model, kernel_mode=cfg.kernel_mode)
 
 
 def train_weights(start, cfg: TrainConfig, device: str, shard_group=None, tp_mesh=None) -> TrainWeights:
-    """The weights the update trains, from the fp32 (or bf16) `start`, on cfg.distributed.trainer_backend; `shard_group`: the
-    FSDP2 trainer ranks; `tp_mesh`: this rank's tensor-parallel group (torchtitan only)."""
+    """The weights the update trains, from the fp32 (or bf16) `start`, on cfg.distributed.trainer_backend;
+    `shard_group`: the FSDP2 trainer ranks; `tp_mesh`: this rank's tensor-parallel group (torchtitan only)."""
     if cfg.distributed.trainer_backend == "torchtitan":   # an optional extra: imported only when asked for
         from .titan_backend import TitanWeights
 
         return TitanWeights(start, cfg, device, shard_group, tp_mesh)
-    return TrainWeights(start, cfg.optim.master_dtype, cfg.optim.lr, device, cfg.optim.weight_decay, cfg.optim.max_grad_norm,
-                        cfg.optim.lora_config(), cfg.seed, shard_group)
+    optim = cfg.optim
+    return TrainWeights(start, optim.master_dtype, optim.lr, device, optim.weight_decay, optim.max_grad_norm,
+                        optim.lora_config(), cfg.seed, shard_group)
 
 
 @dataclass
@@ -100,7 +101,8 @@ class Place:
         """Joins the job (one process without torchrun's variables) and finds this rank's groups and share."""
         device = resolve_device(cfg.device)
         world = DataParallel.join(device)
-        pipeline = Pipeline(world, cfg.distributed.rollout_ranks, cfg.rollout.policy_lag) if cfg.distributed.rollout_ranks else None
+        ranks = cfg.distributed.rollout_ranks
+        pipeline = Pipeline(world, ranks, cfg.rollout.policy_lag) if ranks else None
         trainers = world if pipeline is None else pipeline.trainers
         dp, tp_mesh = trainers, None
         if cfg.distributed.tensor_parallel > 1:
@@ -232,8 +234,8 @@ class TrainerRank(_Rank):
         sync_root = self.out if main else self.out / f"rank-{self.world.rank}"
         # Split roles at policy lag 0: the trainer's model is the sampling weights (the rollout ranks get them by
         # broadcast), so the trainer keeps no generator copy of its own, as one process with sync='shared'.
-        sync_cfg = dataclasses.replace(cfg, sync="shared", rollout_ranks=0) if self.pipeline and not cfg.rollout.policy_lag \
-            else cfg
+        sync_cfg = dataclasses.replace(cfg, sync="shared", rollout_ranks=0) \
+            if self.pipeline and not cfg.rollout.policy_lag else cfg
         self.sync = WeightSync(sync_cfg, self.weights.model, sync_root, self.device, engine, lagged)
         self.sync(self.start_step)
         self.sampler = _sampler(self)

@@ -45,7 +45,8 @@ class StepPrompts:
         sampling = SamplingParams(temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens,
                                   stop_token_ids=(self.tok.eos_token_id,), seed=cfg.seed * 1_000_003 + step,
                                   logit_noise=cfg.rollout.sampler_noise)
-        return problems, prompts, sampling, slice(share.start * cfg.rollout.group_size, share.stop * cfg.rollout.group_size)
+        group = cfg.rollout.group_size
+        return problems, prompts, sampling, slice(share.start * group, share.stop * group)
 
 
 def generate_rows(generator, cfg: TrainConfig, prompts: list[list[int]], sampling: SamplingParams, rows: slice,

@@ -85,7 +85,8 @@ def scores_in_update(run: Rank, gen_version: int, version: int) -> bool:
             # A second mini-batch or epoch trains on moved weights: the old log-probs are the first one's weights'.
             and cfg.optim.epochs == 1 and cfg.optim.mini_batches == 1
             and cfg.objective.old_logprobs == "recompute"   # 'sampler': the ratio divides by the generator's log-probs
-            and not (cfg.objective.kl_coef > 0 and cfg.objective.kl_in_reward)   # the penalty needs them before the advantages
+            # The penalty needs them before the advantages.
+            and not (cfg.objective.kl_coef > 0 and cfg.objective.kl_in_reward)
             # The correction weighs the old policy against the sampler over whole sequences of the [B, T] layout,
             # and its weights are logged over the step: computed per micro-batch, a sum's grouping could differ.
             and cfg.objective.correction == "none"
@@ -147,7 +148,8 @@ class ScorePass:
         # A lagged generator's weights are its own copy's; else the trainer's (the whole bf16 model with FSDP2).
         scorer = run.sampler.generator if rollout.version != step - 1 else run.weights.scorer
         t0 = time.perf_counter()
-        logp, entropy = score(scorer, batch, cfg.optim.max_tokens_per_microbatch, cfg.rollout.temperature, with_entropy=True,
+        logp, entropy = score(scorer, batch, cfg.optim.max_tokens_per_microbatch, cfg.rollout.temperature,
+                              with_entropy=True,
                               rows=None if all(rows_checked) else [i for i, ok in enumerate(rows_checked) if ok])
         if logp.is_cuda:   # the kernels run ahead of the host: their end, not their launch
             torch.cuda.synchronize(logp.device)

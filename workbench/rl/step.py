@@ -70,7 +70,8 @@ def _advantages(run: Rank, spec: LossSpec, rollout: Rollout, batch: RolloutBatch
             if run.reference is not None else batch.behavior
     penalty = torch.zeros_like(rewards)
     if kl_target is not None and cfg.objective.kl_in_reward:
-        penalty = cfg.objective.kl_coef * (kl_estimate(scores.logp, kl_target, cfg.objective.kl_estimator_used) * mask).sum(1)
+        kl = kl_estimate(scores.logp, kl_target, cfg.objective.kl_estimator_used)
+        penalty = cfg.objective.kl_coef * (kl * mask).sum(1)
         # Logged: the KL's value by k3, as in the loss path (update), whatever estimator the penalty uses.
         later["kl"] = dp.ratio_of_sums((kl_estimate(scores.logp, kl_target, "k3") * mask).sum(), mask.sum())
     # From the whole step's rewards ('batch' scales by all of them), then this rank's rows.

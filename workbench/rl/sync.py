@@ -69,7 +69,8 @@ class WeightSync:
         layout, the same for the same config): one copy and one bitwise comparison on the device, a few tens of
         microseconds of launches where a copy per adapter cost milliseconds of host time. False where either
         model's adapters are not in such a buffer (the general path then runs)."""
-        if self.lora is None or self.cfg.rollout.sync != "copy" or self.cfg.rollout.policy_lag or self.engine is not None:
+        rollout = self.cfg.rollout
+        if self.lora is None or rollout.sync != "copy" or rollout.policy_lag or self.engine is not None:
             return False
         src, dst = adapter_flat(self.model), adapter_flat(self.generator)
         if src is None or dst is None or src.shape != dst.shape or src.dtype != dst.dtype:

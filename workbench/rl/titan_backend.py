@@ -216,7 +216,8 @@ class TitanWeights(TrainWeights):
         dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=world * tp)
         self.optimizers = build_optimizers(
             [master_module], Optimizer(name="AdamW", lr=cfg.optim.lr, beta1=ADAMW_BETAS[0], beta2=ADAMW_BETAS[1],
-                                       eps=ADAMW_EPS, weight_decay=cfg.optim.weight_decay, implementation="fused"), dims)
+                                       eps=ADAMW_EPS, weight_decay=cfg.optim.weight_decay, implementation="fused"),
+            dims)
         # The torch AdamW torchtitan built (one model part): TrainWeights steps it one layer group at a time, and the
         # workbench's checkpoints save its state as they save their own.
         self.opt = self.optimizers.optimizers[0]

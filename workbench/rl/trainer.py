@@ -76,8 +76,8 @@ def _train(cfg: TrainConfig, fresh: bool) -> pd.DataFrame:
                     raise KeyboardInterrupt
                 if out_of_time and step < cfg.steps:
                     if run.dp.is_main:
-                        print(f"{cfg.out_dir}: time limit ({cfg.checkpoint.time_limit_s:.0f} s) reached after step {step} of "
-                              f"{cfg.steps}; checkpointed, continue with resume=True")
+                        print(f"{cfg.out_dir}: time limit ({cfg.checkpoint.time_limit_s:.0f} s) reached after step "
+                              f"{step} of {cfg.steps}; checkpointed, continue with resume=True")
                     break
     finally:
         bar.close()

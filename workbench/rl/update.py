@@ -108,7 +108,8 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
                 if inputs.kl_target is not None:
                     target = inputs.kl_target[mb.index, cols]
                     kl = kl_estimate(logp, target, cfg.objective.kl_estimator_used) * mask
-                    loss = loss + cfg.objective.kl_coef * aggregate(kl, mask, loss_cfg.aggregation, loss_cfg.norm, totals)
+                    loss = loss + cfg.objective.kl_coef * aggregate(kl, mask, loss_cfg.aggregation, loss_cfg.norm,
+                                                                    totals)
                     # Logged: the KL's value by k3 (unbiased, never negative), whichever estimator the gradient needs.
                     sums["kl"] += (kl_estimate(logp.detach(), target, "k3") * mask).sum() / max(totals.tokens, 1)
                 loss.backward()
@@ -118,7 +119,8 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
             for i in range(len(mbs), runs):   # FSDP2 only: this rank's row 0, its loss times zero
                 weights.before_backward(last=i == runs - 1)
                 filler = batch.micro_batches(torch.arange(1), budget)[0]
-                logp, _ = completion_logprobs(model, filler, cfg.rollout.temperature, recompute=cfg.optim.activation_checkpointing)
+                logp, _ = completion_logprobs(model, filler, cfg.rollout.temperature,
+                                              recompute=cfg.optim.activation_checkpointing)
                 (logp.sum() * 0.0).backward()
             if scored is not None:   # before the loss check, as the scoring pass came before the update
                 scored(step_logp, step_entropy)
