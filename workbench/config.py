@@ -242,7 +242,10 @@ def nest(cls: type, values: dict, base=None) -> dict:
         inner[group][rest] = value
     for group, changes in inner.items():
         if changes:
-            start = out[group] if group in out else getattr(base, group) if base is not None else _default(cls, group)
+            if group in out:
+                start = out[group]
+            else:
+                start = getattr(base, group) if base is not None else _default(cls, group)
             out[group] = dataclasses.replace(start, **nest(groups[group], changes, start))
     return out
 
