@@ -87,9 +87,9 @@ class Run:
     rollout_ranks: int = 0
     """Ranks that only generate (TrainConfig.distributed.rollout_ranks; 0: colocated)."""
     policy_lag: int = 0
-    """TrainConfig.policy_lag: 1 lets the rollout ranks generate step s + 1 during step s's update."""
+    """TrainConfig.rollout.policy_lag: 1 lets the rollout ranks generate step s + 1 during step s's update."""
     parallel: str = "replicate"
-    """TrainConfig.parallel of the trainer ranks."""
+    """TrainConfig.distributed.parallel of the trainer ranks."""
     parity: bool = False
     """The one-step, one-GPU reference of an N-GPU run's step-1 log-probs at the same prompts a step."""
     parity_sample: int = 1
