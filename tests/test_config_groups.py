@@ -107,7 +107,7 @@ def _old_layout(cfg: TrainConfig) -> dict:
     return json.loads(json.dumps({name: get_setting(cfg, name) for name in OLD_FIELDS}))
 
 
-def test_a_flat_state_written_before_the_groups_compares_equal(tmp_path):
+def test_a_flat_state_written_before_the_groups_compares_equal():
     cfg = TrainConfig(steps=4, lr=3e-3, policy_lag=1, sync="copy", adapter="lora", lora_targets=("q_proj",))
     old = _old_layout(cfg)
     assert list(flat_dict(cfg)) != OLD_FIELDS and set(flat_dict(cfg)) == set(OLD_FIELDS), "the same names"
