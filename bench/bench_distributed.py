@@ -82,11 +82,11 @@ class Run:
     prompts: int
     """Prompts a step, over all its GPUs."""
     rollout_ranks: int = 0
-    """Ranks that only generate (TrainConfig.rollout_ranks; 0: colocated)."""
+    """Ranks that only generate (TrainConfig.distributed.rollout_ranks; 0: colocated)."""
     policy_lag: int = 0
-    """TrainConfig.policy_lag: 1 lets the rollout ranks generate step s + 1 during step s's update."""
+    """TrainConfig.rollout.policy_lag: 1 lets the rollout ranks generate step s + 1 during step s's update."""
     parallel: str = "replicate"
-    """TrainConfig.parallel of the trainer ranks."""
+    """TrainConfig.distributed.parallel of the trainer ranks."""
     parity: bool = False
     """The one-step, one-GPU reference of an N-GPU run's step-1 log-probs at the same prompts a step."""
     parity_sample: int = 1
@@ -285,7 +285,8 @@ def rl_table(runs: list[Run], args) -> list[str]:
         steady[run.name] = later
         step_s = later["time_step"].median()
         parts = (later["time_generate"].median(), later["time_train"].median())
-        tokens = (later["response_length"] * cfg.prompts_per_step * cfg.group_size / later["time_step"]).median()
+        sequences = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+        tokens = (later["response_length"] * sequences / later["time_step"]).median()
         busy = ""
         if run.rollout_ranks:
             rollout = ((later["time_generate"] + later["time_score"]) / later["time_step"]).mean()
@@ -297,7 +298,7 @@ def rl_table(runs: list[Run], args) -> list[str]:
         differing = f"{m['parity_tokens_differing'].sum():.0f}"
         if run.parity_sample > 1:   # step 1 checks every completion; the share of the later steps' tokens checked
             after = m[m.index > 1]
-            every = (after["response_length"] * cfg.prompts_per_step * cfg.group_size).sum()
+            every = (after["response_length"] * cfg.rollout.prompts_per_step * cfg.rollout.group_size).sum()
             differing += f" (checked: step 1 all, then {after['parity_tokens_checked'].sum() / every:.1%})"
         rows[run.name] = (run, tokens, step_s, parts, differing, busy, same)
     out = ["", f"### RL steps, {args.shape} (random weights), invariant, {args.group} completions x "
@@ -366,9 +367,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures")
     ap.add_argument("--microbatch-tokens", type=int, default=16384)
     ap.add_argument("--keep-graphs", action=argparse.BooleanOptionalAction, default=True,
-                    help="keep the generator's KV caches and decode graphs between steps (TrainConfig.keep_graphs)")
+                    help="keep the generator's KV caches and decode graphs between steps "
+                         "(TrainConfig.rollout.keep_graphs)")
     ap.add_argument("--activation-checkpointing", default="none", choices=["none", "mlp", "layers"],
-                    help="what the update's backward recomputes (TrainConfig.activation_checkpointing)")
+                    help="what the update's backward recomputes (TrainConfig.optim.activation_checkpointing)")
     ap.add_argument("--parity-sample", type=int, default=1,
                     help="n > 1: the runs that score in a pass of their own also as `<run>-check<n>`, recomputing 1 "
                          "completion in n for the parity check (TrainConfig.parity_sample)")

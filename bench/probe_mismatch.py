@@ -61,7 +61,7 @@ def main() -> None:
     if "off-vllm" not in args.arms:
         base = _baseline(Path(args.published), args.preset, args.steps, args.seeds)
         if not base.empty:
-            table = pd.concat([table, base.assign(max_new_tokens=cfg.run.max_new_tokens)], ignore_index=True)
+            table = pd.concat([table, base.assign(max_new_tokens=cfg.run.rollout.max_new_tokens)], ignore_index=True)
     text = (f"Preset `{args.preset}`, seeds {args.seeds}, means over steps 1-{args.steps}\n\n"
             + _markdown(table.rename(columns=COLUMNS)))
     print(text)

@@ -79,7 +79,7 @@ def profile(preset_name: str, smoke: bool, policy: str, arms: tuple[str, ...], l
                   **({"policy": policy} if policy else {}), **(overrides or {}))
     start = starting_policy(base)
     shape = Shape.of(start)
-    sequences = base.run.prompts_per_step * base.run.group_size
+    sequences = base.run.rollout.prompts_per_step * base.run.rollout.group_size
     rows = []
     for length in lengths:
         for arm in arms:
@@ -92,7 +92,8 @@ def profile(preset_name: str, smoke: bool, policy: str, arms: tuple[str, ...], l
             parts = breakdown(metrics, warmup)
             wide = metrics.pivot_table(index="step", columns="metric", values="value")
             sync_bytes = float(wide["sync_bytes"].median()) if "sync_bytes" in wide else 0.0
-            floor = floors(shape, sequences, parts["length"], run.epochs, parts["score"] > 0, sync_bytes, hbm, flops)
+            floor = floors(shape, sequences, parts["length"], run.optim.epochs, parts["score"] > 0, sync_bytes, hbm,
+                           flops)
             floor["step"] = sum(floor.values())
             for phase in (*PARTS, "step"):
                 rows.append({"arm": arm, "max_new_tokens": length, "mean length": parts["length"], "phase": phase,

@@ -45,7 +45,7 @@ def seconds(weights, cfg: TrainConfig, n: int, t: int, dp: DataParallel, device:
     batch = make_batch(rows, t, weights.model.config.vocab_size, seed=n * 7 + dp.rank, device=device)
     run = dataclasses.replace(cfg, group_size=8, prompts_per_step=max(n // 8, 1), max_new_tokens=batch.mask.shape[1])
     with mode("invariant"):
-        old, _ = score(weights.model, batch, cfg.max_tokens_per_microbatch, 1.0)
+        old, _ = score(weights.model, batch, cfg.optim.max_tokens_per_microbatch, 1.0)
         adv = torch.randn(rows, generator=torch.Generator().manual_seed(dp.rank)).to(device)
         inputs = UpdateInputs(adv, old, None, None)
         return _timed(lambda: update(run, get_loss("grpo"), weights, batch, inputs, 1,

@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from workbench.config import flat_dict
 from workbench.rl.checkpoint import checkpoints, latest_checkpoint
 from workbench.rl.config import TrainConfig
 from workbench.rl.trainer import train
@@ -112,9 +113,8 @@ def _cfg(policy, out, **kw):
 
 def _cli(cfg: TrainConfig) -> list[str]:
     args = [sys.executable, "-m", "workbench", "train"]
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        flag = "--" + f.name.replace("_", "-")
+    for name, v in flat_dict(cfg).items():
+        flag = "--" + name.replace("_", "-")
         if isinstance(v, tuple):
             args += [flag, *map(str, v)]
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 
 import pytest
 
@@ -28,10 +29,10 @@ def test_file_then_command_line_then_overrides(tmp_path, monkeypatch):
     got = _capture(monkeypatch, "train")
     assert main(["train", "--config", str(f), "--steps", "9", "seed=5", "policy=0123"]) == 0
     cfg = got["cfg"]
-    assert (cfg.lr, cfg.loss) == (3e-3, "dapo"), "the file's settings"
+    assert (cfg.optim.lr, cfg.objective.loss) == (3e-3, "dapo"), "the file's settings"
     assert cfg.steps == 9, "an option given on the command line wins over the file"
     assert cfg.seed == 5 and cfg.policy == "0123", "key=value overrides come last; a str field keeps its text"
-    assert cfg.max_new_tokens == TrainConfig().max_new_tokens, "the rest are the defaults"
+    assert cfg.rollout.max_new_tokens == TrainConfig().rollout.max_new_tokens, "the rest are the defaults"
 
 
 def test_toml_and_tuples_for_the_experiment(tmp_path, monkeypatch):
@@ -39,7 +40,7 @@ def test_toml_and_tuples_for_the_experiment(tmp_path, monkeypatch):
     f.write_text('seeds = [0, 1, 2]\narms = ["on", "off-tis"]\nsteps = 5\n')
     got = _capture(monkeypatch, "on-off")
     assert main(["on-off", "--config", str(f), "mini_batches=2"]) == 0
-    assert got["cfg"].seeds == (0, 1, 2) and got["cfg"].run.steps == 5 and got["cfg"].run.mini_batches == 2
+    assert got["cfg"].seeds == (0, 1, 2) and got["cfg"].run.steps == 5 and got["cfg"].run.optim.mini_batches == 2
     assert got["cfg"].arms == ("on", "off-tis")
 
 
@@ -50,7 +51,8 @@ def test_a_preset_is_the_base_that_files_options_and_overrides_change(tmp_path, 
     assert main(["on-off", "--preset", "blog", "--steps", "7", "seeds=[1]"]) == 0
     cfg = got["cfg"]
     run = cfg.run
-    assert (run.loss, run.task, run.lr, run.master_dtype, run.max_grad_norm) == ("blog", "facts", 1e-5, "bfloat16", 1.0)
+    assert (run.objective.loss, run.data.task, run.optim.lr, run.optim.master_dtype, run.optim.max_grad_norm) == (
+        "blog", "facts", 1e-5, "bfloat16", 1.0)
     assert cfg.arms == PRESETS["blog"]["arms"] and (run.steps, cfg.seeds) == (7, (1,))
     f = tmp_path / "dose.yaml"
     f.write_text("preset: blog-dose\nsmoke: true\n")
@@ -99,6 +101,12 @@ def test_a_written_config_reads_back_as_the_same_run(tmp_path, cfg):
     assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
 
 
+def _setting_names(cls: type) -> list[str]:
+    hints = typing.get_type_hints(cls)
+    return [name for f in dataclasses.fields(cls)
+            for name in (_setting_names(hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else [f.name])]
+
+
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_every_command_prints_its_help(command, capsys):
     """`python -m workbench <command> --help` lists every option (a % in a field's docstring once broke `train`'s)."""
@@ -108,9 +116,7 @@ def test_every_command_prints_its_help(command, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"usage: python -m workbench {command}")
     _, cls, _ = COMMANDS[command]
-    names = [f.name for f in dataclasses.fields(cls) if f.name != "run"]
-    names += [f.name for f in dataclasses.fields(TrainConfig)] if cls is OnOffConfig else []  # every run setting
-    missing = [n for n in names if "--" + n.replace("_", "-") not in out]
+    missing = [n for n in _setting_names(cls) if "--" + n.replace("_", "-") not in out]  # groups' too (run, optim)
     assert not missing
 
 
@@ -123,8 +129,10 @@ def test_every_train_setting_reaches_an_on_off_run(tmp_path, monkeypatch):
     got = _capture(monkeypatch, "on-off")
     assert main(["on-off", "--config", str(f), "--clip-low", "0.1", "run.max_grad_norm=2", "lr=3e-4"]) == 0
     run = got["cfg"].run_config("on", 3)
-    assert (run.kl_coef, run.clip_low, run.max_grad_norm, run.lr) == (0.05, 0.1, 2, 3e-4), "the later name wins"
-    assert (run.seed, run.kernel_mode, got["cfg"].run_config("off-tis", 0).correction) == (3, "invariant", "tis-token")
+    assert (run.objective.kl_coef, run.objective.clip_low, run.optim.max_grad_norm, run.optim.lr) == (
+        0.05, 0.1, 2, 3e-4), "the later name wins"
+    tis = got["cfg"].run_config("off-tis", 0)
+    assert (run.seed, run.kernel_mode, tis.objective.correction) == (3, "invariant", "tis-token")
     assert OnOffConfig(arms=("on",), parity_sample=2).run_config("on", 0).parity_sample == 2
     with pytest.raises(ValueError, match="parity_sample=2 takes the generator's log-probs"):
         OnOffConfig(arms=("on", "off"), parity_sample=2)  # the off arm's standard kernels: checked per arm
@@ -145,7 +153,7 @@ def test_an_on_off_config_written_before_the_nesting_still_reads(tmp_path):
                  "chat_template: false\nloss: blog\nlr: 1.0e-05\nmaster_dtype: bfloat16\ncheckpoint_every: 0\n"
                  "device: cpu\ntrainer_backend: workbench\ntensorboard: false\nprogress: true\n")
     cfg = OnOffConfig(**read_config_file(f, OnOffConfig))
-    assert (cfg.run.steps, cfg.run.task, cfg.run.lr, cfg.run.master_dtype, cfg.arms) == (
+    assert (cfg.run.steps, cfg.run.data.task, cfg.run.optim.lr, cfg.run.optim.master_dtype, cfg.arms) == (
         7, "facts", 1e-5, "bfloat16", ("on", "off"))
     write_config(cfg, f)
     assert "\nrun:\n  policy: ''\n" in f.read_text()

@@ -27,7 +27,7 @@ def trainer_and_generator(tmp_path_factory):
     start = random_gpu_model()
     g = torch.Generator(device="cuda").manual_seed(1)
     cfg = TrainConfig(adapter="lora", lora_rank=16, lora_alpha=32.0, sync="copy", device="cuda")
-    weights = TrainWeights(start, "float32", 1e-6, "cuda", lora=cfg.lora_config())
+    weights = TrainWeights(start, "float32", 1e-6, "cuda", lora=cfg.optim.lora_config())
     with torch.no_grad():  # B = 0 would make the adapters invisible: the comparison would prove nothing
         for k, m in weights.masters.items():
             if k.endswith("lora_B"):

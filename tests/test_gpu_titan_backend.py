@@ -44,13 +44,13 @@ def test_titan_backend_parity_and_the_workbench_update(shape):
     for backend in ("workbench", "torchtitan"):
         start = random_gpu_model(shape, seed=1).float()
         w = TitanWeights(start, cfg, DEVICE) if backend == "torchtitan" else \
-            TrainWeights(start, "float32", cfg.lr, DEVICE, cfg.weight_decay, cfg.max_grad_norm)
+            TrainWeights(start, "float32", cfg.optim.lr, DEVICE, cfg.optim.weight_decay, cfg.optim.max_grad_norm)
         del start
         norms[backend] = []
         with mode("invariant"):
             for step in (1, 2):
                 batch = _rollout(w.model, seed=step)
-                old, _ = score(w.scorer, batch, cfg.max_tokens_per_microbatch, 1.0)
+                old, _ = score(w.scorer, batch, cfg.optim.max_tokens_per_microbatch, 1.0)
                 parity = parity_stats(batch.behavior, old, batch.mask)
                 assert parity["tokens_differing"] == 0, f"{backend} step {step}: {parity}"
                 adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(step)).to(DEVICE)
@@ -63,6 +63,6 @@ def test_titan_backend_parity_and_the_workbench_update(shape):
         del w
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
-    assert min(norms["workbench"]) > cfg.max_grad_norm, "the clipping must be active"
+    assert min(norms["workbench"]) > cfg.optim.max_grad_norm, "the clipping must be active"
     assert norms["torchtitan"] == norms["workbench"]
     assert same_bits(ends["torchtitan"], ends["workbench"])

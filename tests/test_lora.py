@@ -297,7 +297,7 @@ def test_bad_lora_settings_are_named(tmp_path, capsys):
         TrainConfig(adapter="lora", lora_targets=("qkv",))
     with pytest.raises(ValueError, match="generator='vllm' is not supported.*generator='embedded'.*lora-merge"):
         TrainConfig(adapter="lora", generator="vllm", sync="copy")
-    assert TrainConfig(adapter="lora").lora_config() == LoraConfig(16, 32.0, PROJECTIONS)
+    assert TrainConfig(adapter="lora").optim.lora_config() == LoraConfig(16, 32.0, PROJECTIONS)
     with pytest.raises(ValueError, match="LoRA adapters attached.*save_adapter"):
         save_pretrained(_adapted(), tmp_path / "x")
     save_adapter(tmp_path / "dora", LORA, adapter_state(_adapted()))

@@ -139,8 +139,8 @@ def test_smoke_shrinks_any_preset_to_a_cpu_check():
     for name in PRESETS:
         cfg = preset(name, smoke=True)
         assert cfg.arms == PRESETS[name].get("arms", OnOffConfig.arms)[:2] and cfg.run.steps == 2 and cfg.run.policy == ""
-        assert cfg.run.device == "cpu" and cfg.run.task == "arithmetic"
-        assert cfg.run_config(cfg.arms[0], 0).loss == cfg.run.loss
+        assert cfg.run.device == "cpu" and cfg.run.data.task == "arithmetic"
+        assert cfg.run_config(cfg.arms[0], 0).objective.loss == cfg.run.objective.loss
 
 
 def test_bad_experiment_configs():
@@ -156,4 +156,4 @@ def test_bad_experiment_configs():
         OnOffConfig(policy_size="huge")
     with pytest.raises(ValueError, match="group_size must be at least 2"):
         OnOffConfig(group_size=1)
-    assert OnOffConfig(loss="gspo", arms=("off-tis",)).run_config("off-tis", 0).correction == "tis-sequence"
+    assert OnOffConfig(loss="gspo", arms=("off-tis",)).run_config("off-tis", 0).objective.correction == "tis-sequence"

@@ -49,7 +49,7 @@ def test_each_shown_command_parses(doc, argv, tmp_path, monkeypatch):
     cfg, args = parse(argv)
     assert args.command == argv[0]
     if "--config" in argv:   # a new run, not a rerun into the folder that holds the first
-        assert cfg.out_dir != "runs/train" and cfg.resume is False
+        assert cfg.out_dir != "runs/train" and cfg.checkpoint.resume is False
 
 
 def test_the_readme_demo_runs_as_written(capsys):

@@ -113,10 +113,10 @@ def test_kl_estimators_gradients_in_the_loss():
 
 def test_kl_estimator_of_each_path():
     """k1 in the loss is refused (its gradient's expectation is 0); 'auto' is k2 in the loss, k3 in the reward."""
-    assert TrainConfig(kl_coef=0.1).kl_estimator_used == "k2"
-    assert TrainConfig(kl_coef=0.1, kl_in_reward=True).kl_estimator_used == "k3"
-    assert TrainConfig(kl_coef=0.1, kl_estimator="k3").kl_estimator_used == "k3"
-    assert TrainConfig(kl_coef=0.1, kl_in_reward=True, kl_estimator="k1").kl_estimator_used == "k1"
+    assert TrainConfig(kl_coef=0.1).objective.kl_estimator_used == "k2"
+    assert TrainConfig(kl_coef=0.1, kl_in_reward=True).objective.kl_estimator_used == "k3"
+    assert TrainConfig(kl_coef=0.1, kl_estimator="k3").objective.kl_estimator_used == "k3"
+    assert TrainConfig(kl_coef=0.1, kl_in_reward=True, kl_estimator="k1").objective.kl_estimator_used == "k1"
     with pytest.raises(ValueError, match="kl_estimator='k1' in the loss has a gradient of expectation 0"):
         TrainConfig(kl_coef=0.1, kl_estimator="k1")
     with pytest.raises(ValueError, match="unknown KL estimator 'k4'"):

@@ -85,7 +85,7 @@ def _inputs(batch, logp, loss="grpo", correction="none", group=3):
 
 def _grads(cfg, batch, inputs, start_seed=0):
     """The masters' fp32 gradient of one update (lr tiny) and the update's stats."""
-    weights = TrainWeights(_model(start_seed), cfg.master_dtype, 1e-30, "cpu")
+    weights = TrainWeights(_model(start_seed), cfg.optim.master_dtype, 1e-30, "cpu")
     captured = {}
     step = weights.step
 
@@ -95,7 +95,8 @@ def _grads(cfg, batch, inputs, start_seed=0):
 
     weights.step = capture
     with mode(cfg.kernel_mode):
-        stats = update(cfg, get_loss(cfg.loss), weights, batch, inputs, 1, lambda loss: pytest.fail("bad loss"))
+        stats = update(cfg, get_loss(cfg.objective.loss), weights, batch, inputs, 1,
+                       lambda loss: pytest.fail("bad loss"))
     return captured, stats
 
 
@@ -155,7 +156,8 @@ def _fp32_grad(cfg, batch, inputs):
     """The fp32 gradient (flat) of one update and the update's stats."""
     weights = _Fp32Weights()
     with mode("standard"):
-        stats = update(cfg, get_loss(cfg.loss), weights, batch, inputs, 1, lambda loss: pytest.fail("bad loss"))
+        stats = update(cfg, get_loss(cfg.objective.loss), weights, batch, inputs, 1,
+                       lambda loss: pytest.fail("bad loss"))
     return weights.grad, stats
 
 
@@ -268,7 +270,7 @@ def test_ppo_mini_batches_move_the_ratio_and_the_old_logprobs_source_matters():
     batch.behavior = logp.clone()
     cfg = TrainConfig(temperature=TEMPERATURE, group_size=3, prompts_per_step=2, kernel_mode="standard",
                       mini_batches=3, epochs=2, lr=3e-2)
-    w = TrainWeights(_model(), "float32", cfg.lr, "cpu")
+    w = TrainWeights(_model(), "float32", cfg.optim.lr, "cpu")
     with mode("standard"):
         stats = update(cfg, get_loss("grpo"), w, batch, _inputs(batch, logp), 1, lambda loss: pytest.fail())
     assert stats["optimizer_steps"] == 6

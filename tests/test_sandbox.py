@@ -153,7 +153,7 @@ def test_code_is_found_in_completions(humaneval):
 
 def test_the_task_is_registered(tmp_path):
     assert {"humaneval", "humaneval-partial"} <= set(TASKS)
-    assert TrainConfig(task="humaneval-partial", policy="some-model").task == "humaneval-partial"
+    assert TrainConfig(task="humaneval-partial", policy="some-model").data.task == "humaneval-partial"
     task = make_task("humaneval-partial", seed=3, source=str(_problems(tmp_path, ADD, dict(ADD, task_id="Test/2"))))
     try:
         assert task.kind == "partial" and len(task) == 2

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from helpers import logprobs_off, same_bits, seed_for
 from safetensors.torch import load_file
 
+from workbench.config import get_setting
 from workbench.distributed import launch
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -50,7 +51,7 @@ def _one_process(policy: str, runs: dict[Path, dict], log: Path) -> subprocess.P
     argvs = []
     for out, kw in runs.items():
         cfg = _cfg(policy, out, rollout_ranks=0, **kw)
-        argvs.append(["train", "--no-progress", *(f"{n}={getattr(cfg, n)}" for n in names)])
+        argvs.append(["train", "--no-progress", *(f"{n}={get_setting(cfg, n)}" for n in names)])
     code = (f"import sys\nfrom workbench.__main__ import main\nfor argv in {argvs!r}:\n"
             "    if main(argv) != 0:\n        sys.exit(1)\n")
     with open(log, "w") as f:

@@ -58,7 +58,7 @@ def test_update_equals_the_workbench_trainer(family, master_dtype):
     for backend in ("workbench", "torchtitan"):
         start = build(mc, dtype=dtype, seed=1)
         w = TitanWeights(start, cfg, "cpu") if backend == "torchtitan" else \
-            TrainWeights(start, master_dtype, cfg.lr, "cpu", cfg.weight_decay, cfg.max_grad_norm)
+            TrainWeights(start, master_dtype, cfg.optim.lr, "cpu", cfg.optim.weight_decay, cfg.optim.max_grad_norm)
         norms[backend] = []
         with mode("invariant"):
             for step in (1, 2):
@@ -95,7 +95,7 @@ def test_titan_weights_use_torchtitans_builders():
     group = w.opt.param_groups[0]
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"], group["fused"]) == \
         (3e-3, (0.9, 0.999), 1e-8, 0.01, True)
-    for _ in range(cfg.steps * cfg.mini_batches):
+    for _ in range(cfg.steps * cfg.optim.mini_batches):
         w.lr_schedulers.step()
         assert w.opt.param_groups[0]["lr"] == 3e-3
     assert w.titan.tok_embeddings.weight.data_ptr() == w.model.model.embed_tokens.weight.data_ptr()

@@ -7,9 +7,12 @@ A run's settings can live in a file (YAML, or TOML as torchtitan keeps them), wi
 the command line; both are checked against the same dataclass (`read_config_file`, `parse_overrides`), and
 `write_config` records the resolved settings next to a run's metrics.
 
-A field whose type is itself a config dataclass is a group (`OnOffConfig.run`, a `TrainConfig`). Its settings are
-named by their dotted path (`run.lr`) or, where no other field or group has the name, by their bare name (`lr`):
-on the command line, in files (flat, or nested tables), and in the constructor of a class marked `@flat_names`.
+A field whose type is itself a config dataclass is a group (`TrainConfig.optim`, an `OptimConfig`), and a group
+may hold groups (`OnOffConfig.run`, a `TrainConfig`). A setting is named by its dotted path (`run.optim.lr`), by a
+path that names an inner group's setting by its bare name (`run.lr`), or, where no other field or group has the
+name, by its bare name (`lr`): on the command line, in files (flat, or nested tables), and in the constructor (and
+`dataclasses.replace`) of a class marked `@flat_names`. Code reads the real path (`cfg.optim.lr`); `flat_dict`
+gives a config's settings by those bare names, the layout records and checkpoints keep.
 """
 
 from __future__ import annotations
@@ -74,6 +77,14 @@ def check_choices(obj) -> None:
             raise _choices_error(name, getattr(obj, name), typing.get_args(tp))
 
 
+def check_non_negative(obj, *names: str) -> None:
+    """Number fields that must be finite and >= 0."""
+    for name in names:
+        value = getattr(obj, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
 def check_at_least_one(obj, *names: str) -> None:
     """Integer fields that must be >= 1."""
     for name in names:
@@ -124,18 +135,65 @@ def settings(cls: type) -> tuple[dict[str, type], dict[str, str]]:
 
 
 def canonical(cls: type, key: str) -> str | None:
-    """The dotted path of setting `key` (a field, a dotted path, or a group setting's unique bare name)."""
+    """The dotted path of setting `key` (a field, a dotted path, a group setting's unique bare name, or a group's
+    name followed by a name its class takes: `run.lr` for `run.optim.lr`)."""
     types, aliases = settings(cls)
-    return key if key in types else aliases.get(key)
+    if key in types or key in aliases:
+        return key if key in types else aliases[key]
+    group, _, rest = key.partition(".")
+    inner = canonical(_groups(cls)[group], rest) if rest and group in _groups(cls) else None
+    return f"{group}.{inner}" if inner else None
+
+
+def _names(cls: type) -> list[str]:
+    """Every name `canonical` takes for `cls`'s settings (for the suggestions of an unknown one)."""
+    groups = _groups(cls)
+    own = [f.name for f in dataclasses.fields(cls) if f.name not in groups]
+    return [*own, *settings(cls)[1], *(f"{g}.{n}" for g, inner in groups.items() for n in _names(inner))]
 
 
 def _setting_docs(cls: type) -> dict[str, str]:
     """{name: docstring} of `cls`'s own fields and its groups' settings by bare name."""
     docs = field_docs(cls)
     for bare, path in settings(cls)[1].items():
-        group, _, rest = path.partition(".")
-        docs[bare] = _setting_docs(_groups(cls)[group]).get(rest, "")
+        *groups, name = path.split(".")
+        owner = cls
+        for group in groups:
+            owner = _groups(owner)[group]
+        docs[bare] = field_docs(owner).get(name, "")
     return docs
+
+
+def get_setting(cfg, key: str):
+    """The value of setting `key` (any name `canonical` takes) of config `cfg`."""
+    path = canonical(type(cfg), key)
+    if path is None:
+        raise _unknown("get_setting", key, type(cfg))
+    value = cfg
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def flat_dict(cfg) -> dict:
+    """`dataclasses.asdict(cfg)`, with each group whose settings all go by their bare names in `cfg` merged into it
+    under those names: a TrainConfig as one flat table (the layout of the checkpoints and records written before
+    it had groups, so that they compare key by key), an OnOffConfig's `run` as a table of its own (its out_dir is
+    the experiment's)."""
+    cls = type(cfg)
+    groups, aliases = _groups(cls), settings(cls)[1]
+    out = {}
+    for f in dataclasses.fields(cls):
+        value = getattr(cfg, f.name)
+        if f.name not in groups:
+            out[f.name] = value
+            continue
+        inner = flat_dict(value)
+        if all(aliases.get(k) == f"{f.name}.{canonical(groups[f.name], k)}" for k in inner):
+            out.update(inner)
+        else:
+            out[f.name] = inner
+    return out
 
 
 def options(cls: type) -> dict[str, tuple[type, object]]:
@@ -164,9 +222,10 @@ def flat_names(cls: type[T]) -> type[T]:
     return cls
 
 
-def nest(cls: type, values: dict) -> dict:
+def nest(cls: type, values: dict, base=None) -> dict:
     """`values` by field of `cls`: settings named by dotted path or bare name go into their group (a dataclass
-    given for it, or its default); a group given as a dict (a nested table) is read as its settings."""
+    given for it, else `base`'s, else its default), and so on into the groups it holds; a group given as a dict
+    (a nested table) is read as its settings."""
     groups = _groups(cls)
     out, inner = {}, {g: {} for g in groups}
     for key, value in values.items():
@@ -183,8 +242,11 @@ def nest(cls: type, values: dict) -> dict:
         inner[group][rest] = value
     for group, changes in inner.items():
         if changes:
-            base = out[group] if group in out else _default(cls, group)
-            out[group] = dataclasses.replace(base, **changes)
+            if group in out:
+                start = out[group]
+            else:
+                start = getattr(base, group) if base is not None else _default(cls, group)
+            out[group] = dataclasses.replace(start, **nest(groups[group], changes, start))
     return out
 
 
@@ -220,7 +282,7 @@ def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
 def _unknown(where: str, key: str, cls: type) -> ValueError:
     types, aliases = settings(cls)
     names = [*(n for n in types if "." not in n), *aliases]
-    near = difflib.get_close_matches(key, [*names, *types], n=1)
+    near = difflib.get_close_matches(key, _names(cls), n=1)
     hint = f"; did you mean {near[0]!r}?" if near else f"; valid settings: {', '.join(names)}"
     return ValueError(f"{where}: unknown setting {key!r} for {cls.__name__}{hint}")
 

@@ -1,4 +1,4 @@
-"""The fp8 sampler (`TrainConfig.sampler_precision='fp8'`, the `off-fp8` arm): the generator runs its decoder's
+"""The fp8 sampler (`TrainConfig.rollout.sampler_precision='fp8'`, the `off-fp8` arm): the generator runs its decoder's
 products W8A8 in float8_e4m3fn as vLLM's default fp8 (`quantization="fp8"` on a bf16 checkpoint) runs them, beside
 a bf16 trainer; it holds its own fp8 copy of the weights, refreshed from the bf16 generator weights at every sync.
 

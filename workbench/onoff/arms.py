@@ -56,9 +56,9 @@ class Arm:
     vllm_model: str = "workbench"
     sampler_noise: float = 0.0
     sampler_kernels: str = "trainer"
-    """'trainer' or 'engine' (TrainConfig.sampler_kernels)."""
+    """'trainer' or 'engine' (TrainConfig.rollout.sampler_kernels)."""
     sampler_precision: str = "bf16"
-    """'bf16' or 'fp8' (TrainConfig.sampler_precision)."""
+    """'bf16' or 'fp8' (TrainConfig.rollout.sampler_precision)."""
 
 
 _ENGINE = {"sampler_kernels": "engine"}

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..config import check_at_least_one, flat_names
+from ..config import check_at_least_one, flat_names, get_setting
 from ..policies.selftrained import POLICY_SIZES, PolicyConfig
 from ..rl.config import TrainConfig
 from ..rl.losses import get_loss
@@ -104,7 +104,7 @@ class OnOffConfig:
             raise ValueError(f"checkpoint_every must be >= 0 (0: four times per run), got {self.checkpoint_every}")
         PolicyConfig(size=self.policy_size, target_accuracy=tuple(self.policy_accuracy), device="cpu")
         for name in ("seed", *ARM_FIELDS):  # set per run: a value given for all runs would be dropped unseen
-            if getattr(self.run, name) != getattr(_RUN, name):
+            if get_setting(self.run, name) != get_setting(_RUN, name):
                 by, instead = ("seed", "seeds (e.g. seeds=[0,1])") if name == "seed" else ("arm", "arms")
                 raise ValueError(f"{name} is set per run by its {by} (workbench.onoff.arms), not for all runs: "
                                  f"choose {instead}")
@@ -115,7 +115,7 @@ class OnOffConfig:
         """The TrainConfig of one run: the shared settings (`run`), the arm's, and the seed."""
         return replace(self.run, policy=policy or self.run.policy, out_dir=f"{self.out_dir}/{arm}-seed{seed}",
                        seed=seed, checkpoint_every=self.checkpoint_every or max(1, self.run.steps // 4),
-                       **arm_settings(arm, get_loss(self.run.loss).sequence_level))
+                       **arm_settings(arm, get_loss(self.run.objective.loss).sequence_level))
 
 
 _BLOG = {"policy": SMOLLM2, "task": "facts", "chat_template": False, "prompts_per_step": 5, "group_size": 4,

@@ -30,7 +30,7 @@ def probe(cfg: OnOffConfig, steps: int = 1, lengths: tuple[int, ...] = ()) -> pd
     """Run cfg's arms x seeds for `steps` steps at each of `lengths` (max_new_tokens; empty: cfg's own), each length
     into cfg.out_dir/L<length>; returns `probe_table` of them all. Finished probes are not run again."""
     tables = []
-    for length in lengths or (cfg.run.max_new_tokens,):
+    for length in lengths or (cfg.run.rollout.max_new_tokens,):
         cell = dataclasses.replace(cfg, steps=steps, max_new_tokens=length, out_dir=f"{cfg.out_dir}/L{length}",
                                    keep_checkpoints=False, checkpoint_every=steps)
         tables.append(probe_table(run_on_off(cell), cell))
@@ -42,8 +42,8 @@ def probe_table(metrics: pd.DataFrame, cfg: OnOffConfig) -> pd.DataFrame:
     rows = metrics[metrics.metric.isin(PROBE_METRICS) & (metrics.step <= cfg.run.steps)]
     wide = rows.pivot_table(index=["variant", "seed"], columns="metric", values="value", aggfunc="mean")
     wide = wide.reset_index().rename(columns={"variant": "arm"})
-    for name, value in (("preset", cfg.preset), ("task", cfg.run.task), ("loss", cfg.run.loss),
-                        ("max_new_tokens", cfg.run.max_new_tokens), ("steps", cfg.run.steps)):
+    for name, value in (("preset", cfg.preset), ("task", cfg.run.data.task), ("loss", cfg.run.objective.loss),
+                        ("max_new_tokens", cfg.run.rollout.max_new_tokens), ("steps", cfg.run.steps)):
         wide.insert(0, name, value)
     return wide
 

@@ -197,14 +197,15 @@ def _header(cfg: OnOffConfig, out: Path, done, summary) -> list[str]:
     devices = ", ".join(sorted(set(calls.device.astype(str)))) if "device" in calls else "unknown"
     shas = ", ".join(sorted(set(calls.git_sha.astype(str)))) if "git_sha" in calls else "unknown"
     finished = int(pd.read_csv(out / "runs.csv").finished.astype(bool).sum())
+    run = cfg.run
     return [f"# ON/OFF experiment `{cfg.preset or 'custom'}`{' (smoke)' if cfg.smoke else ''}",
             f"- date {datetime.date.today().isoformat()}; device {devices}; git {shas}",
             (f"- {finished} finished runs: arms {', '.join(f'`{v}`' for v in summary.variant)} "
              f"x seeds {sorted(set(done.seed))}, {int(done.step.max())} steps each; total wall time "
              f"{total_wall_s(out) / 60:.1f} min over {len(calls)} call{'' if len(calls) == 1 else 's'}"),
-            (f"- policy `{cfg.run.policy or 'self-trained ' + cfg.policy_size}`, task `{cfg.run.task}`, loss `{cfg.run.loss}`, "
-             f"{cfg.run.prompts_per_step} prompts x {cfg.run.group_size} samples x {cfg.run.max_new_tokens} new tokens, lr "
-             f"{cfg.run.lr:g}; settings in config.yaml")]
+            (f"- policy `{run.policy or 'self-trained ' + cfg.policy_size}`, task `{run.data.task}`, loss "
+             f"`{run.objective.loss}`, {run.rollout.prompts_per_step} prompts x {run.rollout.group_size} samples x "
+             f"{run.rollout.max_new_tokens} new tokens, lr {run.optim.lr:g}; settings in config.yaml")]
 
 
 def _arm_verdict(folder: Path, done: pd.DataFrame, summary: pd.DataFrame) -> str:

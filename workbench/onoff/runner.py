@@ -36,7 +36,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from ..config import write_config
+from ..config import flat_dict, write_config
 from ..env import environment_record, resolve_device
 from ..models.gguf import file_sha256
 from ..models.hub import resolve_model
@@ -66,7 +66,7 @@ def starting_policy(cfg: OnOffConfig) -> str:
     if cfg.run.policy:
         return cfg.run.policy
     folder = Path(cfg.out_dir) / "policy"
-    policy_cfg = PolicyConfig(size=cfg.policy_size, difficulty=cfg.run.difficulty, max_steps=cfg.policy_steps,
+    policy_cfg = PolicyConfig(size=cfg.policy_size, difficulty=cfg.run.data.difficulty, max_steps=cfg.policy_steps,
                               target_accuracy=tuple(cfg.policy_accuracy), device=resolve_device(cfg.run.device))
     wanted = {k: v for k, v in asdict(policy_cfg).items() if k != "device"}
     wanted["target_accuracy"] = list(wanted["target_accuracy"])
@@ -148,7 +148,7 @@ def execute(run: TrainConfig, deadline: float, keep_checkpoints: bool, first: bo
         return "stopped"
     folder = Path(run.out_dir)
     tmp = folder / f".{RECORD}.tmp"
-    tmp.write_text(json.dumps({"config": asdict(run), "steps": steps}, indent=1))
+    tmp.write_text(json.dumps({"config": flat_dict(run), "steps": steps}, indent=1))
     os.replace(tmp, folder / RECORD)
     if not keep_checkpoints:
         shutil.rmtree(folder / "checkpoints", ignore_errors=True)
@@ -200,7 +200,7 @@ def _run_on_off(cfg: OnOffConfig) -> pd.DataFrame:
     todo = [run for run in todo if run_status(run) != "done"]
     results: dict[str, str] = {}
     failures: list[tuple[str, BaseException]] = []
-    if cfg.workers == 1 and all(run.generator == "embedded" for run in todo):
+    if cfg.workers == 1 and all(run.rollout.generator == "embedded" for run in todo):
         for i, run in enumerate(todo):
             try:
                 results[run.out_dir] = execute(run, deadline, cfg.keep_checkpoints, first=i == 0)
@@ -215,7 +215,7 @@ def _run_on_off(cfg: OnOffConfig) -> pd.DataFrame:
             gpus = _gpu_slots(stack, spawn, cfg.workers, resolve_device(cfg.run.device))
             pool = stack.enter_context(ProcessPoolExecutor(max_workers=cfg.workers, mp_context=spawn,
                                                            max_tasks_per_child=1))
-            futures = {pool.submit(_execute_in_worker, asdict(run), deadline, cfg.keep_checkpoints,
+            futures = {pool.submit(_execute_in_worker, flat_dict(run), deadline, cfg.keep_checkpoints,
                                    i < cfg.workers, gpus): run.out_dir for i, run in enumerate(quiet)}
             for future in as_completed(futures):
                 name = futures[future]

@@ -29,7 +29,6 @@ import json
 import os
 import re
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 
 import pandas as pd
@@ -39,6 +38,7 @@ from safetensors.torch import load_file, save_file
 
 from ..distributed.checkpoint import load as load_sharded
 from ..distributed.checkpoint import save as save_sharded
+from ..config import flat_dict
 from ..env import placed
 from ..files import fsync_path
 from ..models.lora import adapter_state
@@ -59,13 +59,14 @@ _STEP = re.compile(r"step-(\d+)")
 
 
 def config_changes(saved: dict, cfg: TrainConfig) -> dict:
-    """{field: (saved, now)} for every field a resumed run may not change. A field the saved config
-    lacks (a checkpoint from before that field existed) counts as its default."""
+    """{field: (saved, now)} for every field a resumed run may not change, by the settings' bare names (`flat_dict`:
+    a checkpoint from before TrainConfig had groups compares as well). A field the saved config lacks (a
+    checkpoint from before that field existed) counts as its default."""
     def plain(v):  # as JSON holds it
         return list(v) if isinstance(v, tuple) else v
 
-    defaults = asdict(TrainConfig())
-    return {k: (saved.get(k, defaults[k]), v) for k, v in asdict(cfg).items()
+    defaults = flat_dict(TrainConfig())
+    return {k: (saved.get(k, defaults[k]), v) for k, v in flat_dict(cfg).items()
             if k not in _RESUMABLE_CHANGES and plain(saved.get(k, defaults[k])) != plain(v)}
 
 
@@ -124,7 +125,7 @@ def save_sharded_checkpoint(out: Path, step: int, weights: TrainWeights, metrics
         metrics.to_csv(folder / "metrics.csv", index=False)
         _save_lagged(folder, lagged)
 
-    extra = {"config": asdict(cfg), **_lagged_state(lagged)}
+    extra = {"config": flat_dict(cfg), **_lagged_state(lagged)}
     module, group = weights.dcp
     return save_sharded(out / "checkpoints", step, module, weights.opt, version=step, extra=extra, keep=KEEP,
                         group=group, files=files)
@@ -146,7 +147,7 @@ def _save(root: Path, out: Path, step: int, weights: TrainWeights, metrics: pd.D
         save_adapter(tmp, weights.lora, adapter_state(weights.model), base_model=cfg.policy)
         extra["base_checksum"] = weights.base_checksum()
     metrics.to_csv(tmp / "metrics.csv", index=False)
-    (tmp / "state.json").write_text(json.dumps({"step": step, "config": asdict(cfg),
+    (tmp / "state.json").write_text(json.dumps({"step": step, "config": flat_dict(cfg),
                                                 "param_groups": state["param_groups"], **extra}, indent=1))
     for f in tmp.iterdir():
         fsync_path(f)

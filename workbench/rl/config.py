@@ -1,21 +1,20 @@
 """`TrainConfig`: every setting of a GRPO-family run, shared by `python -m workbench train`, the
-experiments and the notebooks' parameter cells. Cross-field checks live here, so a bad combination is
-refused before anything runs."""
+experiments and the notebooks' parameter cells. Its settings come in groups (rollout, objective, optim,
+distributed, checkpoint, data: workbench/rl/groups.py), each setting still named by its bare name (`lr=1e-3`) or
+its path (`optim.lr`). Checks across groups live here, so a bad combination is refused before anything runs."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-from ..config import check_at_least_one, check_choices
-from ..models.config import RECOMPUTE
-from ..models.lora import PROJECTIONS, LoraConfig
-from .losses import AGGREGATIONS, KL_ESTIMATORS, LossConfig, get_loss
-from ..tasks import TASKS
+from ..config import check_at_least_one, check_choices, flat_names
+from .groups import CheckpointConfig, DataConfig, DistributedConfig, ObjectiveConfig, OptimConfig, RolloutConfig
+from .losses import LossConfig, get_loss
 
 
+@flat_names
 @dataclass(frozen=True)
 class TrainConfig:
     policy: str = ""
@@ -26,83 +25,12 @@ class TrainConfig:
     """Where metrics and checkpoints go."""
     kernel_mode: Literal["invariant", "standard"] = "invariant"
     """'invariant' (bitwise generator = trainer) or 'standard' (the mismatched control)."""
-    sampler_kernels: Literal["trainer", "engine"] = "trainer"
-    """The embedded generator's kernels: 'trainer' (the trainer's kernel mode) or 'engine' (with
-    kernel_mode='standard': an inference engine's fast path, the norms, SiLU and RoPE fused and rounded once as
-    vLLM's kernels do, against the trainer's Hugging Face formulas; see onoff/arms.py)."""
-    sampler_precision: Literal["bf16", "fp8"] = "bf16"
-    """The embedded generator's decoder products: 'bf16', or 'fp8' (W8A8 as vLLM's default fp8; with
-    sampler_kernels='engine'; generation/fp8.py)."""
-    task: str = "arithmetic"
-    """'arithmetic' or 'arithmetic-chat' (synthetic), 'counting' (a long checked chain sized to max_new_tokens),
-    'facts' (the blog's five), 'gsm8k', or 'humaneval' / 'humaneval-partial' (code run in the sandbox: every test
-    passed, or the share passed)."""
-    task_source: str = ""
-    """GSM8K only: a folder of train/test .jsonl or .parquet, a file, or a hub id (openai/gsm8k, needs the network);
-    empty: the folder $WORKBENCH_GSM8K names, where set."""
-    question_field: str = "question"
-    """GSM8K only: the data's column holding the question (for your own question/answer files)."""
-    answer_field: str = "answer"
-    """GSM8K only: the data's column holding the answer ('... #### 42', or just the number)."""
-    difficulty: int = 1
-    """Arithmetic difficulty."""
-    loss: str = "grpo"
-    """grpo, dr_grpo, dapo, gspo or blog."""
-    clip_low: float = 0.0
-    """The PPO ratio is clipped below at 1 - clip_low (0: the loss's published value, 0.2; gspo's 3e-4)."""
-    clip_high: float = 0.0
-    """The PPO ratio is clipped above at 1 + clip_high (0: the loss's published value; dapo's clip-higher 0.28)."""
-    aggregation: str = ""
-    """grpo, dr_grpo, dapo: token-mean, seq-mean-token-mean or seq-mean-token-sum-norm (empty: the loss's own)."""
     steps: int = 2
     """Policy updates (the defaults are a CPU smoke run of about 45 s)."""
-    prompts_per_step: int = 2
-    """Prompts sampled per step (under torchrun: shared among the ranks, a multiple of the world size)."""
-    group_size: int = 4
-    """Completions per prompt."""
-    max_new_tokens: int = 4
-    """Completion length limit."""
-    temperature: float = 1.0
-    """Sampling temperature (> 0)."""
-    sampler_noise: float = 0.0
-    """Std of seeded Gaussian noise the generator adds to its logits before sampling: a sampler-trainer mismatch
-    of controlled size, measured each step like the kernels' (dose-response experiments; 0: none)."""
-    lr: float = 1e-3
-    """AdamW learning rate (0 freezes the policy: the frozen-policy probe measures what numerics alone spend)."""
-    weight_decay: float = 0.0
-    """AdamW's decoupled weight decay."""
-    max_grad_norm: float = 0.0
-    """Scale the gradient down to this global norm when it is larger (0: no clipping)."""
-    master_dtype: Literal["float32", "bfloat16"] = "float32"
-    """'float32': AdamW on fp32 master weights, cast to bf16 once per update; 'bfloat16': AdamW on the bf16
-    weights themselves (no masters; bf16 optimizer state and gradient accumulation)."""
-    adapter: Literal["none", "lora"] = "none"
-    """'none' (train every weight) or 'lora' (freeze the base, train LoRA adapters: see docs/lora.md)."""
-    lora_rank: int = 16
-    """adapter='lora': the adapters' rank r."""
-    lora_alpha: float = 32.0
-    """adapter='lora': the adapters' output is scaled by lora_alpha / lora_rank."""
-    lora_targets: tuple[str, ...] = PROJECTIONS
-    """adapter='lora': the projections with adapters (of q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)."""
-    mini_batches: int = 1
-    """Optimizer steps per epoch: the step's sequences are cut into this many mini-batches (PPO)."""
-    epochs: int = 1
-    """Passes over the step's sequences (each pass reshuffled into mini-batches)."""
-    old_logprobs: Literal["recompute", "sampler"] = "recompute"
-    """The PPO ratio's old policy: 'recompute' (the trainer's forward on the sampling weights) or 'sampler'
-    (the generator's own log-probs, as vLLM-based trainers use them)."""
-    max_tokens_per_microbatch: int = 16384
-    """Padded tokens per forward/backward; length-sorted sequences are packed into micro-batches under it."""
-    activation_checkpointing: str = "none"
-    """What the backward recomputes instead of keeping: 'none', 'mlp' (each MLP's products: half the activations,
-    ~15% more compute) or 'layers' (each decoder layer from its input: ~1/3 more); the same gradient bits."""
     seed: int = 0
     """Seed of the data order, the sampling and the starting policy."""
     variant: str = ""
     """This run's name in the metrics' variant column (an experiment's arm); empty: the kernel mode."""
-    time_limit_s: float = 0.0
-    """Stop after the step during which this many seconds have passed, with a checkpoint; resume=True goes on
-    (for machines that allow a few minutes per command; 0: no limit)."""
     parity: Literal["error", "warn"] = "error"
     """In invariant mode, what a log-prob difference does: 'error' or 'warn'."""
     parity_sample: int = 1
@@ -110,196 +38,95 @@ class TrainConfig:
     a different one of each n rows each step, every one at step 1 (1: all). n > 1 needs invariant mode with
     parity='error': the rows not recomputed take the generator's log-probs, which the check shows are the trainer's
     bits on the others."""
-    correction: Literal["none", "tis-token", "tis-sequence", "mask-token", "mask-sequence"] = "none"
-    """Off-policy correction: none, tis-token, tis-sequence, mask-token, mask-sequence."""
-    correction_cap: float = 2.0
-    """Cap C of the correction (truncate at C, or mask outside [1/C, C])."""
-    kl_coef: float = 0.0
-    """Weight of the KL penalty (0: none, and no reference model is built)."""
-    kl_to: Literal["reference", "sampler"] = "reference"
-    """What the KL is measured to: 'reference' (the frozen starting policy) or 'sampler' (the generator)."""
-    kl_estimator: str = "auto"
-    """k1, k2, k3 or 'auto' (k3 in the reward, k2 in the loss); k1 only in the reward (see losses.kl_estimate)."""
-    kl_in_reward: bool = False
-    """Penalise the KL in the advantages (after the task rewards' scaling: see group_advantages), not in the loss."""
-    generator: Literal["embedded", "vllm"] = "embedded"
-    """'embedded' (the workbench's sampler) or 'vllm' (vLLM running the workbench model: needs vLLM, a GPU)."""
-    vllm_model: Literal["workbench", "vllm"] = "workbench"
-    """generator='vllm': 'workbench' (vLLM runs the workbench model and kernels) or 'vllm' (vLLM's own model
-    implementation and kernels: default kernels in standard mode, its batch-invariant ones in invariant mode)."""
-    vllm_memory: float = 0.3
-    """generator='vllm': the share of the GPU's memory vLLM may take."""
-    keep_graphs: bool = True
-    """generator='embedded': keep its KV caches and CUDA graphs from one step's rollouts to the next (captured once,
-    not every step; the same bits in invariant mode); that memory stays held through the update: False where memory
-    is short. No effect with sync='checkpoint' (a new generator model every step)."""
-    sync: Literal["shared", "copy", "checkpoint"] = "shared"
-    """Weight sync into the generator: shared (same bf16 model), copy, or checkpoint (through disk)."""
-    policy_lag: int = 0
-    """0: synchronous; k > 0: the generator samples with the weights k updates behind (needs sync='copy'; the trainer
-    keeps the last k + 1 versions in bf16)."""
-    rollout_ranks: int = 0
-    """Under torchrun: the last this-many ranks only generate, the others only train (0: every rank does both)."""
-    parallel: Literal["replicate", "fsdp2"] = "replicate"
-    """Trainer ranks under torchrun: 'replicate' (each holds all fp32 masters and AdamW state) or 'fsdp2' (sharded)."""
-    trainer_backend: Literal["workbench", "torchtitan"] = "workbench"
-    """The update's forward, backward and optimizer step: 'workbench' (its own) or 'torchtitan' (torchtitan's model,
-    optimizer and LR-scheduler builders and FSDP2 recipe, on the workbench's kernels: workbench/rl/titan_backend.py)."""
-    tensor_parallel: int = 1
-    """Under torchrun, trainer_backend='torchtitan': ranks that split each trainer's products (world = dp x this)."""
-    checkpoint_every: int = 5
-    """Write a resumable checkpoint every this many steps (and at the end)."""
-    resume: bool = False
-    """Continue from the latest checkpoint in out_dir."""
     tensorboard: bool = False
     """Also write every metric to TensorBoard event files in out_dir/tensorboard."""
     device: str = "auto"
     """'cpu', 'cuda' or 'auto' (cuda when there is one)."""
     progress: bool = True
     """A progress bar on the terminal (reward, parity) while training."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The task and its data: task, task_source, question_field, answer_field, difficulty."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """What the generator samples and how it gets the weights: generator, vllm_model, vllm_memory, keep_graphs,
+    sampler_kernels, sampler_precision, sampler_noise, prompts_per_step, group_size, max_new_tokens, temperature,
+    sync, policy_lag."""
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    """What the update minimises: loss, clip_low, clip_high, aggregation, old_logprobs, correction, correction_cap,
+    kl_coef, kl_to, kl_estimator, kl_in_reward."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """How the update optimises, and which weights: lr, weight_decay, max_grad_norm, master_dtype, mini_batches,
+    epochs, max_tokens_per_microbatch, activation_checkpointing, adapter, lora_rank, lora_alpha, lora_targets."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """The ranks' roles under torchrun: rollout_ranks, parallel, trainer_backend, tensor_parallel."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """When the run checkpoints and stops: checkpoint_every, resume, time_limit_s."""
 
     def __post_init__(self):
         check_choices(self)
-        spec = get_loss(self.loss)
-        if not 0 <= self.clip_low < 1:
-            raise ValueError(f"clip_low must lie in [0, 1) (0: the loss's published value), got {self.clip_low!r}")
-        if not (math.isfinite(self.clip_high) and self.clip_high >= 0):
-            raise ValueError(f"clip_high must be a finite number >= 0 (0: the loss's published value), got "
-                             f"{self.clip_high!r}")
-        if self.aggregation and self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"unknown aggregation {self.aggregation!r}; choose one of {', '.join(AGGREGATIONS)}, "
-                             "or leave it empty for the loss's own")
-        if self.aggregation and spec.sequence_level:
-            raise ValueError(f"loss {self.loss!r} averages one term per sequence and takes no aggregation (it would "
-                             "be ignored): leave aggregation empty, or use grpo, dr_grpo or dapo")
-        if self.sampler_kernels == "engine" and (self.kernel_mode != "standard" or self.generator != "embedded"):
+        check_at_least_one(self, "steps")
+        rollout, objective, optim, dist = self.rollout, self.objective, self.optim, self.distributed
+        if rollout.sampler_kernels == "engine" and (self.kernel_mode != "standard" or rollout.generator != "embedded"):
             raise ValueError("sampler_kernels='engine' models an inference engine beside a standard trainer: it needs "
                              "kernel_mode='standard' and generator='embedded'")
-        if self.sampler_precision == "fp8" and (self.sampler_kernels != "engine" or self.adapter != "none"
-                                                or self.rollout_ranks):
+        if rollout.sampler_precision == "fp8" and (rollout.sampler_kernels != "engine" or optim.adapter != "none"
+                                                   or dist.rollout_ranks):
             raise ValueError("sampler_precision='fp8' models an fp8 inference engine beside a bf16 trainer: it needs "
                              "sampler_kernels='engine', adapter='none' and rollout_ranks=0")
-        if self.task not in TASKS:
-            raise ValueError(f"unknown task {self.task!r}; choose one of {', '.join(TASKS)}")
-        if self.group_size < 2:
-            raise ValueError(f"group_size must be at least 2 (GRPO compares samples of one prompt), "
-                             f"got {self.group_size}")
-        for name in ("lr", "weight_decay", "max_grad_norm", "sampler_noise", "time_limit_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 for RL sampling, got {self.temperature!r}")
-        check_at_least_one(self, "steps", "prompts_per_step", "max_new_tokens", "checkpoint_every", "difficulty",
-                           "mini_batches", "epochs", "max_tokens_per_microbatch")
-        if self.mini_batches > self.prompts_per_step * self.group_size:
-            raise ValueError(f"mini_batches={self.mini_batches} exceeds the step's "
-                             f"{self.prompts_per_step * self.group_size} sequences")
-        if self.activation_checkpointing not in RECOMPUTE:
-            raise ValueError(f"activation_checkpointing must be one of {', '.join(RECOMPUTE)} (true/false were "
-                             f"renamed 'layers'/'none'), got {self.activation_checkpointing!r}")
-        LoraConfig(self.lora_rank, self.lora_alpha, self.lora_targets)  # names a bad lora_* field, even unused
-        if self.adapter == "lora" and self.generator == "vllm":
+        sequences = rollout.prompts_per_step * rollout.group_size
+        if optim.mini_batches > sequences:
+            raise ValueError(f"mini_batches={optim.mini_batches} exceeds the step's {sequences} sequences")
+        if optim.adapter == "lora" and rollout.generator == "vllm":
             raise ValueError("adapter='lora' with generator='vllm' is not supported: vLLM would run the adapters "
                              "through its own LoRA kernels, not the trainer's products, and the weight sync "
                              "moves adapters into the embedded generator only. Use generator='embedded' (exact, "
                              "unmerged), or merge the adapters (python -m workbench lora-merge) and serve the "
                              "merged checkpoint")
-        if self.old_logprobs == "sampler" and self.correction != "none":
-            raise ValueError(f"correction {self.correction!r} weighs the trainer's old policy against the sampler; "
-                             "with old_logprobs='sampler' they are one policy and the weight is 1: "
-                             "use old_logprobs='recompute' or correction='none'")
         if not isinstance(self.parity_sample, int) or isinstance(self.parity_sample, bool) or self.parity_sample < 1:
             raise ValueError(f"parity_sample must be an integer >= 1 (1: check every completion), got "
                              f"{self.parity_sample!r}")
-        if self.parity_sample > 1 and (self.kernel_mode != "invariant" or self.sampler_noise or self.parity != "error"
-                                       or (self.generator == "vllm" and self.vllm_model != "workbench")):
+        if self.parity_sample > 1 and (self.kernel_mode != "invariant" or rollout.sampler_noise
+                                       or self.parity != "error"
+                                       or (rollout.generator == "vllm" and rollout.vllm_model != "workbench")):
             raise ValueError(f"parity_sample={self.parity_sample} takes the generator's log-probs for the trainer's "
                              "on the rows it does not check, which holds only where they are the same bits: "
                              "kernel_mode='invariant', no sampler_noise, parity='error' (a run that goes on past a "
                              "difference has none of that), the workbench's own generator kernels; set "
                              "parity_sample=1 to recompute every completion")
-        if self.parity_sample > self.prompts_per_step * self.group_size:
-            raise ValueError(f"parity_sample={self.parity_sample} exceeds the step's "
-                             f"{self.prompts_per_step * self.group_size} completions: some steps would check none; "
-                             "lower it")
-        if get_loss(self.loss).sequence_level and self.correction.endswith("-token"):
-            raise ValueError(f"loss {self.loss!r} has one ratio per sequence: a per-token correction "
-                             f"({self.correction}) has no place in it; use tis-sequence or mask-sequence")
-        if self.kl_coef < 0 or not math.isfinite(self.kl_coef):
-            raise ValueError(f"kl_coef must be a finite number >= 0, got {self.kl_coef!r}")
-        if self.kl_estimator not in ("auto", *KL_ESTIMATORS):
-            raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; choose auto, k1, k2 or k3")
-        if self.kl_estimator == "k1" and self.kl_coef > 0 and not self.kl_in_reward:
-            raise ValueError("kl_estimator='k1' in the loss has a gradient of expectation 0 (it penalises nothing): "
-                             "use k2 (or auto) in the loss, or kl_in_reward=True")
-        if not isinstance(self.policy_lag, int) or isinstance(self.policy_lag, bool) or self.policy_lag < 0:
-            raise ValueError(f"policy_lag must be an integer >= 0 (0: synchronous; k: k updates behind), got "
-                             f"{self.policy_lag!r}")
-        if self.policy_lag and self.sync != "copy":
-            raise ValueError(f"policy_lag={self.policy_lag} keeps the generator's weights apart from the trainer's: "
-                             "use sync='copy'")
-        if self.rollout_ranks < 0:
-            raise ValueError(f"rollout_ranks must be an integer >= 0 (0: every rank generates and trains), got "
-                             f"{self.rollout_ranks!r}")
-        if self.rollout_ranks and self.generator != "embedded":
-            raise ValueError(f"generator={self.generator!r} with rollout_ranks > 0 is not supported yet (the rollout "
-                             "ranks run the embedded generator): use generator='embedded', or rollout_ranks=0")
-        if self.rollout_ranks and self.adapter != "none":
-            raise ValueError(f"adapter={self.adapter!r} with rollout_ranks > 0 is not supported yet (the broadcast "
+        if self.parity_sample > sequences:
+            raise ValueError(f"parity_sample={self.parity_sample} exceeds the step's {sequences} completions: some "
+                             "steps would check none; lower it")
+        if dist.rollout_ranks and rollout.generator != "embedded":
+            raise ValueError(f"generator={rollout.generator!r} with rollout_ranks > 0 is not supported yet (the "
+                             "rollout ranks run the embedded generator): use generator='embedded', or rollout_ranks=0")
+        if dist.rollout_ranks and optim.adapter != "none":
+            raise ValueError(f"adapter={optim.adapter!r} with rollout_ranks > 0 is not supported yet (the broadcast "
                              "moves whole models, not adapters): use rollout_ranks=0 (colocated) for LoRA")
-        if self.rollout_ranks and self.sync != "copy":
-            raise ValueError(f"rollout_ranks={self.rollout_ranks} keeps the generators in processes of their own, "
+        if dist.rollout_ranks and rollout.sync != "copy":
+            raise ValueError(f"rollout_ranks={dist.rollout_ranks} keeps the generators in processes of their own, "
                              "which get the weights by broadcast: use sync='copy'")
-        if self.parallel == "fsdp2" and (self.master_dtype != "float32" or self.adapter != "none"):
+        if dist.parallel == "fsdp2" and (optim.master_dtype != "float32" or optim.adapter != "none"):
             raise ValueError(f"parallel='fsdp2' shards the fp32 masters of full fine-tuning; master_dtype="
-                             f"{self.master_dtype!r} with adapter={self.adapter!r} has none to shard: set "
+                             f"{optim.master_dtype!r} with adapter={optim.adapter!r} has none to shard: set "
                              "master_dtype='float32' and adapter='none', or parallel='replicate'")
-        if self.trainer_backend == "torchtitan" and self.adapter != "none":
+        if dist.trainer_backend == "torchtitan" and optim.adapter != "none":
             raise ValueError(f"trainer_backend='torchtitan' trains every weight (torchtitan has no adapters); "
-                             f"adapter={self.adapter!r} needs trainer_backend='workbench', or set adapter='none'")
-        if not isinstance(self.tensor_parallel, int) or isinstance(self.tensor_parallel, bool) or \
-                self.tensor_parallel < 1:
-            raise ValueError(f"tensor_parallel must be an integer >= 1 (1: none), got {self.tensor_parallel!r}")
-        if self.tensor_parallel > 1:
-            tp = f"tensor_parallel={self.tensor_parallel}"
-            if self.trainer_backend != "torchtitan":
-                raise ValueError(f"{tp} shards torchtitan's model: set trainer_backend='torchtitan', or "
-                                 "tensor_parallel=1")
-            clashes = {"parallel": ("replicate", self.parallel), "master_dtype": ("float32", self.master_dtype),
-                       "rollout_ranks": (0, self.rollout_ranks), "generator": ("embedded", self.generator)}
+                             f"adapter={optim.adapter!r} needs trainer_backend='workbench', or set adapter='none'")
+        if dist.tensor_parallel > 1:
+            clashes = {"parallel": ("replicate", dist.parallel), "master_dtype": ("float32", optim.master_dtype),
+                       "rollout_ranks": (0, dist.rollout_ranks), "generator": ("embedded", rollout.generator)}
             bad = [f"{k}={now!r}" for k, (ok, now) in clashes.items() if now != ok]
             if bad:
-                raise ValueError(f"{tp} is not supported with {', '.join(bad)} (tensor parallelism shards fp32 "
-                                 "masters replicated over the data-parallel groups, every rank generating): set "
-                                 "parallel='replicate', master_dtype='float32', rollout_ranks=0, "
-                                 "generator='embedded', or tensor_parallel=1")
-        if self.generator == "vllm" and self.sync == "shared":
-            raise ValueError("generator='vllm' holds its own copy of the weights: use sync='copy' (in place into "
-                             "the running engine) or sync='checkpoint' (through disk)")
-        if self.generator == "vllm" and self.sampler_noise:
-            raise ValueError("sampler_noise perturbs the embedded generator's logits; vLLM's sampler has no such "
-                             "knob: use generator='embedded'")
-        if not 0 < self.vllm_memory < 1:
-            raise ValueError(f"vllm_memory must lie in (0, 1), got {self.vllm_memory!r}")
-
-    @property
-    def kl_estimator_used(self) -> str:
-        """The KL estimator the run uses: kl_estimator, or with 'auto' k3 in the reward and k2 in the loss."""
-        if self.kl_estimator != "auto":
-            return self.kl_estimator
-        return "k3" if self.kl_in_reward else "k2"
+                raise ValueError(f"tensor_parallel={dist.tensor_parallel} is not supported with {', '.join(bad)} "
+                                 "(tensor parallelism shards fp32 masters replicated over the data-parallel groups, "
+                                 "every rank generating): set parallel='replicate', master_dtype='float32', "
+                                 "rollout_ranks=0, generator='embedded', or tensor_parallel=1")
 
     def loss_config(self) -> LossConfig:
         """The loss's settings: its published ones (`LossSpec.defaults`) with those this config sets."""
-        spec = get_loss(self.loss)
-        aggregation = self.aggregation or spec.defaults.aggregation
-        return dataclasses.replace(spec.defaults, eps_low=self.clip_low or spec.defaults.eps_low,
-                                   eps_high=self.clip_high or spec.defaults.eps_high, aggregation=aggregation,
-                                   norm=self.max_new_tokens if aggregation == "seq-mean-token-sum-norm" else None)
-
-    def lora_config(self) -> LoraConfig | None:
-        """The adapters' settings (adapter='lora'), or None (full fine-tuning)."""
-        if self.adapter != "lora":
-            return None
-        return LoraConfig(self.lora_rank, self.lora_alpha, self.lora_targets)
+        objective = self.objective
+        spec = get_loss(objective.loss)
+        aggregation = objective.aggregation or spec.defaults.aggregation
+        return dataclasses.replace(spec.defaults, eps_low=objective.clip_low or spec.defaults.eps_low,
+                                   eps_high=objective.clip_high or spec.defaults.eps_high, aggregation=aggregation,
+                                   norm=self.rollout.max_new_tokens if aggregation == "seq-mean-token-sum-norm"
+                                   else None)

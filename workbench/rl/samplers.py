@@ -23,7 +23,7 @@ def sampler_kernels(cfg: TrainConfig) -> contextlib.AbstractContextManager:
     """The generator's kernels: the trainer's (the mode in force), or with sampler_kernels='engine' an inference
     engine's: the same standard products and decode attention, with the norms, SiLU and RoPE fused and rounded
     once (FUSED_ROWWISE), where the standard trainer runs Hugging Face's formulas with their bf16 round trips."""
-    return mode("standard", **FUSED_ROWWISE) if cfg.sampler_kernels == "engine" else contextlib.nullcontext()
+    return mode("standard", **FUSED_ROWWISE) if cfg.rollout.sampler_kernels == "engine" else contextlib.nullcontext()
 
 
 @dataclass
@@ -39,13 +39,14 @@ class StepPrompts:
     def __call__(self, step: int) -> tuple[list, list[list[int]], SamplingParams, slice]:
         """(problems, prompts, sampling settings, this rank's rows of the step)."""
         cfg, share = self.cfg, self.share
-        problems = self.task.problems(cfg.prompts_per_step, start=step * cfg.prompts_per_step)[share]
+        problems = self.task.problems(cfg.rollout.prompts_per_step, start=step * cfg.rollout.prompts_per_step)[share]
         prompts = [encode_prompt(self.tok, p.prompt, cfg.chat_template) for p in problems
-                   for _ in range(cfg.group_size)]
-        sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                   for _ in range(cfg.rollout.group_size)]
+        sampling = SamplingParams(temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens,
                                   stop_token_ids=(self.tok.eos_token_id,), seed=cfg.seed * 1_000_003 + step,
-                                  logit_noise=cfg.sampler_noise)
-        return problems, prompts, sampling, slice(share.start * cfg.group_size, share.stop * cfg.group_size)
+                                  logit_noise=cfg.rollout.sampler_noise)
+        group = cfg.rollout.group_size
+        return problems, prompts, sampling, slice(share.start * group, share.stop * group)
 
 
 def generate_rows(generator, cfg: TrainConfig, prompts: list[list[int]], sampling: SamplingParams, rows: slice,
@@ -148,7 +149,7 @@ class Remote:
         # Policy lag k >= 1: step s + 1 samples with version s - k, which exists already (a kept copy): the rollout
         # ranks go on to the next step now, while this one trains. (At lag 0 it needs this step's update.)
         self.sent = []
-        lag = self.sync.cfg.policy_lag
+        lag = self.sync.cfg.rollout.policy_lag
         if lag:
             need = max(step - lag, 0)
             self.sent.append(self.pipeline.advance(step, self.model, need, self.sync.weights_of(need)))

@@ -83,12 +83,13 @@ def scores_in_update(run: Rank, gen_version: int, version: int) -> bool:
             # them) need not give the no-grad forward's bits, which the standard arm's parity statistics measure.
             and cfg.kernel_mode == "invariant"
             # A second mini-batch or epoch trains on moved weights: the old log-probs are the first one's weights'.
-            and cfg.epochs == 1 and cfg.mini_batches == 1
-            and cfg.old_logprobs == "recompute"   # 'sampler': the ratio divides by the generator's log-probs
-            and not (cfg.kl_coef > 0 and cfg.kl_in_reward)   # the penalty needs them before the advantages
+            and cfg.optim.epochs == 1 and cfg.optim.mini_batches == 1
+            and cfg.objective.old_logprobs == "recompute"   # 'sampler': the ratio divides by the generator's log-probs
+            # The penalty needs them before the advantages.
+            and not (cfg.objective.kl_coef > 0 and cfg.objective.kl_in_reward)
             # The correction weighs the old policy against the sampler over whole sequences of the [B, T] layout,
             # and its weights are logged over the step: computed per micro-batch, a sum's grouping could differ.
-            and cfg.correction == "none"
+            and cfg.objective.correction == "none"
             # FSDP2: the sharded module trains, the whole bf16 model scores (a sharded forward is a collective).
             and weights.scorer is weights.module)
 
@@ -114,7 +115,7 @@ def check_parity(run: Rank, step: int, batch: RolloutBatch, recomputed: torch.Te
     if step == 1 and dp.is_main:  # the starting policy's per-token mismatch, for histograms
         save_token_logprobs(run.out / "step1_logprobs.npz", behavior_all, recomputed_all, mask_all)
     # With sampler_noise the mismatch is the experiment's own knob, measured above, not a broken kernel.
-    if cfg.kernel_mode == "invariant" and not cfg.sampler_noise and parity["tokens_differing"]:
+    if cfg.kernel_mode == "invariant" and not cfg.rollout.sampler_noise and parity["tokens_differing"]:
         msg = (f"step {step}: generator and trainer log-probs differ on {parity['tokens_differing']} of "
                f"{parity['tokens']} tokens (max |diff| {parity['max_abs_diff']:.3g}) in invariant mode")
         if cfg.parity == "error":
@@ -147,7 +148,8 @@ class ScorePass:
         # A lagged generator's weights are its own copy's; else the trainer's (the whole bf16 model with FSDP2).
         scorer = run.sampler.generator if rollout.version != step - 1 else run.weights.scorer
         t0 = time.perf_counter()
-        logp, entropy = score(scorer, batch, cfg.max_tokens_per_microbatch, cfg.temperature, with_entropy=True,
+        logp, entropy = score(scorer, batch, cfg.optim.max_tokens_per_microbatch, cfg.rollout.temperature,
+                              with_entropy=True,
                               rows=None if all(rows_checked) else [i for i, ok in enumerate(rows_checked) if ok])
         if logp.is_cuda:   # the kernels run ahead of the host: their end, not their launch
             torch.cuda.synchronize(logp.device)

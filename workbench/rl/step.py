@@ -37,7 +37,7 @@ def train_step(run: Rank, step: int) -> tuple[float, int]:
     t_gen = time.perf_counter()
     rewards, per_sequence = run.rewards(step, rollout, batch)
     scores = run.scoring.begin(step, rollout, batch)
-    spec = get_loss(run.cfg.loss)
+    spec = get_loss(run.cfg.objective.loss)
     rewards_all, advantages, kl_target, later = _advantages(run, spec, rollout, batch, rewards, scores)
     stats = _update(run, spec, step, batch, advantages, kl_target, scores, later)
     t_train = time.perf_counter()
@@ -65,17 +65,18 @@ def _advantages(run: Rank, spec: LossSpec, rollout: Rollout, batch: RolloutBatch
     cfg, dp, mask = run.cfg, run.dp, batch.mask
     later = {}  # metrics logged once the update is known to be finite
     kl_target = None
-    if cfg.kl_coef > 0:
-        kl_target = score(run.reference, batch, cfg.max_tokens_per_microbatch, cfg.temperature)[0] \
+    if cfg.objective.kl_coef > 0:
+        kl_target = score(run.reference, batch, cfg.optim.max_tokens_per_microbatch, cfg.rollout.temperature)[0] \
             if run.reference is not None else batch.behavior
     penalty = torch.zeros_like(rewards)
-    if kl_target is not None and cfg.kl_in_reward:
-        penalty = cfg.kl_coef * (kl_estimate(scores.logp, kl_target, cfg.kl_estimator_used) * mask).sum(1)
+    if kl_target is not None and cfg.objective.kl_in_reward:
+        kl = kl_estimate(scores.logp, kl_target, cfg.objective.kl_estimator_used)
+        penalty = cfg.objective.kl_coef * (kl * mask).sum(1)
         # Logged: the KL's value by k3, as in the loss path (update), whatever estimator the penalty uses.
         later["kl"] = dp.ratio_of_sums((kl_estimate(scores.logp, kl_target, "k3") * mask).sum(), mask.sum())
     # From the whole step's rewards ('batch' scales by all of them), then this rank's rows.
     rewards_all, penalty_all = dp.gather_rows(rewards, penalty)
-    advantages = group_advantages(rewards_all, cfg.group_size, scale=spec.advantage_scale,
+    advantages = group_advantages(rewards_all, cfg.rollout.group_size, scale=spec.advantage_scale,
                                   penalty=penalty_all)[rollout.rows]
     return rewards_all, advantages, kl_target, later
 
@@ -84,14 +85,14 @@ def _update(run: Rank, spec: LossSpec, step: int, batch: RolloutBatch, advantage
             kl_target: torch.Tensor | None, scores: Scores, later: dict) -> dict[str, float]:
     """The update on the step's rollouts, its replicas checked; returns its metrics."""
     cfg, dp, mask = run.cfg, run.dp, batch.mask
-    old = scores.old(cfg.old_logprobs, batch)
+    old = scores.old(cfg.objective.old_logprobs, batch)
     is_weights = None  # the off-policy correction's, not the model's
-    if cfg.correction != "none":
-        kind, level = cfg.correction.split("-")
+    if cfg.objective.correction != "none":
+        kind, level = cfg.objective.correction.split("-")
         is_weights = importance_weights(old, batch.behavior, mask, level, "truncate" if kind == "tis" else "mask",
-                                        cfg.correction_cap)
+                                        cfg.objective.correction_cap)
         later["is_weight_mean"] = dp.ratio_of_sums((is_weights * mask).sum(), mask.sum())
-    inputs = UpdateInputs(advantages, old, is_weights, None if cfg.kl_in_reward else kl_target)
+    inputs = UpdateInputs(advantages, old, is_weights, None if cfg.objective.kl_in_reward else kl_target)
 
     def bad_loss(loss):
         raise FloatingPointError(f"step {step}: the loss is {loss.item()}; {last_good(run.out)}. "

@@ -28,10 +28,10 @@ class WeightSync:
     def __init__(self, cfg: TrainConfig, model, out: Path, device: str, engine=None,
                  lagged: list[tuple[int, dict]] | None = None):
         self.cfg, self.model, self.out, self.device, self.engine = cfg, model, out, device, engine
-        self.lora = cfg.lora_config()
-        self.generator = model if cfg.sync == "shared" else build(model.config, device=device,
+        self.lora = cfg.optim.lora_config()
+        self.generator = model if cfg.rollout.sync == "shared" else build(model.config, device=device,
                                                                   dtype=torch.bfloat16, seed=None)
-        if self.lora is not None and cfg.sync != "shared":
+        if self.lora is not None and cfg.rollout.sync != "shared":
             base = base_state(model)
             copy_weights(base, self.generator)
             attach(self.generator, self.lora)
@@ -48,7 +48,7 @@ class WeightSync:
     def lagged(self) -> list[tuple[int, dict]] | None:
         """The published versions older than the trainer's own, oldest (the generator's) first: what a checkpoint
         must keep (None without a policy lag)."""
-        return self.history[:-1] if self.cfg.policy_lag and self.history else None
+        return self.history[:-1] if self.cfg.rollout.policy_lag and self.history else None
 
     def weights_of(self, version: int) -> dict:
         """The published weights of `version` (policy lag: the last k + 1 are kept)."""
@@ -69,7 +69,8 @@ class WeightSync:
         layout, the same for the same config): one copy and one bitwise comparison on the device, a few tens of
         microseconds of launches where a copy per adapter cost milliseconds of host time. False where either
         model's adapters are not in such a buffer (the general path then runs)."""
-        if self.lora is None or self.cfg.sync != "copy" or self.cfg.policy_lag or self.engine is not None:
+        rollout = self.cfg.rollout
+        if self.lora is None or rollout.sync != "copy" or rollout.policy_lag or self.engine is not None:
             return False
         src, dst = adapter_flat(self.model), adapter_flat(self.generator)
         if src is None or dst is None or src.shape != dst.shape or src.dtype != dst.dtype:
@@ -91,7 +92,7 @@ class WeightSync:
         """Publish the trainer's weights after `version` updates; the generator (and its fp8 copy) moves to the
         version it samples the next step with."""
         self._publish(version)
-        if self.cfg.sampler_precision == "fp8":
+        if self.cfg.rollout.sampler_precision == "fp8":
             if self.fp8 is None:
                 self.fp8 = Fp8Sampler(self.generator)
             else:
@@ -100,16 +101,16 @@ class WeightSync:
     def _publish(self, version: int) -> None:
         cfg = self.cfg
         self.version = version
-        if cfg.sync == "shared" or self._copy_flat_adapters():
+        if cfg.rollout.sync == "shared" or self._copy_flat_adapters():
             return
         current = self._trained(self.model)
         source = current
-        if cfg.policy_lag:
+        if cfg.rollout.policy_lag:
             self.history.append((version, {k: v.detach().clone() for k, v in current.items()}))
-            del self.history[: -(cfg.policy_lag + 1)]
+            del self.history[: -(cfg.rollout.policy_lag + 1)]
             self.version, source = self.history[0]
         self.moved_bytes = sum(v.numel() * v.element_size() for v in source.values())
-        if cfg.sync == "copy":
+        if cfg.rollout.sync == "copy":
             (copy_weights if self.lora is None else copy_adapters)(source, self.generator)
             if self.engine is not None:
                 self.engine.load_weights(source)
@@ -126,4 +127,4 @@ class WeightSync:
         for who, ok in synced.items():
             if not ok:
                 raise RuntimeError(f"the {who}'s weights differ from the trainer's version {self.version} after "
-                                   f"the sync ({cfg.sync}); the sync path is broken")
+                                   f"the sync ({cfg.rollout.sync}); the sync path is broken")

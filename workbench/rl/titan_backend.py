@@ -1,4 +1,4 @@
-"""torchtitan as the RL update's trainer (`TrainConfig.trainer_backend='torchtitan'`): `TitanWeights`, the
+"""torchtitan as the RL update's trainer (`trainer_backend='torchtitan'`): `TitanWeights`, the
 `TrainWeights` interface on torchtitan's components. Rollouts, rewards, advantages, losses and the parity check stay
 the workbench's; the update runs torchtitan's model (its ops on the workbench's kernels), its optimizer and LR
 scheduler builders (constant rate: every factor 1.0), its `clip_grad_norm_`, its FSDP2 recipe and `titan.tp`'s
@@ -118,14 +118,14 @@ class TitanWeights(TrainWeights):
         `tp_mesh`: the 1-D mesh of this rank's tensor-parallel group (`tensor_parallel`)."""
         (build_lr_schedulers, build_optimizers, LRScheduler, Optimizer, ParallelDims, self._clip_grad_norm,
          _) = _titan()
-        if cfg.adapter != "none":
+        if cfg.optim.adapter != "none":
             raise ValueError("trainer_backend='torchtitan' trains every weight: set adapter='none'")
-        if (shard_group is not None or tp_mesh is not None) and cfg.master_dtype != "float32":
+        if (shard_group is not None or tp_mesh is not None) and cfg.optim.master_dtype != "float32":
             raise ValueError("FSDP2 and tensor parallelism shard the fp32 masters: master_dtype='float32'")
         if shard_group is not None and tp_mesh is not None:
             raise ValueError("tensor_parallel > 1 with parallel='fsdp2' is not supported: use parallel='replicate'")
-        self.max_grad_norm = cfg.max_grad_norm
-        self.has_masters = cfg.master_dtype == "float32"
+        self.max_grad_norm = cfg.optim.max_grad_norm
+        self.has_masters = cfg.optim.master_dtype == "float32"
         self.lora = None
         self._base_checksum = None
         self.grad_buffer = None
@@ -179,13 +179,14 @@ class TitanWeights(TrainWeights):
         tp = 1 if tp_mesh is None else tp_mesh.size()
         dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=world * tp)
         self.optimizers = build_optimizers(
-            [master_module], Optimizer(name="AdamW", lr=cfg.lr, beta1=ADAMW_BETAS[0], beta2=ADAMW_BETAS[1],
-                                       eps=ADAMW_EPS, weight_decay=cfg.weight_decay, implementation="fused"), dims)
+            [master_module], Optimizer(name="AdamW", lr=cfg.optim.lr, beta1=ADAMW_BETAS[0], beta2=ADAMW_BETAS[1],
+                                       eps=ADAMW_EPS, weight_decay=cfg.optim.weight_decay, implementation="fused"),
+            dims)
         # The torch AdamW torchtitan built (one model part): TrainWeights steps it one layer group at a time, and the
         # workbench's checkpoints save its state as they save their own.
         self.opt = self.optimizers.optimizers[0]
         self.lr_schedulers = build_lr_schedulers(self.optimizers, LRScheduler(warmup_steps=0, decay_ratio=0.0),
-                                                 cfg.steps * cfg.epochs * cfg.mini_batches)
+                                                 cfg.steps * cfg.optim.epochs * cfg.optim.mini_batches)
         self.sync_model()
 
     @property

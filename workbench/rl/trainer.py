@@ -34,9 +34,9 @@ def train(cfg: TrainConfig) -> pd.DataFrame:
     locked while the run writes into it (`rundir.claim`); one that holds a run is refused unless resumed."""
     out, main = Path(cfg.out_dir), os.environ.get("RANK", "0") == "0"
     # Rank 0 alone writes the run's files, so it alone claims the folder; every rank decides whether there is work.
-    with claim(cfg.out_dir, "train", holds=RUN_FILES, resume=cfg.resume,
+    with claim(cfg.out_dir, "train", holds=RUN_FILES, resume=cfg.checkpoint.resume,
                resumable=lambda: latest_checkpoint(out) is not None) if main else contextlib.nullcontext() as folder:
-        last = latest_checkpoint(out) if cfg.resume else None
+        last = latest_checkpoint(out) if cfg.checkpoint.resume else None
         if last is not None and (at := json.loads((last / "state.json").read_text())["step"]) >= cfg.steps:
             if main:
                 print(f"nothing to do: the run is at step {at} ({out}, steps={cfg.steps})", flush=True)
@@ -64,20 +64,20 @@ def _train(cfg: TrainConfig, fresh: bool) -> pd.DataFrame:
                 bar.set_postfix(reward=f"{reward:.3f}", differing=differing)
                 bar.update(1)
                 # One decision for every rank, or the ranks that go on would wait for the others forever.
-                late = time.perf_counter() - start > cfg.time_limit_s
-                out_of_time = bool(cfg.time_limit_s) and run.trainers.any(late)
+                late = time.perf_counter() - start > cfg.checkpoint.time_limit_s
+                out_of_time = bool(cfg.checkpoint.time_limit_s) and run.trainers.any(late)
                 # Read once: a Ctrl-C that comes after the checkpoint decision (during the metrics' write) stops
                 # at the next step's end, never before a checkpoint of the step it stops at.
                 stopping = stop.requested
-                if step % cfg.checkpoint_every == 0 or step == cfg.steps or out_of_time or stopping:
+                if step % cfg.checkpoint.checkpoint_every == 0 or step == cfg.steps or out_of_time or stopping:
                     run.checkpoint(step)
                 run.log.write()   # metrics.csv current after every step, also when the process is killed
                 if stopping and step < cfg.steps:   # Ctrl-C: checkpointed at this step's end
                     raise KeyboardInterrupt
                 if out_of_time and step < cfg.steps:
                     if run.dp.is_main:
-                        print(f"{cfg.out_dir}: time limit ({cfg.time_limit_s:.0f} s) reached after step {step} of "
-                              f"{cfg.steps}; checkpointed, continue with resume=True")
+                        print(f"{cfg.out_dir}: time limit ({cfg.checkpoint.time_limit_s:.0f} s) reached after step "
+                              f"{step} of {cfg.steps}; checkpointed, continue with resume=True")
                     break
     finally:
         bar.close()

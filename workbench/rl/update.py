@@ -47,7 +47,7 @@ def _mini_batches(n: int, cfg: TrainConfig, step: int, epoch: int, rank: int = 0
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1_009 + epoch)
     first = rank * n
     return [(len(part), part[(part >= first) & (part < first + n)] - first)
-            for part in torch.randperm(n * world, generator=g).tensor_split(cfg.mini_batches)]
+            for part in torch.randperm(n * world, generator=g).tensor_split(cfg.optim.mini_batches)]
 
 
 def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: RolloutBatch, inputs: UpdateInputs,
@@ -60,7 +60,7 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
     `scored(logp, entropy)`: the update's forward is the step's scoring pass (module docstring); it gets the [B, T]
     log-probs and entropies of this rank's rows before the loss check and the optimizer step, and may raise.
     """
-    if scored is not None and (cfg.epochs, cfg.mini_batches, weights.sharded) != (1, 1, None):
+    if scored is not None and (cfg.optim.epochs, cfg.optim.mini_batches, weights.sharded) != (1, 1, None):
         raise ValueError("the update's forward scores the step only in one epoch of one mini-batch, unsharded")
     if scored is None and inputs.old is None:
         raise ValueError("no old log-probs: give inputs.old, or score in the update (scored)")
@@ -71,11 +71,11 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
     grad_norm = 0.0
     updates = 0
     place = (0, 1) if dp is None else (dp.rank, dp.world_size)
-    plan = [_mini_batches(len(batch), cfg, step, epoch, *place) for epoch in range(cfg.epochs)]
+    plan = [_mini_batches(len(batch), cfg, step, epoch, *place) for epoch in range(cfg.optim.epochs)]
     # Each mini-batch's real tokens over every rank, for its loss's normalisation: one reduction per update.
     tokens = torch.stack([batch.mask[rows.to(batch.device)].sum() for parts in plan for _, rows in parts])
     tokens = iter((tokens if dp is None else dp.sum(tokens)).tolist())
-    budget = cfg.max_tokens_per_microbatch
+    budget = cfg.optim.max_tokens_per_microbatch
     counts = None
     if scored is not None:   # the step's log-probs and entropies, 0 on padding (as `logprobs.score`'s)
         step_logp, step_entropy = torch.zeros_like(batch.mask), torch.zeros_like(batch.mask)
@@ -96,8 +96,8 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
                 weights.before_backward(last=i == runs - 1)
                 # The entropy (detached, for the log) changes no log-prob bit: linear_logprobs computes the lse
                 # either way, and its backward gets no entropy gradient.
-                logp, entropy = completion_logprobs(model, mb, cfg.temperature, with_entropy=scored is not None,
-                                                    recompute=cfg.activation_checkpointing)
+                logp, entropy = completion_logprobs(model, mb, cfg.rollout.temperature, with_entropy=scored is not None,
+                                                    recompute=cfg.optim.activation_checkpointing)
                 cols = slice(0, mb.width)
                 if scored is not None:
                     step_logp[mb.index, cols], step_entropy[mb.index, cols] = logp.detach(), entropy
@@ -107,8 +107,9 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
                 loss, stats = spec.fn(logp, old, inputs.advantages[mb.index], mask, loss_cfg, w, totals)
                 if inputs.kl_target is not None:
                     target = inputs.kl_target[mb.index, cols]
-                    kl = kl_estimate(logp, target, cfg.kl_estimator_used) * mask
-                    loss = loss + cfg.kl_coef * aggregate(kl, mask, loss_cfg.aggregation, loss_cfg.norm, totals)
+                    kl = kl_estimate(logp, target, cfg.objective.kl_estimator_used) * mask
+                    loss = loss + cfg.objective.kl_coef * aggregate(kl, mask, loss_cfg.aggregation, loss_cfg.norm,
+                                                                    totals)
                     # Logged: the KL's value by k3 (unbiased, never negative), whichever estimator the gradient needs.
                     sums["kl"] += (kl_estimate(logp.detach(), target, "k3") * mask).sum() / max(totals.tokens, 1)
                 loss.backward()
@@ -118,7 +119,8 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
             for i in range(len(mbs), runs):   # FSDP2 only: this rank's row 0, its loss times zero
                 weights.before_backward(last=i == runs - 1)
                 filler = batch.micro_batches(torch.arange(1), budget)[0]
-                logp, _ = completion_logprobs(model, filler, cfg.temperature, recompute=cfg.activation_checkpointing)
+                logp, _ = completion_logprobs(model, filler, cfg.rollout.temperature,
+                                              recompute=cfg.optim.activation_checkpointing)
                 (logp.sum() * 0.0).backward()
             if scored is not None:   # before the loss check, as the scoring pass came before the update
                 scored(step_logp, step_entropy)

@@ -24,7 +24,7 @@ from typing import Any
 
 import pandas as pd
 
-from ..config import write_config
+from ..config import flat_dict, write_config
 from ..onoff.config import OnOffConfig, preset_base
 from ..onoff.runner import RunFailed, run_on_off
 from ..rl.checkpoint import latest_checkpoint
@@ -122,7 +122,7 @@ def _sweep(cfg: SweepConfig) -> pd.DataFrame:
             runs[name] = experiment.config(**{**experiment.base(point), **point, "out_dir": str(out / name)})
         except ValueError as e:
             raise ValueError(f"grid point {name}: {e}") from None
-    settings = {name: {k: v for k, v in dataclasses.asdict(run).items() if k != "out_dir"}
+    settings = {name: {k: v for k, v in flat_dict(run).items() if k != "out_dir"}
                 for name, run in runs.items()}
     # A finished point is skipped; one finished with other settings is an error, before anything runs.
     status = {name: "skipped" for name in runs if finished(out / name / FINISHED, settings[name])}
