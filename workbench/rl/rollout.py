@@ -4,11 +4,14 @@
 is the t-th completion token, right-padded to the longest completion), the generator's log-probs and the
 mask of real tokens: the [B, T] contract of `losses.py`.
 
-`micro_batches` cuts any subset of the sequences into forwards of at most `max_tokens` padded tokens:
-sorted by length (longest first, ties by index), packed greedily, each padded to its own longest sequence.
-A sequence longer than the budget gets a micro-batch of its own. The split is a function of the lengths
-and the budget only, so a run is reproducible; in `invariant` mode a token's log-prob does not depend on
-it at all (every kernel is batch-invariant and padding is never read by a real token).
+`micro_batches` cuts any subset of the sequences into forwards of at most `max_tokens` tokens: sorted by
+length (longest first, ties by index), taken greedily. Padded, each micro-batch is [b, T] right-padded to its
+own longest sequence and the budget counts the padding; packed (`models.Packed`, what the workbench's own model
+runs), its sequences sit end to end in one row [1, N] and the budget counts real tokens only, so no forward
+or backward work goes to padding. A sequence longer than the budget gets a micro-batch of its own. The split is
+a function of the lengths and the budget only, so a run is reproducible; in `invariant` mode a token's log-prob
+does not depend on it at all, nor on the layout (every kernel is batch-invariant, padding is never read by a
+real token, and packed attention gives each sequence the padded kernel's bits).
 """
 
 from __future__ import annotations
@@ -18,25 +21,30 @@ from functools import cached_property
 
 import torch
 
+from ..models.transformer import Packed
+
 
 @dataclass
 class MicroBatch:
     index: torch.Tensor
     """[b] rows of the RolloutBatch."""
     ids: torch.Tensor
-    """[b, T] prompt + completion ids, right-padded."""
+    """[b, T] prompt + completion ids, right-padded; packed: [1, N], the b sequences end to end."""
     lens: torch.Tensor
     """[b] int32 sequence lengths."""
     rows: torch.Tensor
-    """[n] row of each completion token's predicting position (n = real completion tokens)."""
+    """[n] the sequence (0..b-1) of each completion token (n = real completion tokens)."""
     positions: torch.Tensor
-    """[n] the position whose hidden state predicts the token (its own position - 1)."""
+    """[n] the position whose hidden state predicts the token (its own position - 1); packed: that position's
+    column of the row [1, N]."""
     columns: torch.Tensor
     """[n] the token's column in the [b, width] completion layout."""
     targets: torch.Tensor
     """[n] the completion tokens."""
     width: int
     """The longest completion in this micro-batch."""
+    packed: Packed | None = None
+    """The packed layout of `ids` (cu_seqlens, each token's position), or None: padded."""
 
 
 @dataclass
@@ -75,21 +83,24 @@ class RolloutBatch:
     def device(self) -> torch.device:
         return self.mask.device
 
-    def micro_batches(self, index: torch.Tensor | None, max_tokens: int) -> list[MicroBatch]:
-        """The rows `index` (default all) cut into micro-batches of at most `max_tokens` padded tokens."""
-        return [self._micro_batch(g) for g in self.row_groups(index, max_tokens)]
+    def micro_batches(self, index: torch.Tensor | None, max_tokens: int, packed: bool = False) -> list[MicroBatch]:
+        """The rows `index` (default all) cut into micro-batches of at most `max_tokens` tokens: padded ones
+        (counting the padding), or packed ones (real tokens only)."""
+        make = self._packed_batch if packed else self._micro_batch
+        return [make(g) for g in self.row_groups(index, max_tokens, packed)]
 
-    def row_groups(self, index: torch.Tensor | None, max_tokens: int) -> list[list[int]]:
+    def row_groups(self, index: torch.Tensor | None, max_tokens: int, packed: bool = False) -> list[list[int]]:
         """The rows of each micro-batch `micro_batches` cuts (host only: how many there will be, cheaply)."""
         rows = list(range(len(self))) if index is None else [int(i) for i in index]
         length = {i: len(self.prompts[i]) + len(self.completions[i]) for i in rows}
         order = sorted(rows, key=lambda i: (-length[i], i))
-        groups, current = [], []
+        groups, current, tokens = [], [], 0
         for i in order:
-            # Longest first: the group's padded width is its first member's length.
-            if current and (len(current) + 1) * length[current[0]] > max_tokens:
+            # Longest first: a padded group's width is its first member's length.
+            tokens = tokens + length[i] if packed else (len(current) + 1) * length[current[0] if current else i]
+            if current and tokens > max_tokens:
                 groups.append(current)
-                current = []
+                current, tokens = [], length[i]
             current.append(i)
         if current:
             groups.append(current)
@@ -126,3 +137,28 @@ class RolloutBatch:
         index, r, pos, col, tgt, lens, flat = packed.split([len(rows), len(r), len(r), len(r), len(r), len(rows),
                                                            ids.numel()])
         return MicroBatch(index, flat.view(ids.shape), lens.to(torch.int32), r, pos, col, tgt, int(n.max()))
+
+    def _packed_batch(self, rows: list[int]) -> MicroBatch:
+        """The rows' sequences end to end in one row [1, N] (N their real tokens), with their `Packed` layout."""
+        all_ids, plen, clen = self._padded
+        index = torch.tensor(rows, dtype=torch.long)
+        p, n = plen[index], clen[index]
+        lens = p + n
+        ids = all_ids[index, : int(lens.max())]
+        flat = ids[torch.arange(ids.shape[1])[None, :] < lens[:, None]]     # [N], row after row
+        first = lens.cumsum(0) - lens                                       # [b] each sequence's first token
+        tok_pos = torch.arange(len(flat)) - torch.repeat_interleave(first, lens)
+        r = torch.repeat_interleave(torch.arange(len(rows)), n)           # each completion token's sequence
+        col = torch.arange(len(r)) - torch.repeat_interleave(n.cumsum(0) - n, n)
+        pos = p[r] - 1 + col                                                # the position that predicts it
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+        # One host-to-device copy, as `_micro_batch`'s.
+        packed = torch.cat([index, r, first[r] + pos, col, ids[r, pos + 1], lens, cu, tok_pos, flat])
+        if self.device.type == "cuda":
+            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        else:
+            packed = packed.to(self.device)
+        index, r, at, col, tgt, lens_d, cu, tok_pos, flat = packed.split(
+            [len(rows), len(r), len(r), len(r), len(r), len(rows), len(rows) + 1, len(flat), len(flat)])
+        return MicroBatch(index, flat[None], lens_d.to(torch.int32), r, at, col, tgt, int(n.max()),
+                          Packed(cu.to(torch.int32), tok_pos, int(lens.max())))
