@@ -2,8 +2,8 @@
 trainer's forward and backward over a micro-batch cut by real tokens.
 
 Layout: q [N, Hq, D], k, v [N, Hkv, D]: sequence b is rows cu_seqlens[b]:cu_seqlens[b+1] (cu_seqlens [S+1] int32,
-rising from 0), its row i at position i of that sequence; causal within each sequence, no key of another sequence
-seen. max_len bounds the sequences' lengths (the launch grid).
+rising from 0 to N), its row i at position i of that sequence; causal within each sequence, no key of another
+sequence seen. max_len bounds the sequences' lengths (the launch grid).
 
 Numerics contract (mode `invariant`): `attention.py`'s training kernel, per sequence. A sequence's rows are read
 through its base pointer (row cu_seqlens[b]) and otherwise run the same code: the forward is `_kv_loop` (KV tiles of
@@ -13,8 +13,8 @@ and `_dq_tiles`, with `attention_config` and `attention_bwd_config`, and delta i
 the padded kernel's, so every output row, and every row of dQ, dK, dV, is the bits `attention` gives that sequence
 in a right-padded batch, whatever the other sequences, their order or the packing. Programs: (query or key block,
 sequence x head) with the block fastest on grid axis 0, as the padded kernels; a block past its sequence's length
-returns at once. Rows past cu_seqlens[-1] get zeros and pass no gradient. cu_seqlens is clamped to [0, N] on the
-GPU (nothing is read on the host) and checked, with an error, for CPU tensors.
+returns at once. cu_seqlens is clamped to [0, N] on the GPU (nothing is read on the host) and checked, with an
+error, for CPU tensors.
 
 `standard` mode: PyTorch's FlashAttention-2 varlen (`aten._flash_attention_forward` with cu_seqlens, and its
 backward) where it runs (a GPU of sm80 or newer, bf16/fp16, head_dim a multiple of 8 up to 256), else each
@@ -151,6 +151,8 @@ def _check_varlen(q, k, v, cu_seqlens, max_len) -> None:
         check_float(op, name, t)
         if t.dim() != 3:
             raise ValueError(f"{op}: `{name}` must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{op}: `{name}` must be contiguous in head_dim (stride 1); call .contiguous() on it")
     check_same(op, {"q": q, "k": k, "v": v})
     n, hq, d = q.shape
     if k.shape != v.shape or k.shape[0] != n or k.shape[2] != d or k.shape[1] == 0 or hq % k.shape[1]:
@@ -166,9 +168,9 @@ def _check_varlen(q, k, v, cu_seqlens, max_len) -> None:
     if q.device.type == "cpu":
         # Free on the CPU; on the GPU the kernels clamp instead, to stay sync-free.
         lens = cu_seqlens[1:] - cu_seqlens[:-1]
-        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) > n or (lens.numel() and (int(lens.min()) < 0
-                                                                                      or int(lens.max()) > max_len)):
-            raise ValueError(f"{op}: cu_seqlens must rise from 0 to at most the {n} rows, in steps of at most max_len "
+        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != n or (lens.numel() and (int(lens.min()) < 0
+                                                                                       or int(lens.max()) > max_len)):
+            raise ValueError(f"{op}: cu_seqlens must rise from 0 to the {n} rows, in steps of at most max_len "
                              f"({max_len}); got {cu_seqlens.tolist()[:8]}")
 
 
@@ -256,7 +258,7 @@ def _padded(q, k, v, cu_seqlens, max_len: int):
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     i = torch.arange(max_len, device=q.device)
     real = i[None, :] < lens[:, None]                                        # [S, max_len]
-    rows = (first[:, None] + i).clamp(max=max(n - 1, 0))                     # [S, max_len]
+    rows = (first[:, None] + i).clamp(max=n - 1)                             # [S, max_len]
     o = attention_standard(q[rows], k[rows], v[rows], lens.to(torch.int32))  # [S, max_len, Hq, D]
     return out.index_put((rows[real],), o[real])
 
@@ -265,12 +267,9 @@ def attention_varlen_standard(q, k, v, cu_seqlens, max_len: int):
     """PyTorch's FlashAttention-2 varlen where it runs, else SDPA on each sequence padded to max_len."""
     _check_varlen(q, k, v, cu_seqlens, max_len)
     if _flash_ok(q) and q.shape[0] and max_len:
-        n = int(cu_seqlens.shape[0]) - 1
-        out = torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True,
-                                                      False)[0]
-        # Rows past cu_seqlens[-1] belong to no sequence: zeros, as the invariant kernel's.
-        tail = torch.arange(q.shape[0], device=q.device) >= cu_seqlens[n]
-        return out.masked_fill(tail[:, None, None], 0.0)
+        # Differentiable: autograd's formula for it is FlashAttention-2's varlen backward.
+        return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True,
+                                                       False)[0]
     return _padded(q, k, v, cu_seqlens, max_len)
 
 
@@ -284,7 +283,7 @@ def attention_varlen(q, k, v, cu_seqlens, max_len: int):
 
 
 def attention_varlen_reference(q, k, v, cu_seqlens, max_len: int):
-    """fp64 reference: each sequence by `attention.attention_reference`; rows of no sequence are zeros."""
+    """fp64 reference: each sequence by `attention.attention_reference`."""
     out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
     for lo, hi in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
         if hi > lo:
