@@ -4,10 +4,11 @@
 The families differ only in config flags (`ModelConfig`): per-head q/k RMSNorm (Qwen3), q/k/v
 biases (Qwen2), tied or untied embeddings, the RoPE base and scaling, the head width.
 
-The same module serves the trainer (a full forward over a right-padded batch)
-and the generator (prefill and decode against a static, preallocated KV cache):
-in `invariant` mode a token's logits are the same bits either way. Its own forward has one
-path, each projection its own product; the generator's fast paths (packed products, fused
+The same module serves the trainer (a full forward over a right-padded batch, or over
+sequences packed end to end without padding: `PackedSequences`) and the generator
+(prefill and decode against a static, preallocated KV cache): in `invariant` mode a
+token's logits are the same bits every way. Its own forward has one path, each
+projection its own product; the generator's fast paths (packed products, fused
 kernels) are chosen once, by the view it holds (`decoding.DecodingModel`).
 
 Parameter names are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`),
@@ -101,7 +102,7 @@ class PagedKVCache:
 
 
 @dataclass
-class Packed:
+class PackedSequences:
     """A training forward's sequences packed end to end in one row [1, N], without padding (the trainer's
     micro-batches cut by real tokens): sequence s is tokens cu_seqlens[s]:cu_seqlens[s+1]. Every op but attention
     is row-wise and attention is `attention_varlen`, so in `invariant` mode a token gets the bits of a padded
@@ -197,10 +198,10 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     def attend(self, q, k, v, seq_lens, cache, layer, start, end):
-        """Attention over the batch (no cache; seq_lens a `Packed` for a packed row) or the cache (the step's K/V
-        written, then read), then o_proj."""
+        """Attention over the batch (no cache; seq_lens a `PackedSequences` for a packed row) or the cache (the
+        step's K/V written, then read), then o_proj."""
         b, t = q.shape[:2]
-        if isinstance(seq_lens, Packed):                                    # q [1, N, Hq, D]
+        if isinstance(seq_lens, PackedSequences):                           # q [1, N, Hq, D]
             o = attention_varlen(q[0], k[0], v[0], seq_lens.cu_seqlens, seq_lens.max_len)[None]
         elif cache is None:
             o = attention(q, k, v, seq_lens)                                # [B, T, Hq, D]
@@ -309,7 +310,7 @@ class CausalLM(nn.Module):
         return rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling, device=device)
 
     def hidden_states(self, input_ids, seq_lens=None, cache: KVCache | None = None, start=None,
-                      recompute: str = "none", sublayers=None, packed: Packed | None = None):
+                      recompute: str = "none", sublayers=None, packed: PackedSequences | None = None):
         """Final-norm hidden states [B, T, H]; see `forward`. sublayers: per layer the (attention, mlp) to run
         instead of its modules (`DecodingModel`'s paths). packed: input_ids [1, N] are the sequences `packed`
         describes, end to end (a training forward without padding; no seq_lens, cache or start).

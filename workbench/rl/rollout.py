@@ -6,9 +6,9 @@ mask of real tokens: the [B, T] contract of `losses.py`.
 
 `micro_batches` cuts any subset of the sequences into forwards of at most `max_tokens` tokens: sorted by
 length (longest first, ties by index), taken greedily. Padded, each micro-batch is [b, T] right-padded to its
-own longest sequence and the budget counts the padding; packed (`models.Packed`, what the workbench's own model
-runs), its sequences sit end to end in one row [1, N] and the budget counts real tokens only, so no forward
-or backward work goes to padding. A sequence longer than the budget gets a micro-batch of its own. The split is
+own longest sequence and the budget counts the padding; packed (`PackedSequences`, what the workbench's own
+model runs), its sequences sit end to end in one row [1, N] and the budget counts real tokens only, so no
+forward or backward work goes to padding. A sequence longer than the budget gets a micro-batch of its own. The split is
 a function of the lengths and the budget only, so a run is reproducible; in `invariant` mode a token's log-prob
 does not depend on it at all, nor on the layout (every kernel is batch-invariant, padding is never read by a
 real token, and packed attention gives each sequence the padded kernel's bits).
@@ -21,7 +21,7 @@ from functools import cached_property
 
 import torch
 
-from ..models.transformer import Packed
+from ..models.transformer import PackedSequences
 
 
 @dataclass
@@ -43,7 +43,7 @@ class MicroBatch:
     """[n] the completion tokens."""
     width: int
     """The longest completion in this micro-batch."""
-    packed: Packed | None = None
+    packed: PackedSequences | None = None
     """The packed layout of `ids` (cu_seqlens, each token's position), or None: padded."""
 
 
@@ -139,7 +139,7 @@ class RolloutBatch:
         return MicroBatch(index, flat.view(ids.shape), lens.to(torch.int32), r, pos, col, tgt, int(n.max()))
 
     def _packed_batch(self, rows: list[int]) -> MicroBatch:
-        """The rows' sequences end to end in one row [1, N] (N their real tokens), with their `Packed` layout."""
+        """The rows' sequences end to end in one row [1, N] (N their real tokens), with their layout."""
         all_ids, plen, clen = self._padded
         index = torch.tensor(rows, dtype=torch.long)
         p, n = plen[index], clen[index]
@@ -161,4 +161,4 @@ class RolloutBatch:
         index, r, at, col, tgt, lens_d, cu, tok_pos, flat = packed.split(
             [len(rows), len(r), len(r), len(r), len(r), len(rows), len(rows) + 1, len(flat), len(flat)])
         return MicroBatch(index, flat[None], lens_d.to(torch.int32), r, at, col, tgt, int(n.max()),
-                          Packed(cu.to(torch.int32), tok_pos, int(lens.max())))
+                          PackedSequences(cu.to(torch.int32), tok_pos, int(lens.max())))
