@@ -46,11 +46,16 @@ from .runtime import check_device, check_float, check_same, interpreting, pdl_en
 
 
 @triton.jit
-def _seq_bounds(cu_ptr, b, n_tokens):
-    # Sequence b's first row and length, clamped to the N rows (so a bad cu_seqlens never reads past them).
+def _program(cu_ptr, n_blocks, n_heads, n_tokens):
+    # This program's (block, head, its sequence's first row, that sequence's length): programs are numbered
+    # (block, sequence x head) with the block fastest on grid axis 0, as the padded kernels'. The bounds are clamped
+    # to the N rows, so a bad cu_seqlens never reads past them.
+    pid = tl.program_id(0) % n_blocks
+    bh = tl.program_id(0) // n_blocks
+    b = bh // n_heads
     first = tl.minimum(tl.maximum(tl.load(cu_ptr + b), 0), n_tokens)
     end = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1), first), n_tokens)
-    return first.to(tl.int64), (end - first).to(tl.int32)
+    return pid, bh % n_heads, first.to(tl.int64), (end - first).to(tl.int32)
 
 
 @triton.jit
@@ -64,12 +69,8 @@ def _varlen_fwd_kernel(
     # `_attn_fwd_kernel` with q_start 0 and kv_len the sequence's length, every address moved by its first row:
     # `_kv_loop` takes that row as its "batch" index with the token stride as the batch stride.
     pdl_enter(PDL)
-    pid_m = tl.program_id(0) % n_m
-    bh = tl.program_id(0) // n_m
-    b = bh // n_q_heads
-    h = bh % n_q_heads
+    pid_m, h, first, seq_len = _program(cu_ptr, n_m, n_q_heads, n_tokens)
     kvh = h // group
-    first, seq_len = _seq_bounds(cu_ptr, b, n_tokens)
     if pid_m * BLOCK_M < seq_len:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -95,11 +96,7 @@ def _varlen_bwd_dkdv_kernel(
     # `_attn_bwd_dkdv_kernel` per sequence: q, dO share q's strides; k, v, dK, dV share k's; lse and delta are
     # [Hq, N]. dK, dV start as zeros (the launcher's), so rows of no sequence keep them.
     pdl_enter(PDL)
-    pid_n = tl.program_id(0) % n_n
-    bhk = tl.program_id(0) // n_n
-    b = bhk // n_kv_heads
-    kvh = bhk % n_kv_heads
-    first, seq_len = _seq_bounds(cu_ptr, b, n_tokens)
+    pid_n, kvh, first, seq_len = _program(cu_ptr, n_n, n_kv_heads, n_tokens)
     if pid_n * BLOCK_N < seq_len:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -123,12 +120,8 @@ def _varlen_bwd_dq_kernel(
 ):
     # `_attn_bwd_dq_kernel` per sequence.
     pdl_enter(PDL)
-    pid_m = tl.program_id(0) % n_m
-    bh = tl.program_id(0) // n_m
-    b = bh // n_q_heads
-    h = bh % n_q_heads
+    pid_m, h, first, seq_len = _program(cu_ptr, n_m, n_q_heads, n_tokens)
     kvh = h // group
-    first, seq_len = _seq_bounds(cu_ptr, b, n_tokens)
     if pid_m * BLOCK_M < seq_len:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)

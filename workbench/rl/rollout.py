@@ -86,8 +86,7 @@ class RolloutBatch:
     def micro_batches(self, index: torch.Tensor | None, max_tokens: int, packed: bool = False) -> list[MicroBatch]:
         """The rows `index` (default all) cut into micro-batches of at most `max_tokens` tokens: padded ones
         (counting the padding), or packed ones (real tokens only)."""
-        make = self._packed_batch if packed else self._micro_batch
-        return [make(g) for g in self.row_groups(index, max_tokens, packed)]
+        return [self._micro_batch(g, packed) for g in self.row_groups(index, max_tokens, packed)]
 
     def row_groups(self, index: torch.Tensor | None, max_tokens: int, packed: bool = False) -> list[list[int]]:
         """The rows of each micro-batch `micro_batches` cuts (host only: how many there will be, cheaply)."""
@@ -118,47 +117,33 @@ class RolloutBatch:
             ids[i, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
         return ids, plen, clen
 
-    def _micro_batch(self, rows: list[int]) -> MicroBatch:
+    def _micro_batch(self, rows: list[int], packed: bool) -> MicroBatch:
         all_ids, plen, clen = self._padded
         index = torch.tensor(rows, dtype=torch.long)
         p, n = plen[index], clen[index]
         lens = p + n
         ids = all_ids[index, : int(lens.max())]
-        r = torch.repeat_interleave(torch.arange(len(rows)), n)           # each completion token's row
-        col = torch.arange(len(r)) - torch.repeat_interleave(n.cumsum(0) - n, n)
-        pos = p[r] - 1 + col                                                # the position that predicts it
-        # One host-to-device copy for all the index tensors, from pinned memory so that it is queued behind the
-        # previous micro-batch's backward instead of waiting for it (a copy from pageable memory syncs).
-        packed = torch.cat([index, r, pos, col, ids[r, pos + 1], lens, ids.flatten()])
-        if self.device.type == "cuda":
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
-        else:
-            packed = packed.to(self.device)
-        index, r, pos, col, tgt, lens, flat = packed.split([len(rows), len(r), len(r), len(r), len(r), len(rows),
-                                                           ids.numel()])
-        return MicroBatch(index, flat.view(ids.shape), lens.to(torch.int32), r, pos, col, tgt, int(n.max()))
-
-    def _packed_batch(self, rows: list[int]) -> MicroBatch:
-        """The rows' sequences end to end in one row [1, N] (N their real tokens), with their layout."""
-        all_ids, plen, clen = self._padded
-        index = torch.tensor(rows, dtype=torch.long)
-        p, n = plen[index], clen[index]
-        lens = p + n
-        ids = all_ids[index, : int(lens.max())]
-        flat = ids[torch.arange(ids.shape[1])[None, :] < lens[:, None]]     # [N], row after row
-        first = lens.cumsum(0) - lens                                       # [b] each sequence's first token
-        tok_pos = torch.arange(len(flat)) - torch.repeat_interleave(first, lens)
         r = torch.repeat_interleave(torch.arange(len(rows)), n)           # each completion token's sequence
         col = torch.arange(len(r)) - torch.repeat_interleave(n.cumsum(0) - n, n)
         pos = p[r] - 1 + col                                                # the position that predicts it
-        cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
-        # One host-to-device copy, as `_micro_batch`'s.
-        packed = torch.cat([index, r, first[r] + pos, col, ids[r, pos + 1], lens, cu, tok_pos, flat])
-        if self.device.type == "cuda":
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        if packed:   # [1, N]: the sequences end to end; a position's column is its sequence's first token's + it
+            first = lens.cumsum(0) - lens
+            flat = ids[torch.arange(ids.shape[1])[None, :] < lens[:, None]]
+            layout = [torch.cat([first, lens.sum()[None]]),                            # cu_seqlens
+                      torch.arange(len(flat)) - torch.repeat_interleave(first, lens)]    # each token's position
+            at = first[r] + pos
         else:
-            packed = packed.to(self.device)
-        index, r, at, col, tgt, lens_d, cu, tok_pos, flat = packed.split(
-            [len(rows), len(r), len(r), len(r), len(r), len(rows), len(rows) + 1, len(flat), len(flat)])
+            flat, layout, at = ids.flatten(), [], pos
+        # One host-to-device copy for all the index tensors, from pinned memory so that it is queued behind the
+        # previous micro-batch's backward instead of waiting for it (a copy from pageable memory syncs).
+        parts = [index, r, at, col, ids[r, pos + 1], lens, *layout, flat]
+        host = torch.cat(parts)
+        if self.device.type == "cuda":
+            host = host.pin_memory().to(self.device, non_blocking=True)
+        else:
+            host = host.to(self.device)
+        index, r, at, col, tgt, lens_d, *layout, flat = host.split([len(x) for x in parts])
+        if not packed:
+            return MicroBatch(index, flat.view(ids.shape), lens_d.to(torch.int32), r, at, col, tgt, int(n.max()))
         return MicroBatch(index, flat[None], lens_d.to(torch.int32), r, at, col, tgt, int(n.max()),
-                          PackedSequences(cu.to(torch.int32), tok_pos, int(lens.max())))
+                          PackedSequences(layout[0].to(torch.int32), layout[1], ids.shape[1]))
