@@ -30,7 +30,7 @@ from workbench.kernels import token_logprobs
 from workbench.kernels.matmul import matmul
 from workbench.models import RECOMPUTE, build
 from workbench.rl.config import TrainConfig
-from workbench.rl.logprobs import completion_logprobs, score
+from workbench.rl.logprobs import completion_logprobs, packs, score
 from workbench.rl.losses import get_loss
 from workbench.rl.rollout import RolloutBatch
 from workbench.rl.update import UpdateInputs, update
@@ -144,9 +144,10 @@ def _busy_ms(prof) -> tuple[float, float, int]:
 
 
 def forward_backward(weights, batch, budget: int) -> None:
-    """The update's forward and backward over `batch` (no optimizer step, no host sync between micro-batches)."""
+    """The update's forward and backward over `batch` (no optimizer step, no host sync between micro-batches), in
+    the trainer's micro-batch layout."""
     weights.zero_grad()
-    for mb in batch.micro_batches(None, budget):
+    for mb in batch.micro_batches(None, budget, packs(weights.model)):
         logp, _ = completion_logprobs(weights.model, mb, 1.0)
         (-(logp * batch.mask[mb.index, :mb.width]).sum() / batch.mask.sum()).backward()
 
