@@ -8,10 +8,10 @@ mask of real tokens: the [B, T] contract of `losses.py`.
 length (longest first, ties by index), taken greedily. Padded, each micro-batch is [b, T] right-padded to its
 own longest sequence and the budget counts the padding; packed (`PackedSequences`, what the workbench's own
 model runs), its sequences sit end to end in one row [1, N] and the budget counts real tokens only, so no
-forward or backward work goes to padding. A sequence longer than the budget gets a micro-batch of its own. The split is
-a function of the lengths and the budget only, so a run is reproducible; in `invariant` mode a token's log-prob
-does not depend on it at all, nor on the layout (every kernel is batch-invariant, padding is never read by a
-real token, and packed attention gives each sequence the padded kernel's bits).
+forward or backward work goes to padding. A sequence longer than the budget gets a micro-batch of its own.
+The split is a function of the lengths and the budget only, so a run is reproducible; in `invariant` mode a
+token's log-prob does not depend on it at all, nor on the layout (every kernel is batch-invariant, padding is
+never read by a real token, and packed attention gives each sequence the padded kernel's bits).
 """
 
 from __future__ import annotations
