@@ -79,6 +79,10 @@ def test_packed_logprobs_are_the_padded_bits_and_the_generators(model):
         whole = score(model, batch, 10_000, TEMPERATURE)[0]
         cut = score(model, batch, 16, TEMPERATURE)[0]
         padded = _padded_logprobs(model, batch, 10_000)
+    with mode("standard"):   # a smoke bound: standard kernels' bits may follow the layout (what the project measures)
+        std_packed, std_padded = score(model, batch, 16, TEMPERATURE)[0], _padded_logprobs(model, batch, 16)
+    torch.testing.assert_close(std_packed, std_padded, atol=2e-2, rtol=0, msg=lambda m: f"seed {seed}: {m}")
+    torch.testing.assert_close(std_packed, whole, atol=5e-2, rtol=0, msg=lambda m: f"seed {seed}: {m}")
     assert len(batch.micro_batches(None, 16, packed=True)) > 1, f"seed {seed}: the budget cuts nothing"
     assert torch.equal(whole, padded), f"seed {seed}: packed vs padded"
     assert torch.equal(cut, whole), f"seed {seed}: the packed split moved a bit"
