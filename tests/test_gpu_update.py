@@ -105,7 +105,8 @@ def _mixed(seed: int, n: int = 32, vocab: int = 49152) -> RolloutBatch:
     g = torch.Generator().manual_seed(seed)
     comp = torch.randint(1, 1025, (n,), generator=g)
     comp[torch.randperm(n, generator=g)[: n // 3]] = 1024
-    prompts = [torch.randint(0, vocab, (int(torch.randint(60, 100, ())),), generator=g).tolist() for _ in range(n)]
+    prompts = [torch.randint(0, vocab, (int(torch.randint(60, 100, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
     comps = [torch.randint(0, vocab, (int(c),), generator=g).tolist() for c in comp]
     mask = (torch.arange(1024)[None, :] < comp[:, None]).float().cuda()
     return RolloutBatch(prompts, comps, torch.zeros_like(mask), mask, pad_id=0)
