@@ -1,6 +1,7 @@
 """The trainer's update on a real GPU at the Qwen3-1.7B shape (random weights): the fused log-probs are the
 generator's bits, a token's log-prob does not depend on its micro-batch, activation checkpointing keeps the
-gradient bits (with the backward on autograd's device thread), and the standard control differs."""
+gradient bits (with the backward on autograd's device thread), and the standard control differs; at the
+SmolLM2-135M shape with the regime's lengths, packed micro-batches give the padded ones' log-prob bits."""
 
 from __future__ import annotations
 
