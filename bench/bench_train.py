@@ -82,7 +82,7 @@ def real_tokens(batch: RolloutBatch) -> int:
 
 
 def layout(packed: bool):
-    """The trainer packs the workbench's model's micro-batches (`rl.logprobs.packs`); padded=False gives the
+    """The trainer packs the workbench's model's micro-batches (`rl.logprobs.packs`); packed=False gives the
     right-padded micro-batches it ran before, for the comparison."""
     if packed:
         return contextlib.nullcontext()
