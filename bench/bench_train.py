@@ -9,6 +9,7 @@ kernels, as Liger users run it), and the previous trainer's update (one forward 
 log-probs over the whole vocabulary, backward).
 
     python bench/bench_train.py [--shape qwen3-1.7B] [--out FILE.md] [--quick] [--sizes 512] [--configs 8192 16384]
+    python bench/bench_train.py --shape smollm2-135M --mixed --sizes 64   # the regime's lengths: packed vs padded
     python bench/bench_train.py --breakdown   # where a micro-batch's GPU time goes, and each projection vs cuBLAS
     python bench/bench_train.py --breakdown --lm-head-rows 16384   # the same with a micro-batch's logits kept
 """
@@ -16,8 +17,10 @@ log-probs over the whole vocabulary, backward).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import time
+from unittest import mock
 
 import torch
 
@@ -27,7 +30,7 @@ from workbench.kernels import token_logprobs
 from workbench.kernels.matmul import matmul
 from workbench.models import RECOMPUTE, build
 from workbench.rl.config import TrainConfig
-from workbench.rl.logprobs import completion_logprobs, score
+from workbench.rl.logprobs import completion_logprobs, packs, score
 from workbench.rl.losses import get_loss
 from workbench.rl.rollout import RolloutBatch
 from workbench.rl.update import UpdateInputs, update
@@ -52,13 +55,41 @@ def make_weights(shape: str) -> TrainWeights:
     return TrainWeights(random_start(shape), "float32", 1e-6, "cuda")
 
 
-def make_batch(n: int, t: int, vocab: int, seed: int, device: str = "cuda") -> RolloutBatch:
-    """n sequences of t tokens: a quarter prompt, the rest completion, random ids."""
+MIXED_PROMPT = 80
+"""--mixed: prompt tokens per sequence (the regime's GSM8K prompts, ~80)."""
+
+
+def make_batch(n: int, t: int, vocab: int, seed: int, device: str = "cuda", mixed: bool = False) -> RolloutBatch:
+    """n sequences of t tokens: a quarter prompt, the rest completion, random ids. mixed: prompts of
+    MIXED_PROMPT tokens and completions of up to t tokens as the regime's (a third at t, the rest uniform in
+    [1, t]), which a padded micro-batch pads to its longest."""
     g = torch.Generator().manual_seed(seed)
-    p = t // 4
-    ids = torch.randint(0, vocab, (n, t), generator=g)
-    mask = torch.ones(n, t - p, device=device)
-    return RolloutBatch(ids[:, :p].tolist(), ids[:, p:].tolist(), torch.zeros_like(mask), mask, pad_id=0)
+    if not mixed:
+        p = t // 4
+        ids = torch.randint(0, vocab, (n, t), generator=g)
+        mask = torch.ones(n, t - p, device=device)
+        return RolloutBatch(ids[:, :p].tolist(), ids[:, p:].tolist(), torch.zeros_like(mask), mask, pad_id=0)
+    lens = torch.randint(1, t + 1, (n,), generator=g)
+    lens[torch.randperm(n, generator=g)[: n // 3]] = t
+    ids = torch.randint(0, vocab, (n, MIXED_PROMPT + t), generator=g)
+    mask = (torch.arange(t)[None, :] < lens[:, None]).float().to(device)
+    return RolloutBatch(ids[:, :MIXED_PROMPT].tolist(), [ids[i, MIXED_PROMPT:MIXED_PROMPT + int(c)].tolist()
+                        for i, c in enumerate(lens)], torch.zeros_like(mask), mask, pad_id=0)
+
+
+def real_tokens(batch: RolloutBatch) -> int:
+    return sum(len(p) + len(c) for p, c in zip(batch.prompts, batch.completions))
+
+
+def layout(packed: bool):
+    """The trainer packs the workbench's model's micro-batches (`rl.logprobs.packs`); packed=False gives the
+    right-padded micro-batches it ran before, for the comparison."""
+    if packed:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for where in ("workbench.rl.update.packs", "workbench.rl.logprobs.packs"):
+        stack.enter_context(mock.patch(where, lambda model: False))
+    return stack
 
 
 def _timed(fn):
@@ -70,12 +101,13 @@ def _timed(fn):
     return out, time.perf_counter() - t
 
 
-def new_update(weights, batch, row_mode: str, budget: int, recompute: str) -> tuple[float, float]:
-    """(seconds of the scoring pass, seconds of the update) of one GRPO step on `batch`."""
+def new_update(weights, batch, row_mode: str, budget: int, recompute: str, packed: bool = True) -> tuple[float, float]:
+    """(seconds of the scoring pass, seconds of the update) of one GRPO step on `batch`, its micro-batches packed or
+    padded."""
     cfg = TrainConfig(kernel_mode=MODES[row_mode][0], max_tokens_per_microbatch=budget,
                       activation_checkpointing=recompute, group_size=8, prompts_per_step=max(len(batch) // 8, 1),
                       max_new_tokens=batch.mask.shape[1])
-    with in_mode(row_mode):
+    with in_mode(row_mode), layout(packed):
         (old, _), t_score = _timed(lambda: score(weights.model, batch, budget, 1.0))
         adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(1)).cuda()
         inputs = UpdateInputs(adv, old, None, None)
@@ -112,9 +144,10 @@ def _busy_ms(prof) -> tuple[float, float, int]:
 
 
 def forward_backward(weights, batch, budget: int) -> None:
-    """The update's forward and backward over `batch` (no optimizer step, no host sync between micro-batches)."""
+    """The update's forward and backward over `batch` (no optimizer step, no host sync between micro-batches), in
+    the trainer's micro-batch layout."""
     weights.zero_grad()
-    for mb in batch.micro_batches(None, budget):
+    for mb in batch.micro_batches(None, budget, packs(weights.model)):
         logp, _ = completion_logprobs(weights.model, mb, 1.0)
         (-(logp * batch.mask[mb.index, :mb.width]).sum() / batch.mask.sum()).backward()
 
@@ -192,6 +225,11 @@ def main() -> None:
                     help="micro-batch token budgets, +mlp or +layers for activation checkpointing (e.g. 8192 "
                          "16384+mlp 32768+layers)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--mixed", action="store_true",
+                    help=f"the regime's lengths: prompts of {MIXED_PROMPT} tokens, completions a third at 1,024, the "
+                         "rest uniform in [1, 1,024]; tokens/s counts real tokens")
+    ap.add_argument("--layouts", nargs="+", choices=["packed", "padded"],
+                    help="micro-batch layouts (default: packed, the trainer's; with --mixed packed and padded)")
     ap.add_argument("--breakdown", action="store_true",
                     help="instead of the table: GPU busy fraction and kernels of one 16 x 1,024 micro-batch's forward "
                          "and backward per mode, and each projection's products vs cuBLAS")
@@ -227,29 +265,36 @@ def main() -> None:
              "| mode | path | B x T | micro-batch tokens | recompute | update tokens/s | MFU | scoring tokens/s "
              "| peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
     sizes = a.sizes or ([8, 64] if a.quick else [8, 64, 512])
+    layouts = a.layouts or (["packed", "padded"] if a.mixed else ["packed"])
+    if a.mixed:
+        lines[2] += (f" --mixed: prompts of {MIXED_PROMPT} tokens, completions a third at 1,024 and the rest uniform "
+                     "in [1, 1,024] (B x T gives the longest); tokens/s counts real tokens, not padding.")
     for kernel_mode in a.modes:
         for budget, recompute in a.configs:
-            try:  # warm-up: compilation, allocator
-                new_update(weights, make_batch(8, 1024, vocab, seed=1), kernel_mode, budget, recompute)
-            except torch.OutOfMemoryError:
-                torch.cuda.empty_cache()
-            for n in sizes:
-                batch = make_batch(n, 1024, vocab, seed=n)
-                torch.cuda.reset_peak_memory_stats()
-                try:
-                    t_score, t_update = new_update(weights, batch, kernel_mode, budget, recompute)
+            for lay in layouts:
+                try:  # warm-up: compilation, allocator
+                    new_update(weights, make_batch(8, 1024, vocab, seed=1, mixed=a.mixed), kernel_mode, budget,
+                               recompute, lay == "packed")
                 except torch.OutOfMemoryError:
-                    lines.append(f"| {kernel_mode} | fused | {n} x 1024 | {budget} | {recompute} | OOM | | | > 78 |")
                     torch.cuda.empty_cache()
-                    continue
-                tokens = n * 1024
-                tps = tokens / t_update
-                lines.append(f"| {kernel_mode} | fused | {n} x 1024 | {budget} | {recompute} | "
-                             f"{tps:,.0f} | {tps * flops_per_token / peak:.2f} | {tokens / t_score:,.0f} | "
-                             f"{torch.cuda.max_memory_allocated() / 2**30:.1f} |")
-                print(lines[-1], flush=True)
-                del batch
-                torch.cuda.empty_cache()
+                for n in sizes:
+                    batch = make_batch(n, 1024, vocab, seed=n, mixed=a.mixed)
+                    torch.cuda.reset_peak_memory_stats()
+                    path, shape = f"fused, {lay}", f"{n} x {1024 + (MIXED_PROMPT if a.mixed else 0)}"
+                    try:
+                        t_score, t_update = new_update(weights, batch, kernel_mode, budget, recompute, lay == "packed")
+                    except torch.OutOfMemoryError:
+                        lines.append(f"| {kernel_mode} | {path} | {shape} | {budget} | {recompute} | OOM | | | > 78 |")
+                        torch.cuda.empty_cache()
+                        continue
+                    tokens = real_tokens(batch)
+                    tps = tokens / t_update
+                    lines.append(f"| {kernel_mode} | {path} | {shape} | {budget} | {recompute} | "
+                                 f"{tps:,.0f} | {tps * flops_per_token / peak:.2f} | {tokens / t_score:,.0f} | "
+                                 f"{torch.cuda.max_memory_allocated() / 2**30:.1f} |")
+                    print(lines[-1], flush=True)
+                    del batch
+                    torch.cuda.empty_cache()
         for n, t in ((8, 512), (16, 512)):
             old_update(weights, n, t, kernel_mode)
             torch.cuda.reset_peak_memory_stats()

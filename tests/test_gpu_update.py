@@ -1,6 +1,7 @@
 """The trainer's update on a real GPU at the Qwen3-1.7B shape (random weights): the fused log-probs are the
 generator's bits, a token's log-prob does not depend on its micro-batch, activation checkpointing keeps the
-gradient bits (with the backward on autograd's device thread), and the standard control differs."""
+gradient bits (with the backward on autograd's device thread), and the standard control differs; at the
+SmolLM2-135M shape with the regime's lengths, packed micro-batches give the padded ones' log-prob bits."""
 
 from __future__ import annotations
 
@@ -93,3 +94,54 @@ def test_activation_checkpointing_keeps_the_gradient_bits(model, kernel_mode):
     for recompute in RECOMPUTE[1:]:
         for k in grads["none"]:
             assert torch.equal(grads["none"][k], grads[recompute][k]), f"{k} ({recompute})"
+
+
+@pytest.fixture(scope="module")
+def small():
+    return random_gpu_model("smollm2-135M")
+
+
+def _mixed(seed: int, n: int = 32, vocab: int = 49152) -> RolloutBatch:
+    """The regime's lengths: prompts ~80 tokens, completions a third at 1,024, the rest uniform."""
+    g = torch.Generator().manual_seed(seed)
+    comp = torch.randint(1, 1025, (n,), generator=g)
+    comp[torch.randperm(n, generator=g)[: n // 3]] = 1024
+    prompts = [torch.randint(0, vocab, (int(torch.randint(60, 100, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    comps = [torch.randint(0, vocab, (int(c),), generator=g).tolist() for c in comp]
+    mask = (torch.arange(1024)[None, :] < comp[:, None]).float().cuda()
+    return RolloutBatch(prompts, comps, torch.zeros_like(mask), mask, pad_id=0)
+
+
+def test_packed_micro_batches_are_the_padded_bits_at_the_smollm2_shape(small):
+    """SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64), the regime's lengths: the log-probs through packed
+    micro-batches (`score`'s, at several budgets) are the padded micro-batches' bits in invariant mode; the
+    gradients are close (dW's sums group the tokens otherwise) and activation checkpointing keeps the packed
+    gradient's bits; standard mode differs (the control)."""
+    batch = _mixed(5)
+    real = batch.mask.bool()
+    with mode("invariant"):
+        padded = torch.zeros_like(batch.mask)
+        for mb in batch.micro_batches(None, 16384):
+            padded[mb.index, : mb.width] = completion_logprobs(small, mb, 1.0)[0]
+        for budget in (4096, 16384, 1 << 20):
+            packed, _ = score(small, batch, budget, 1.0)
+            assert torch.equal(packed[real], padded[real]), f"budget {budget}: " \
+                f"{int((packed != padded)[real].sum())} tokens differ"
+    with mode("standard"):
+        std, _ = score(small, batch, 16384, 1.0)
+    assert not torch.equal(std[real], padded[real]), "standard kernels differ from the invariant ones"
+    few = _mixed(6, n=6)
+    grads = {}
+    for name, mb, recompute in [("padded", few.micro_batches(None, 1 << 20)[0], "none")] + \
+            [(f"packed {r}", few.micro_batches(None, 1 << 20, packed=True)[0], r) for r in RECOMPUTE]:
+        small.zero_grad(set_to_none=True)
+        with mode("invariant"):
+            logp, _ = completion_logprobs(small, mb, 1.0, recompute=recompute)
+        (logp * torch.linspace(-1, 1, logp.numel(), device="cuda").view_as(logp)).sum().backward()
+        grads[name] = {k: p.grad.float().clone() for k, p in small.named_parameters()}
+    small.zero_grad(set_to_none=True)
+    for k, g in grads["padded"].items():
+        assert (grads["packed none"][k] - g).norm() <= 2e-2 * g.norm() + 1e-6, k
+        for r in RECOMPUTE[1:]:
+            assert torch.equal(grads[f"packed {r}"][k], grads["packed none"][k]), f"{k} ({r})"

@@ -23,6 +23,7 @@ tests/test_kernels.py (CPU) and tests/test_gpu.py.
 | rope_cache_write | rope_cache.py | the unfused ops' bits | invariant only | rope_cache.rope_cache_write_reference | test_rope_cache.py |
 | gumbel_argmax | gumbel.py | row-invariant | one path | gumbel.gumbel_argmax_reference | kernels/test_gumbel_argmax.py |
 | attention_paged | attention_paged.py | row-invariant | follows attention | attention_paged.attention_paged_reference | kernels/test_attention_paged.py |
+| attention_varlen | attention_varlen.py | row-invariant | follows attention | attention_varlen.attention_varlen_reference | kernels/test_attention_varlen.py |
 | paged_kv_write | attention_paged.py | exact | one path | attention_paged.paged_kv_write_reference | kernels/test_attention_paged.py |
 | row_cumsum | cumsum.py | row-invariant | one path | cumsum.row_cumsum_reference | kernels/test_row_cumsum.py |
 | rms_norm_add | rmsnorm.py | row-invariant | follows rms_norm | rmsnorm.rms_norm_add_reference | kernels/test_rms_norm_add.py |
@@ -39,6 +40,7 @@ from .runtime import interpreting, pdl
 from .registry import REGISTRY, Op  # before the op functions below shadow their modules' names
 from .attention import attention, attention_with_cache
 from .attention_paged import attention_paged, paged_kv_write
+from .attention_varlen import attention_varlen
 from .cumsum import row_cumsum
 from .embedding import embedding
 from .gumbel import gumbel_argmax
@@ -63,6 +65,7 @@ __all__ = [
     "apply_rope",
     "attention",
     "attention_paged",
+    "attention_varlen",
     "attention_with_cache",
     "current_state",
     "embedding",

@@ -194,6 +194,61 @@ def _attn_bwd_delta_kernel(O, DO, DELTA, sot, soh, n_q_heads, T, BLOCK_M: tl.con
 
 
 @triton.jit
+def _dkdv_tiles(Q, DO, LSE, DELTA, q_base, sqt, sqh, lse_base, lse_sh, k, v, kvh, group, offs_n, nmask, lo, seq_len,
+                qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                DOT_IN_FP32: tl.constexpr, IEEE: tl.constexpr):
+    # dK, dV (fp32, dK unscaled) of one key block of one sequence: over the query heads of its KV head, then the
+    # query blocks from `lo` up, in that fixed order. The sequence's query row i sits at Q + q_base + i * sqt (+ the
+    # head), its lse and delta at lse_base + h * lse_sh + i: shared by the padded and the varlen kernels
+    # (`attention_varlen.py`), so both sum a key's gradient in one order.
+    offs_d = tl.arange(0, HEAD_DIM)
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    for g in range(0, group):
+        h = kvh * group + g
+        row_base = lse_base + h * lse_sh
+        for start_m in range(lo, seq_len, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            mmask = offs_m < seq_len
+            q_off = q_base + offs_m[:, None] * sqt + h * sqh + offs_d[None, :]
+            q = tl.load(Q + q_off, mask=mmask[:, None], other=0.0)
+            do = tl.load(DO + q_off, mask=mmask[:, None], other=0.0)
+            lse = tl.load(LSE + row_base + offs_m, mask=mmask, other=0.0)
+            delta = tl.load(DELTA + row_base + offs_m, mask=mmask, other=0.0)
+            s_t = dot_step(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), DOT_IN_FP32, IEEE) * qk_scale
+            valid = (offs_m[None, :] >= offs_n[:, None]) & mmask[None, :] & nmask[:, None]
+            p_t = tl.where(valid, tl.exp2(s_t - lse[None, :]), 0.0)
+            dv = dot_step(p_t.to(do.dtype), do, dv, DOT_IN_FP32, IEEE)
+            dp_t = dot_step(v, tl.trans(do), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), DOT_IN_FP32, IEEE)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = dot_step(ds_t.to(q.dtype), q, dk, DOT_IN_FP32, IEEE)
+    return dk, dv
+
+
+@triton.jit
+def _dq_tiles(q, do, lse, delta, K, V, kv_base, sks, skh, kvh, offs_m, mmask, seq_len, hi, qk_scale,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+              DOT_IN_FP32: tl.constexpr, IEEE: tl.constexpr):
+    # dQ (fp32, unscaled) of one query block of one sequence over its key tiles [0, hi) in increasing order, key j
+    # at K + kv_base + j * sks (+ the head): shared by the padded and the varlen kernels.
+    offs_d = tl.arange(0, HEAD_DIM)
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        nmask = offs_n < seq_len
+        kv_off = kv_base + offs_n[:, None] * sks + kvh * skh + offs_d[None, :]
+        k = tl.load(K + kv_off, mask=nmask[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=nmask[:, None], other=0.0)
+        s = dot_step(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_IN_FP32, IEEE) * qk_scale
+        valid = (offs_n[None, :] <= offs_m[:, None]) & nmask[None, :] & mmask[:, None]
+        p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
+        dp = dot_step(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_IN_FP32, IEEE)
+        ds = p * (dp - delta[:, None])
+        dq = dot_step(ds.to(k.dtype), k, dq, DOT_IN_FP32, IEEE)
+    return dq
+
+
+@triton.jit
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, len_ptr,
     sqb, sqt, sqh, skb, sks, skh, n_q_heads, n_kv_heads, T, group, qk_scale, sm_scale,
@@ -216,27 +271,9 @@ def _attn_bwd_dkdv_kernel(
     kv_off = b * skb + offs_n[:, None] * sks + kvh * skh + offs_d[None, :]
     k = tl.load(K + kv_off, mask=nmask[:, None], other=0.0)
     v = tl.load(V + kv_off, mask=nmask[:, None], other=0.0)
-    dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
-    dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
-    for g in range(0, group):
-        h = kvh * group + g
-        row_base = (b * n_q_heads + h) * T
-        for start_m in range(lo, seq_len, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            mmask = offs_m < seq_len
-            q_off = b * sqb + offs_m[:, None] * sqt + h * sqh + offs_d[None, :]
-            q = tl.load(Q + q_off, mask=mmask[:, None], other=0.0)
-            do = tl.load(DO + q_off, mask=mmask[:, None], other=0.0)
-            lse = tl.load(LSE + row_base + offs_m, mask=mmask, other=0.0)
-            delta = tl.load(DELTA + row_base + offs_m, mask=mmask, other=0.0)
-            s_t = dot_step(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), DOT_IN_FP32, IEEE) * qk_scale
-            valid = (offs_m[None, :] >= offs_n[:, None]) & mmask[None, :] & nmask[:, None]
-            p_t = tl.where(valid, tl.exp2(s_t - lse[None, :]), 0.0)
-            dv = dot_step(p_t.to(do.dtype), do, dv, DOT_IN_FP32, IEEE)
-            dp_t = dot_step(v, tl.trans(do), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), DOT_IN_FP32, IEEE)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk = dot_step(ds_t.to(q.dtype), q, dk, DOT_IN_FP32, IEEE)
+    dk, dv = _dkdv_tiles(Q, DO, LSE, DELTA, b * sqb, sqt, sqh, b * n_q_heads * T, T, k, v, kvh, group, offs_n, nmask,
+                         lo, seq_len, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_IN_FP32, IEEE)
     # Padding rows (past seq_len, up to T) get exact zeros.
     tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=offs_n[:, None] < T)
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < T)
@@ -268,20 +305,9 @@ def _attn_bwd_dq_kernel(
     row_base = bh.to(tl.int64) * T
     lse = tl.load(LSE + row_base + offs_m, mask=mmask, other=0.0)
     delta = tl.load(DELTA + row_base + offs_m, mask=mmask, other=0.0)
-    dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     hi = tl.minimum(seq_len, (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        nmask = offs_n < seq_len
-        kv_off = b * skb + offs_n[:, None] * sks + kvh * skh + offs_d[None, :]
-        k = tl.load(K + kv_off, mask=nmask[:, None], other=0.0)
-        v = tl.load(V + kv_off, mask=nmask[:, None], other=0.0)
-        s = dot_step(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_IN_FP32, IEEE) * qk_scale
-        valid = (offs_n[None, :] <= offs_m[:, None]) & nmask[None, :] & mmask[:, None]
-        p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
-        dp = dot_step(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_IN_FP32, IEEE)
-        ds = p * (dp - delta[:, None])
-        dq = dot_step(ds.to(k.dtype), k, dq, DOT_IN_FP32, IEEE)
+    dq = _dq_tiles(q, do, lse, delta, K, V, b * skb, sks, skh, kvh, offs_m, mmask, seq_len, hi, qk_scale,
+                   BLOCK_M, BLOCK_N, HEAD_DIM, DOT_IN_FP32, IEEE)
     tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=offs_m[:, None] < T)
 
 

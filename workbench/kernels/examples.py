@@ -12,6 +12,7 @@ import torch
 
 from . import gumbel, logprobs, record, rmsnorm, rope, rope_cache
 from .attention_paged import attention_paged, attention_paged_reference, paged_kv_write, paged_kv_write_reference
+from .attention_varlen import attention_varlen, attention_varlen_reference
 from .linear_logprobs import linear_logprobs, linear_logprobs_reference
 from .matmul import linear_invariant
 from .silu_mul import silu_mul_invariant
@@ -225,6 +226,24 @@ def attention_paged_rows(q, table, kv_len, k_pages, v_pages):
 
 def attention_paged_rows_reference(q, table, kv_len, k_pages, v_pages):
     return _one_query_each(attention_paged_reference, q, table, kv_len, k_pages, v_pages)
+
+
+def _packed(fn, q, k, v, lens):
+    # The padded batch [B, T, H, D] packed end to end (each sequence's lens[b] real rows), through `fn`, and
+    # unpacked: row b holds sequence b's output, zeros on its padding. Differentiable in q, k, v.
+    real = torch.arange(q.shape[1], device=q.device)[None, :] < lens.to(q.device)[:, None]      # [B, T]
+    cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(device=q.device, dtype=torch.int32)
+    o = fn(q[real], k[real], v[real], cu, int(lens.max()) if lens.numel() else 0)
+    return torch.zeros(q.shape, device=q.device, dtype=o.dtype).index_put((real,), o)
+
+
+def attention_varlen_rows(q, k, v, lens):
+    """`attention_varlen` on `attention_inputs`' padded batch packed without its padding ([B, T, Hq, D])."""
+    return _packed(attention_varlen, q, k, v, lens)
+
+
+def attention_varlen_rows_reference(q, k, v, lens):
+    return _packed(attention_varlen_reference, q, k, v, lens)
 
 
 def paged_kv_write_inputs(rows, size, g, device, dtype):

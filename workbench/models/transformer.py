@@ -4,10 +4,11 @@
 The families differ only in config flags (`ModelConfig`): per-head q/k RMSNorm (Qwen3), q/k/v
 biases (Qwen2), tied or untied embeddings, the RoPE base and scaling, the head width.
 
-The same module serves the trainer (a full forward over a right-padded batch)
-and the generator (prefill and decode against a static, preallocated KV cache):
-in `invariant` mode a token's logits are the same bits either way. Its own forward has one
-path, each projection its own product; the generator's fast paths (packed products, fused
+The same module serves the trainer (a full forward over a right-padded batch, or over
+sequences packed end to end without padding: `PackedSequences`) and the generator
+(prefill and decode against a static, preallocated KV cache): in `invariant` mode a
+token's logits are the same bits every way. Its own forward has one path, each
+projection its own product; the generator's fast paths (packed products, fused
 kernels) are chosen once, by the view it holds (`decoding.DecodingModel`).
 
 Parameter names are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`),
@@ -31,6 +32,7 @@ from ..kernels import (
     apply_rope,
     attention,
     attention_paged,
+    attention_varlen,
     attention_with_cache,
     current_state,
     embedding,
@@ -97,6 +99,19 @@ class PagedKVCache:
         kp, vp = self.pages[layer]
         paged_kv_write(k[0], v[0], kp, vp, self.slots)                     # k, v [1, N, Hkv, D]
         return attention_paged(q[0], kp, vp, self.block_table, self.cu_q, self.kv_len, self.max_q)[None]
+
+
+@dataclass
+class PackedSequences:
+    """A training forward's sequences packed end to end in one row [1, N], without padding (the trainer's
+    micro-batches cut by real tokens): sequence s is tokens cu_seqlens[s]:cu_seqlens[s+1]. Every op but attention
+    is row-wise and attention is `attention_varlen`, so in `invariant` mode a token gets the bits of a padded
+    forward (and of the generator)."""
+
+    cu_seqlens: torch.Tensor  # [S + 1] int32
+    positions: torch.Tensor   # [N] each token's position in its own sequence (RoPE's)
+    max_len: int
+    """The longest sequence (the attention kernel's grid)."""
 
 
 class Linear(nn.Module):
@@ -183,9 +198,12 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     def attend(self, q, k, v, seq_lens, cache, layer, start, end):
-        """Attention over the batch (no cache) or the cache (the step's K/V written, then read), then o_proj."""
+        """Attention over the batch (no cache; seq_lens a `PackedSequences` for a packed row) or the cache (the
+        step's K/V written, then read), then o_proj."""
         b, t = q.shape[:2]
-        if cache is None:
+        if isinstance(seq_lens, PackedSequences):                           # q [1, N, Hq, D]
+            o = attention_varlen(q[0], k[0], v[0], seq_lens.cu_seqlens, seq_lens.max_len)[None]
+        elif cache is None:
             o = attention(q, k, v, seq_lens)                                # [B, T, Hq, D]
         else:
             o = cache.attend(layer, q, k, v, start, end)
@@ -292,9 +310,10 @@ class CausalLM(nn.Module):
         return rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling, device=device)
 
     def hidden_states(self, input_ids, seq_lens=None, cache: KVCache | None = None, start=None,
-                      recompute: str = "none", sublayers=None):
+                      recompute: str = "none", sublayers=None, packed: PackedSequences | None = None):
         """Final-norm hidden states [B, T, H]; see `forward`. sublayers: per layer the (attention, mlp) to run
-        instead of its modules (`DecodingModel`'s paths).
+        instead of its modules (`DecodingModel`'s paths). packed: input_ids [1, N] are the sequences `packed`
+        describes, end to end (a training forward without padding; no seq_lens, cache or start).
 
         recompute (training forwards): what the backward recomputes instead of keeping. 'none'; 'mlp': each
         MLP's gate/up products and silu(gate)*up (at the 1.7B shape half the activations, for ~15% more
@@ -309,11 +328,18 @@ class CausalLM(nn.Module):
         dev = input_ids.device
         if start is not None and cache is None:
             raise ValueError("start positions need a KV cache (a forward without one starts at position 0)")
-        if seq_lens is None:
-            seq_lens = torch.full((b,), t, device=dev, dtype=torch.int32)
-        if start is None:
-            start = torch.zeros(b, device=dev, dtype=torch.int32)
-        positions = start[:, None] + torch.arange(t, device=dev)            # [B, T]
+        if packed is not None:
+            if b != 1 or seq_lens is not None or cache is not None or packed.positions.shape != (t,):
+                raise ValueError(f"a packed forward takes input_ids [1, N] and {t} positions alone (no seq_lens, "
+                                 f"cache or start); got input_ids {tuple(input_ids.shape)}, positions "
+                                 f"{tuple(packed.positions.shape)}")
+            seq_lens, positions = packed, packed.positions[None]           # [1, N]
+        else:
+            if seq_lens is None:
+                seq_lens = torch.full((b,), t, device=dev, dtype=torch.int32)
+            if start is None:
+                start = torch.zeros(b, device=dev, dtype=torch.int32)
+            positions = start[:, None] + torch.arange(t, device=dev)        # [B, T]
         cos, sin = rope_cos_sin(positions, self.inv_freq(dev))             # [B, T, D/2] fp32
         x, residual = embedding(input_ids, self.model.embed_tokens.weight), None  # [B, T, H]
         end = None if cache is None else start + seq_lens                   # [B]: each row's keys after the step

@@ -4,7 +4,10 @@ the lagged generator's weights and the reference model.
 Only completion positions reach the LM head: the decoder's hidden states at the positions that predict a
 completion token go through `linear_logprobs` (the LM head fused with the log-softmax, chunked over
 tokens), so no [tokens, vocab] logits exist, in any dtype. In `invariant` mode a token's log-prob is the
-bits the generator reported for it (same kernels, same temperature), whatever the micro-batch.
+bits the generator reported for it (same kernels, same temperature), whatever the micro-batch, padded or
+packed. The workbench's own model (`CausalLM`) always runs packed micro-batches (no work on padding); torchtitan's
+routed model (`titan.model`) runs padded ones. The weights' gradients are not bitwise alike between the two
+layouts: dW sums over a micro-batch's tokens, and the layouts group the tokens into other tiles and micro-batches.
 """
 
 from __future__ import annotations
@@ -16,15 +19,25 @@ import numpy as np
 import torch
 
 from ..kernels import linear_logprobs
+from ..models.transformer import CausalLM
 from .rollout import MicroBatch, RolloutBatch
+
+
+def packs(model) -> bool:
+    """Whether `model` takes packed micro-batches (`CausalLM.hidden_states(packed=...)`, also FSDP2-sharded, whose
+    class derives from it); torchtitan's routed model runs right-padded batches only."""
+    return isinstance(model, CausalLM)
 
 
 def completion_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool = False,
                         recompute: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
     """([b, width] fp32 log-probs, [b, width] entropies or None) of `mb`'s completion tokens, 0 on padding;
     differentiable in the model's weights when grad is enabled; `recompute` as in `CausalLM.hidden_states`."""
-    hidden = model.hidden_states(mb.ids, mb.lens, recompute=recompute)                      # [b, T, H]
-    lp, ent = linear_logprobs(hidden[mb.rows, mb.positions], model.lm_head_weight, mb.targets, temperature,
+    if mb.packed is None:
+        hidden = model.hidden_states(mb.ids, mb.lens, recompute=recompute)[mb.rows, mb.positions]  # [n, H]
+    else:
+        hidden = model.hidden_states(mb.ids, recompute=recompute, packed=mb.packed)[0, mb.positions]
+    lp, ent = linear_logprobs(hidden, model.lm_head_weight, mb.targets, temperature,
                               with_entropy=with_entropy)                                    # [n]
     shape = (len(mb.index), mb.width)
     place = (mb.rows, mb.columns)
@@ -41,7 +54,8 @@ def score(model, batch: RolloutBatch, max_tokens: int, temperature: float, with_
     (default all; the others' are 0)."""
     logp = torch.zeros_like(batch.mask)
     ent = torch.zeros_like(batch.mask) if with_entropy else None
-    for mb in batch.micro_batches(None if rows is None else torch.tensor(rows, dtype=torch.long), max_tokens):
+    index = None if rows is None else torch.tensor(rows, dtype=torch.long)
+    for mb in batch.micro_batches(index, max_tokens, packs(model)):
         lp, e = completion_logprobs(model, mb, temperature, with_entropy)
         logp[mb.index, : mb.width] = lp
         if ent is not None:

@@ -4,11 +4,14 @@
 is the t-th completion token, right-padded to the longest completion), the generator's log-probs and the
 mask of real tokens: the [B, T] contract of `losses.py`.
 
-`micro_batches` cuts any subset of the sequences into forwards of at most `max_tokens` padded tokens:
-sorted by length (longest first, ties by index), packed greedily, each padded to its own longest sequence.
-A sequence longer than the budget gets a micro-batch of its own. The split is a function of the lengths
-and the budget only, so a run is reproducible; in `invariant` mode a token's log-prob does not depend on
-it at all (every kernel is batch-invariant and padding is never read by a real token).
+`micro_batches` cuts any subset of the sequences into forwards of at most `max_tokens` tokens: sorted by
+length (longest first, ties by index), taken greedily. Padded, each micro-batch is [b, T] right-padded to its
+own longest sequence and the budget counts the padding; packed (`PackedSequences`, what the workbench's own
+model runs), its sequences sit end to end in one row [1, N] and the budget counts real tokens only, so no
+forward or backward work goes to padding. A sequence longer than the budget gets a micro-batch of its own.
+The split is a function of the lengths and the budget only, so a run is reproducible; in `invariant` mode a
+token's log-prob does not depend on it at all, nor on the layout (every kernel is batch-invariant, padding is
+never read by a real token, and packed attention gives each sequence the padded kernel's bits).
 """
 
 from __future__ import annotations
@@ -18,25 +21,30 @@ from functools import cached_property
 
 import torch
 
+from ..models.transformer import PackedSequences
+
 
 @dataclass
 class MicroBatch:
     index: torch.Tensor
     """[b] rows of the RolloutBatch."""
     ids: torch.Tensor
-    """[b, T] prompt + completion ids, right-padded."""
+    """[b, T] prompt + completion ids, right-padded; packed: [1, N], the b sequences end to end."""
     lens: torch.Tensor
     """[b] int32 sequence lengths."""
     rows: torch.Tensor
-    """[n] row of each completion token's predicting position (n = real completion tokens)."""
+    """[n] the sequence (0..b-1) of each completion token (n = real completion tokens)."""
     positions: torch.Tensor
-    """[n] the position whose hidden state predicts the token (its own position - 1)."""
+    """[n] the position whose hidden state predicts the token (its own position - 1); packed: that position's
+    column of the row [1, N]."""
     columns: torch.Tensor
     """[n] the token's column in the [b, width] completion layout."""
     targets: torch.Tensor
     """[n] the completion tokens."""
     width: int
     """The longest completion in this micro-batch."""
+    packed: PackedSequences | None = None
+    """The packed layout of `ids` (cu_seqlens, each token's position), or None: padded."""
 
 
 @dataclass
@@ -75,21 +83,23 @@ class RolloutBatch:
     def device(self) -> torch.device:
         return self.mask.device
 
-    def micro_batches(self, index: torch.Tensor | None, max_tokens: int) -> list[MicroBatch]:
-        """The rows `index` (default all) cut into micro-batches of at most `max_tokens` padded tokens."""
-        return [self._micro_batch(g) for g in self.row_groups(index, max_tokens)]
+    def micro_batches(self, index: torch.Tensor | None, max_tokens: int, packed: bool = False) -> list[MicroBatch]:
+        """The rows `index` (default all) cut into micro-batches of at most `max_tokens` tokens: padded ones
+        (counting the padding), or packed ones (real tokens only)."""
+        return [self._micro_batch(g, packed) for g in self.row_groups(index, max_tokens, packed)]
 
-    def row_groups(self, index: torch.Tensor | None, max_tokens: int) -> list[list[int]]:
+    def row_groups(self, index: torch.Tensor | None, max_tokens: int, packed: bool = False) -> list[list[int]]:
         """The rows of each micro-batch `micro_batches` cuts (host only: how many there will be, cheaply)."""
         rows = list(range(len(self))) if index is None else [int(i) for i in index]
         length = {i: len(self.prompts[i]) + len(self.completions[i]) for i in rows}
         order = sorted(rows, key=lambda i: (-length[i], i))
-        groups, current = [], []
+        groups, current, tokens = [], [], 0
         for i in order:
-            # Longest first: the group's padded width is its first member's length.
-            if current and (len(current) + 1) * length[current[0]] > max_tokens:
+            # Longest first: a padded group's width is its first member's length.
+            tokens = tokens + length[i] if packed else (len(current) + 1) * length[current[0] if current else i]
+            if current and tokens > max_tokens:
                 groups.append(current)
-                current = []
+                current, tokens = [], length[i]
             current.append(i)
         if current:
             groups.append(current)
@@ -107,22 +117,33 @@ class RolloutBatch:
             ids[i, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
         return ids, plen, clen
 
-    def _micro_batch(self, rows: list[int]) -> MicroBatch:
+    def _micro_batch(self, rows: list[int], packed: bool) -> MicroBatch:
         all_ids, plen, clen = self._padded
         index = torch.tensor(rows, dtype=torch.long)
         p, n = plen[index], clen[index]
         lens = p + n
         ids = all_ids[index, : int(lens.max())]
-        r = torch.repeat_interleave(torch.arange(len(rows)), n)           # each completion token's row
+        r = torch.repeat_interleave(torch.arange(len(rows)), n)           # each completion token's sequence
         col = torch.arange(len(r)) - torch.repeat_interleave(n.cumsum(0) - n, n)
         pos = p[r] - 1 + col                                                # the position that predicts it
+        if packed:   # [1, N]: the sequences end to end; a position's column is its sequence's first token's + it
+            first = lens.cumsum(0) - lens
+            flat = ids[torch.arange(ids.shape[1])[None, :] < lens[:, None]]
+            layout = [torch.cat([first, lens.sum()[None]]),                            # cu_seqlens
+                      torch.arange(len(flat)) - torch.repeat_interleave(first, lens)]    # each token's position
+            at = first[r] + pos
+        else:
+            flat, layout, at = ids.flatten(), [], pos
         # One host-to-device copy for all the index tensors, from pinned memory so that it is queued behind the
         # previous micro-batch's backward instead of waiting for it (a copy from pageable memory syncs).
-        packed = torch.cat([index, r, pos, col, ids[r, pos + 1], lens, ids.flatten()])
+        parts = [index, r, at, col, ids[r, pos + 1], lens, *layout, flat]
+        host = torch.cat(parts)
         if self.device.type == "cuda":
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
+            host = host.pin_memory().to(self.device, non_blocking=True)
         else:
-            packed = packed.to(self.device)
-        index, r, pos, col, tgt, lens, flat = packed.split([len(rows), len(r), len(r), len(r), len(r), len(rows),
-                                                           ids.numel()])
-        return MicroBatch(index, flat.view(ids.shape), lens.to(torch.int32), r, pos, col, tgt, int(n.max()))
+            host = host.to(self.device)
+        index, r, at, col, tgt, lens_d, *layout, flat = host.split([len(x) for x in parts])
+        if not packed:
+            return MicroBatch(index, flat.view(ids.shape), lens_d.to(torch.int32), r, at, col, tgt, int(n.max()))
+        return MicroBatch(index, flat[None], lens_d.to(torch.int32), r, at, col, tgt, int(n.max()),
+                          PackedSequences(layout[0].to(torch.int32), layout[1], ids.shape[1]))

@@ -18,7 +18,7 @@ import torch
 
 from ..distributed.data_parallel import DataParallel
 from .config import TrainConfig
-from .logprobs import completion_logprobs
+from .logprobs import completion_logprobs, packs
 from .losses import LossSpec, Totals, aggregate, kl_estimate
 from .rollout import RolloutBatch
 from .weights import TrainWeights
@@ -76,15 +76,16 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
     tokens = torch.stack([batch.mask[rows.to(batch.device)].sum() for parts in plan for _, rows in parts])
     tokens = iter((tokens if dp is None else dp.sum(tokens)).tolist())
     budget = cfg.optim.max_tokens_per_microbatch
+    packed = packs(model)
     counts = None
     if scored is not None:   # the step's log-probs and entropies, 0 on padding (as `logprobs.score`'s)
         step_logp, step_entropy = torch.zeros_like(batch.mask), torch.zeros_like(batch.mask)
     if weights.sharded is not None:   # FSDP2: the same number of forwards and backwards on every rank
-        counts = iter(dp.max([len(batch.row_groups(rows, budget)) for parts in plan for _, rows in parts]))
+        counts = iter(dp.max([len(batch.row_groups(rows, budget, packed)) for parts in plan for _, rows in parts]))
     for parts in plan:
         for size, rows in parts:
             totals = Totals(size, int(next(tokens)))
-            mbs = batch.micro_batches(rows, budget)
+            mbs = batch.micro_batches(rows, budget, packed)
             runs = len(mbs) if counts is None else int(next(counts))
             weights.zero_grad()
             # No host sync inside this loop (the losses and statistics stay on the device until the
@@ -118,7 +119,7 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
                     sums[k] += v.detach()
             for i in range(len(mbs), runs):   # FSDP2 only: this rank's row 0, its loss times zero
                 weights.before_backward(last=i == runs - 1)
-                filler = batch.micro_batches(torch.arange(1), budget)[0]
+                filler = batch.micro_batches(torch.arange(1), budget, packed)[0]
                 logp, _ = completion_logprobs(model, filler, cfg.rollout.temperature,
                                               recompute=cfg.optim.activation_checkpointing)
                 (logp.sum() * 0.0).backward()
