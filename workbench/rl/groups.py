@@ -162,7 +162,8 @@ class OptimConfig:
     epochs: int = 1
     """Passes over the step's sequences (each pass reshuffled into mini-batches)."""
     max_tokens_per_microbatch: int = 16384
-    """Padded tokens per forward/backward; length-sorted sequences are packed into micro-batches under it."""
+    """Tokens per forward/backward: real tokens for the workbench's model (sequences packed end to end), padded ones
+    for torchtitan's routed model; length-sorted sequences are cut into micro-batches under it."""
     activation_checkpointing: str = "none"
     """What the backward recomputes instead of keeping: 'none', 'mlp' (each MLP's products: half the activations,
     ~15% more compute) or 'layers' (each decoder layer from its input: ~1/3 more); the same gradient bits."""
