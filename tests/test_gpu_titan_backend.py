@@ -1,7 +1,7 @@
 """The torchtitan trainer backend on a real GPU at the SmolLM2-135M (Llama 3 layout, untied) and Qwen3-1.7B (tied)
 shapes, random weights: the titan model's log-probs of the workbench generator's samples are the sampled bits
 (0 differing tokens) before and after each update, and two clipped GRPO updates give the workbench trainer's masters
-and generator weights bit for bit."""
+and generator weights bit for bit (both on right-padded micro-batches)."""
 
 from __future__ import annotations
 
@@ -38,8 +38,10 @@ def test_titan_backend_parity_and_the_workbench_update(shape):
     from workbench.rl.titan_backend import TitanWeights
     from workbench.titan.weights import from_titan
 
+    # Right-padded micro-batches on both sides: torchtitan's routed model has no packed form, and packing sums the
+    # weight gradients in another grouping.
     cfg = TrainConfig(lr=1e-5, max_grad_norm=0.1, weight_decay=0.01, mini_batches=2, group_size=4,
-                      prompts_per_step=4, max_new_tokens=MAX_NEW, trainer_backend="torchtitan")
+                      prompts_per_step=4, max_new_tokens=MAX_NEW, trainer_backend="torchtitan", packed_sequences=False)
     ends, norms = {}, {}
     for backend in ("workbench", "torchtitan"):
         start = random_gpu_model(shape, seed=1).float()

@@ -45,8 +45,10 @@ def test_update_equals_the_workbench_trainer(family, master_dtype):
     from workbench.titan.weights import from_titan
 
     mc = _tiny(family)
+    # Both trainers on right-padded micro-batches (torchtitan's routed model has no packed form).
     cfg = TrainConfig(lr=1e-2, max_grad_norm=0.05, weight_decay=0.1, master_dtype=master_dtype, mini_batches=2,
-                      group_size=2, prompts_per_step=2, max_new_tokens=4, trainer_backend="torchtitan")
+                      group_size=2, prompts_per_step=2, max_new_tokens=4, trainer_backend="torchtitan",
+                      packed_sequences=False)
     seed = 3
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, mc.vocab_size, (4, 7), generator=g)
@@ -108,7 +110,7 @@ def _cfg(policy: str, out, **kw):
 
     base = TrainConfig(policy=policy, out_dir=str(out), steps=2, prompts_per_step=2, group_size=2, max_new_tokens=3,
                        kernel_mode="invariant", checkpoint_every=2, lr=3e-3, progress=False, mini_batches=2,
-                       max_grad_norm=1e-3, trainer_backend="torchtitan")
+                       max_grad_norm=1e-3, trainer_backend="torchtitan", packed_sequences=False)
     return dataclasses.replace(base, **kw)
 
 

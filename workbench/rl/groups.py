@@ -164,6 +164,10 @@ class OptimConfig:
     max_tokens_per_microbatch: int = 16384
     """Tokens per forward/backward: real tokens for the workbench's model (sequences packed end to end), padded ones
     for torchtitan's routed model; length-sorted sequences are cut into micro-batches under it."""
+    packed_sequences: bool = True
+    """The update's micro-batches hold their sequences end to end, no padding (the workbench's model; the same
+    log-prob bits, the weight gradients summed in another grouping); False: right-padded, as torchtitan's routed
+    model runs them, so that the two trainer backends give the same bits."""
     activation_checkpointing: str = "none"
     """What the backward recomputes instead of keeping: 'none', 'mlp' (each MLP's products: half the activations,
     ~15% more compute) or 'layers' (each decoder layer from its input: ~1/3 more); the same gradient bits."""

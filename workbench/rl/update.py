@@ -76,7 +76,7 @@ def update(cfg: TrainConfig, spec: LossSpec, weights: TrainWeights, batch: Rollo
     tokens = torch.stack([batch.mask[rows.to(batch.device)].sum() for parts in plan for _, rows in parts])
     tokens = iter((tokens if dp is None else dp.sum(tokens)).tolist())
     budget = cfg.optim.max_tokens_per_microbatch
-    packed = packs(model)
+    packed = cfg.optim.packed_sequences and packs(model)
     counts = None
     if scored is not None:   # the step's log-probs and entropies, 0 on padding (as `logprobs.score`'s)
         step_logp, step_entropy = torch.zeros_like(batch.mask), torch.zeros_like(batch.mask)
