@@ -99,6 +99,7 @@ def _run_record(folder: Path) -> tuple[pd.DataFrame, dict, bytes]:
     return metrics.reset_index(drop=True), step1, h.digest()
 
 
+@pytest.mark.slow   # 41 s on an H200 (2026-12-02)
 def test_gpu_two_runs_at_once_under_mps_keep_each_runs_bits(smollm2, tmp_path):
     from workbench.onoff.config import OnOffConfig
     from workbench.onoff.runner import run_on_off
