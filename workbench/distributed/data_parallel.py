@@ -1,30 +1,13 @@
 """Replicated data parallelism for the trainer: every rank holds the whole model, generates and trains on its own
 share of each step's prompts, and takes the same optimizer step on gradients summed over the ranks.
 
-What a data-parallel step needs beyond one process, each a plain torch.distributed collective:
-- `shard`: the rank's contiguous share of the step's prompts (whole groups, so group advantages stay local);
-- `gather_rows` / `gather_objects`: the whole step's per-sequence numbers in rank order, which is the one-process
-  batch's order, so the parity check, the advantages and the metrics are those of the whole step;
-- `sum`, `ratio_of_sums`, `max`, `any`, `first_non_finite`: reductions of scalars, so every rank takes the same
-  decision (a parity break, a NaN loss, the time limit) and raises or stops with the others instead of leaving
-  them blocked in their next collective;
-- `all_reduce_grads`: the accumulated gradients summed over the ranks before each optimizer step: the masters'
-  fp32 gradients as the one flat buffer they live in, or autograd's gradients packed into fixed fp32 buckets;
-- `replicate` / `check_replicas`: rank 0's starting weights on every rank, and after every update a digest of
-  every rank's weights compared with rank 0's (replicas that drift apart are named, never trained on silently);
-- `on_main`: work that rank 0 alone does (files), its failure raised on every rank.
-
-With split roles (`pipeline.py`) the ranks that train are a subgroup of the job (`group`): every collective above
-runs over it, and its first member, global rank 0, is the one that writes files.
-
-At world size 1 (no torchrun) every method returns its input or runs its function as is: one process computes
-exactly what it computed before this module existed. The weights are duck-typed (`workbench.rl.weights.
-TrainWeights`: `model`, `masters`, `has_masters`, `sharded`, `params`, `grad_buffer`): this module imports nothing from
-`workbench.rl` (which imports it). With FSDP2 (`weights.sharded`, `fsdp.py`) the masters are each rank's own shards:
-the replica check then covers the gathered bf16 model alone, and the gradient sum is FSDP2's reduce-scatter. With
-tensor parallelism (`tensor_parallel`) the ranks of one group hold parts of one model and train on the same rows:
-the data-parallel group is then the ranks that hold the same part, one of each tensor-parallel group. See
-docs/distributed.md.
+Each need beyond one process is a plain torch.distributed collective: the rank's share of the prompts (`shard`, whole
+groups), the whole step's rows in the one-process order (`gather_rows`, `gather_objects`), scalar reductions so that
+every rank takes the same decision (`sum`, `max`, `any`, ...), the gradient sum (`all_reduce_grads`), the replica
+check (`replicate`, `check_replicas`) and rank 0's work (`on_main`). At world size 1 every method returns its input:
+one process computes what it computed before this module existed. The weights are duck-typed (`TrainWeights`), so
+this module imports nothing from `workbench.rl`. Each method, split roles, FSDP2 and tensor parallelism:
+docs/distributed.md, "`workbench/distributed/data_parallel.py`: replicated data parallelism".
 """
 
 from __future__ import annotations

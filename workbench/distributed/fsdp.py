@@ -1,28 +1,13 @@
 """FSDP2 trainer ranks: the fp32 masters and AdamW's state sharded over the trainer ranks with torch's own
 `fully_shard`, the compute in bf16, the gradients kept in fp32 from the kernels to the masters.
 
-- `shard(model, group)`: `fully_shard` per decoder layer and at the root of the fp32 model (the masters become the
-  module's DTensor shards), `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32, cast_forward_inputs=False)`
-  (the RoPE tables stay fp32), the gradient reduce a plain sum (the update's losses are already normalised by the
-  whole mini-batch, as in replicated data parallelism), and `hidden_states` registered as a forward method (the
-  trainer's log-probs run the decoder through it and read the LM head's weight after it).
-- The gradient path (`accumulate`, `reduce_on_next_backward`, `release`): each unsharded bf16 parameter gets an
-  fp32 `main_grad`, the buffer FSDP2 itself accumulates into between reductions (its `unsharded_accumulated_grad`).
-  The linear kernels add dW into it inside the weight-gradient product (dW is never rounded to bf16, as in one
-  process); the other parameters' bf16 gradients are added into it by FSDP2 after each backward (fp32 += bf16, the
-  one-process hook's arithmetic). Micro-batches accumulate without communication; the last one's backward
-  reduce-scatters the fp32 sums (one sum over the ranks per optimizer step, FSDP2's fp32 reduce-scatter) into the
-  masters' sharded fp32 gradients. At world size 2 each element is a + b, so the result is the replicated
-  trainer's all-reduce to the bit; at any world size it is the one-process gradient up to the summation order.
-- `gather_bf16(model, into)`: the bf16 model the generator runs, from the shards: per tensor, each rank casts its
-  fp32 shard (round to nearest even: the elementwise cast, so the same bits as casting after the gather, and as
-  FSDP2's own pre-all-gather cast) and the bf16 shards are all-gathered into the full tensor, then copied in. No rank
-  ever holds a full fp32 copy. `check_gathered` compares each rank's rows of the result with its own shard's cast.
-
-Every rank of the group runs the same forwards and backwards (FSDP2's all-gathers and reduce-scatters are
-collectives per layer): the caller equalises the micro-batch counts. Built on FSDP2's internals in two places
-(its parameter objects, and the accumulated-gradient buffer), checked at `shard` time against the running torch.
-This module imports nothing from `workbench.rl`. See docs/distributed.md.
+`shard` wraps the fp32 model per decoder layer and at the root (bf16 compute, fp32 reduce). The linear kernels add dW
+into each unsharded parameter's fp32 `main_grad` (FSDP2's own accumulation buffer), and the last micro-batch's
+backward reduce-scatters the fp32 sums: at world size 2 the replicated trainer's all-reduce to the bit, at any world
+size the one-process gradient up to the summation order. `gather_bf16` casts each fp32 shard and all-gathers the bf16
+shards (the same bits as a cast after the gather; no rank holds a full fp32 copy). Every rank runs the same forwards
+and backwards; the FSDP2 internals used are checked at `shard` time. Imports nothing from `workbench.rl`. In full:
+docs/distributed.md, "`workbench/distributed/fsdp.py`: FSDP2 trainer ranks".
 """
 
 from __future__ import annotations

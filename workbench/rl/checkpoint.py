@@ -1,26 +1,12 @@
 """Resumable training checkpoints: the trained weights, AdamW's state, the lagged generator's weights,
 the config and the metrics so far.
 
-With a policy lag k the generator's weights (version s - k after step s) are `generator.safetensors`, and the
-versions the generator gets next, which the trainer no longer holds, `generator-1.safetensors` ... (k > 1); their
-versions are state.json's `generator_versions`.
-
-With LoRA the trained weights are the adapters alone (their fp32 masters and AdamW state); the frozen base is
-not copied: a resume rebuilds it from the run's starting policy and checks it by checksum. The folder is also a
-PEFT adapter folder (adapter_config.json + adapter_model.safetensors, the bf16 adapters the policy ran).
-
-Every instant of a save is recoverable. A checkpoint is a folder `checkpoints/step-NNNNNN`, written under a
-temporary name, every file and the folder fsynced, then renamed into place (one atomic rename) and the parent
-fsynced; only then are older ones pruned (the newest `KEEP` stay). A run resumes from the newest complete folder,
-so a kill before the rename leaves the previous checkpoint, and one after it the new one. The layout of earlier
-versions (`checkpoint/`, and `.checkpoint-old` left by a kill between its two renames) still resumes.
-
-With FSDP2 (`parallel='fsdp2'`) or tensor parallelism (`tensor_parallel`, `TrainWeights.dcp`) every trainer rank
-writes its own shards of the masters and of AdamW's state through `workbench.distributed.checkpoint`
-(torch.distributed.checkpoint, DCP) into the same `checkpoints/step-N` folders, atomic the same way; rank 0 adds
-metrics.csv and the lagged generator's weights, and the run's fields (config, generator_version) sit in its
-state.json's `extra`. It resumes with the same settings at any world size (DCP reshards; bitwise at the same world
-size).
+Every instant of a save is recoverable: `checkpoints/step-NNNNNN` is written under a temporary name, fsynced, and
+renamed into place (one atomic rename) before older ones are pruned, so a kill leaves the previous checkpoint or the
+new one. With LoRA only the adapters are saved (the base is rebuilt and checked by checksum; the folder is also a PEFT
+adapter folder). With FSDP2 or tensor parallelism every trainer rank writes its shards through DCP, and a run resumes
+at any world size (bitwise at the same one). The files, the lagged generator's versions and the earlier layouts that
+still resume: docs/distributed.md, "`workbench/rl/checkpoint.py`: resumable, atomic checkpoints".
 """
 
 from __future__ import annotations

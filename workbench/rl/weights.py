@@ -1,27 +1,11 @@
 """The weights being trained: the bf16 model the kernels run, the weights AdamW updates, and the update.
 
-- master_dtype 'float32': AdamW on fp32 masters; the bf16 model is their cast (`copy_weights`, round to
-  nearest even), renewed once per optimizer step. Bytes per parameter: bf16 model 2 + masters 4 + their
-  gradients 4 (during an update only) + AdamW moments 8 = 18. Micro-batches accumulate in fp32: each
-  bf16 parameter's `main_grad` is its master's fp32 gradient, zeroed at the start of a mini-batch, and the
-  linear layers' backward adds dW into it inside the weight-gradient product (Megatron-LM's convention);
-  the other parameters' bf16 gradients live only until a hook has added them into it. The masters' gradients
-  are views of one flat buffer (`grad_buffer`), which a data-parallel run sums over its ranks in one collective.
-- master_dtype 'bfloat16': AdamW on the bf16 weights themselves (bf16 moments, bf16 gradient
-  accumulation), the setup of most RL blog posts: 8 bytes per parameter.
-- LoRA (`lora`): the bf16 base is frozen (no masters, no gradients, no optimizer state; its linear layers'
-  backward computes input gradients only, the weight-gradient products are skipped) and the rules above apply to
-  the adapters alone: fp32 masters drawn by PEFT's initialisation, cast into the model's bf16 adapters.
-
-- FSDP2 (`shard_group`): the masters are the sharded fp32 module's DTensor parameters and AdamW steps on the
-  shards (`workbench.distributed.fsdp`): per rank 12 / world + 2 bytes per parameter (the bf16 model stays whole:
-  the generator runs it), plus the fp32 gradients during an update (the unsharded `main_grad`s, whole: 4). The
-  update's forward and backward run the sharded module (bf16 weights gathered per layer, dW accumulated in fp32
-  as above and reduce-scattered in fp32); the bf16 model is the gathered cast of the shards.
-
-The optimizer steps one layer group at a time (AdamW is elementwise and skips parameters without a
-gradient, so this is the same update): the group's weights before the step are the only copy the
-weight-change metrics need, never a clone of the whole model.
+master_dtype 'float32': AdamW on fp32 masters whose cast is the bf16 model, dW accumulated in fp32 `main_grad`s
+(Megatron-LM's convention); 'bfloat16': AdamW on the bf16 weights themselves (most RL blog posts' setup). With LoRA
+the base is frozen and those rules apply to the adapters alone; with FSDP2 the masters are sharded
+(`workbench.distributed.fsdp`). The optimizer steps one layer group at a time (AdamW is elementwise, so this is the
+same update), so the weight-change metrics never need a clone of the whole model. Each setup and its bytes per
+parameter: docs/distributed.md, "`workbench/rl/weights.py`: the trained weights, their dtypes and bytes".
 """
 
 from __future__ import annotations

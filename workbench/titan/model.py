@@ -1,42 +1,14 @@
 """torchtitan's own Qwen3 and Llama 3 models with their ops routed through the workbench's kernels.
 
-`exact(model, cfg)` keeps torchtitan's modules and parameters (its names, shapes and tensors, so its `parallelize`,
-FSDP2, optimizer and checkpointer see the model they built) and swaps the forwards, in place, by giving each module
-a subclass of its own class whose `forward` calls `workbench.kernels` in the workbench's op order
-(`workbench.models.transformer`): embedding, per layer the residual stream as (x, residual) with each add fused into
-the norm that reads it, q/k/v products, q/k norm and RoPE (fused in a training forward), attention, o_proj,
-gate/up products and silu_mul, down product; the final fused add and norm. The model gains the trainer's
-interface, `hidden_states(input_ids, seq_lens, recompute)` and `lm_head_weight`, so
-`workbench.rl.logprobs.completion_logprobs` takes it unchanged; its `forward(tokens)` returns the logits.
-
-Numerics: the same kernels on the same operands in the same order give the workbench's bits, forward and backward.
-Where torchtitan's layout differs from the workbench's, only exact moves of data stand between them:
-- Llama 3 keeps each head's q/k rows interleaved (pairs (2i, 2i+1) rotate together, complex RoPE; its HF adapter
-  permutes them). The routed forward gathers wq's and wk's rows into the workbench's halves layout and multiplies
-  by that (`_HalvesRows`), so q and k come out as the workbench's, and the norm, RoPE and attention reduce over the
-  head dimension in its order. Gathering the product's output instead gives the same forward bits (an output
-  element depends only on its row of x and its row of W) but not the backward's: dx = dq @ W reduces over the q
-  features, and in torchtitan's row order the GPU's tensor cores accumulate them in another order (the CPU
-  interpreter's fixed-order sum hides it). dW = dq^T @ x reduces over the tokens, so each element comes back to its
-  parameter's row by an exact scatter; with an fp32 `main_grad` the kernel adds dW into a -0.0 buffer in the
-  halves order (adding to -0.0 is exact) and the buffer, unpermuted, is added into the parameter's `main_grad`: one
-  fp32 add of the same fp32 product, the rounding of the kernel's own `main_grad + acc` epilogue.
-- The workbench's vLLM-style merged gate_up is, column for column, the gate and up products: w1 and w3 separately
-  give the same elements (the trainer's own model runs them separately too).
-- torchtitan adds each sub-layer's output to the stream in the block (`h = x + attn(norm(x))`); the routed block
-  hands (x, residual) on instead, as the workbench's layer does: the fused add-and-norm (`kernels.rms_norm_add`,
-  whose backward also adds the sum's two gradients inside its kernel) does not give the bits of a separate add
-  and norm (in the CPU interpreter neither the sum, the norm nor the gradient does).
-- torchtitan's own activation checkpointing recomputes a block under the kernel mode in force in the backward
-  (on autograd's device thread, the default: invariant); `hidden_states(recompute=...)` carries the forward's.
-- RoPE's frequencies come from `cfg` by `kernels.rope_inv_freq`, never from torchtitan's cached tables.
-
-Apply `exact` before torchtitan's `parallelize` (its activation checkpointing wraps the blocks it finds), and
-register `hidden_states` as an FSDP2 forward method after `fully_shard` (as `distributed.fsdp.shard` does). Tensor
-parallelism is `titan.tp.apply_tp` (not torchtitan's plan, whose row-parallel wo/w2 cannot keep the bits): the routed
-products then run on their DTensor weights' local shards (`_sharded_linear`), the replicated weights' local copies. The
-routed forward is the causal, right-padded batch of the workbench's trainer: torchtitan's document masks
-(flex/varlen `attention_masks`) and explicit `positions` are refused, not ignored.
+`exact(model, cfg)` keeps torchtitan's modules and parameters (so its `parallelize`, FSDP2, optimizer and checkpointer
+see the model they built) and swaps the forwards, in place, for ones that call `workbench.kernels` in the workbench's
+op order; the model gains the trainer's interface (`hidden_states`, `lm_head_weight`). The same kernels on the same
+operands in the same order give the workbench's bits, forward and backward; where torchtitan's layout differs (Llama
+3's interleaved q/k rows, w1/w3 beside the merged gate_up, the residual add in the block) only exact moves of data
+stand between them. Apply `exact` before torchtitan's `parallelize`; tensor parallelism is `titan.tp.apply_tp`.
+torchtitan's document masks and explicit `positions` are refused, not ignored. Each layout difference, and the order
+of `exact`, FSDP2 and TP: docs/distributed.md, "`workbench/titan/model.py`: torchtitan's models on the workbench's
+kernels".
 """
 
 from __future__ import annotations
@@ -147,8 +119,8 @@ def build_titan_model(cfg: ModelConfig, device, dtype: torch.dtype = torch.bfloa
 
 
 class _HalvesRows(torch.autograd.Function):
-    """A Llama 3 q/k weight in the workbench's halves layout (`weights.qk_rows`), for the product to run on (module
-    docstring). Its gradient goes back to the parameter in torchtitan's rows: a bf16 gradient (no `main_grad`) is
+    """A Llama 3 q/k weight in the workbench's halves layout (`weights.qk_rows`), for the product to run on
+    (docs/distributed.md, `workbench/titan/model.py`). Its gradient goes back to the parameter in torchtitan's rows: a bf16 gradient (no `main_grad`) is
     scattered; where the parameter carries an fp32 `main_grad`, the gathered weight carries its own, a -0.0 buffer
     the linear kernel adds dW into (returning no gradient), and the backward adds that buffer into the parameter's.
     The backward runs although the product returns None for the weight (autograd calls a node whose incoming
@@ -181,7 +153,7 @@ class _HalvesRows(torch.autograd.Function):
 class _Linear:
     halves = 0
     """Llama 3's wq/wk: the head dim by which the product takes the interleaved rows in the workbench's halves layout
-    (`_HalvesRows`, module docstring); 0: the rows as stored."""
+    (`_HalvesRows`; docs/distributed.md); 0: the rows as stored."""
 
     def forward(self, x):
         weight = _replicated(self.weight)

@@ -1,42 +1,13 @@
 """Tensor parallelism for the routed torchtitan model (`model.exact`) whose forward keeps the one-process bits.
 
-`apply_tp(model, mesh)` shards every block's products over the ranks of a 1-D `DeviceMesh` with torch's
-`parallelize_module`, the plan `exact_plan()`; the embedding, the norms (q/k norm included), RoPE and the LM head stay
-replicated, their parameters Replicate DTensors (every parameter is a DTensor, as torchtitan's TP leaves them: torch's
-fused AdamW, its gradient norm and DCP take them). An fp32 `main_grad` on a parameter (a DTensor laid out as it) takes
-the kernels' dW on each rank's shard as on one process. Run it after `exact` and before FSDP2 (as torchtitan's
-`parallelize` orders TP first); on a meta-device model too, then `to_empty` and load (torchtitan's trainer's order).
-
-Numerics. An invariant product's output element depends only on its row of x, its row of W and the K loop, so a
-product sharded by its OUTPUT features (column-parallel: each rank the rows of W for its features, x whole) gives
-each of its elements' one-process bits, and gathering the features back is a move of data. A product sharded by its
-input features (row-parallel: K split, the partial sums all-reduced) adds two roundings and another order; it cannot
-give the bits. So the exact plan is column-parallel everywhere:
-- wq, wk, wv by heads (their outputs stay local: attention runs on this rank's heads, q/k norm and RoPE per head);
-- wo by output features, its input (the heads' outputs) all-gathered first, its output all-gathered after;
-- w1, w3 by hidden features (silu_mul runs on the local features), w2 by output features, its input all-gathered.
-The forward's log-probs are then the one-process model's, bit for bit (tests/test_titan_tp.py).
-The backward is not: a column-parallel product's dx is this rank's partial sum over its output features (rounded to
-the activation dtype), and the ranks' partials are summed by the all-reduce (and by the reduce-scatter that is the
-all-gather's backward), where one process sums all features in one fp32 loop. Every dW is a product over the tokens
-of its own rows, exact given its dy, so the gradients that no partial dx reaches (the head, the final norm, the
-last block's w2) keep their bits and the others differ in their last bits (measured in tests/test_titan_tp.py). The
-parity check compares forward log-probs only, so it still passes every step.
-
-Departures from torchtitan 0.2.2's recipe (`models/qwen3/infra/parallelize.py`, `apply_non_moe_tp`):
-- wo and w2 are column-parallel, not `RowwiseParallel`: row-parallel is the split-K product above (the negative
-  control in the tests). The price, per block: the forward's two all-reduces of [B, T, H] (one without sequence
-  parallelism) become four all-gathers, of wo's input [B, T, heads * D], its output, w2's input [B, T, MLP width]
-  (the largest) and its output; the backward adds two reduce-scatters (those inputs' gradients) to the two
-  all-reduces both plans have (the attention's and the MLP's input gradients), and both sum the q/k norm weights'
-  gradients (torch's CommDebugMode on the tiny model);
-- no sequence parallelism (`SequenceParallel` norms, `Shard(1)` block outputs) and no vocabulary-parallel head
-  (`loss_parallel`): the fused add-and-norm and the fused log-prob head run on whole rows as the generator's do; a
-  vocabulary-sharded log-softmax would combine the ranks' maxima and sums in another order;
-- the styles redistribute synchronously (`_Sync`): torch's wait for the collective only at the next torch op on the
-  tensor, and the Triton kernels read the memory by pointer.
-torchtitan's attention leaves `n_heads` at the model's count and infers the local heads from the shapes (`view(...,
--1, head_dim)`); the routed attention does the same.
+`apply_tp(model, mesh)` shards every block's products over a 1-D `DeviceMesh` with torch's `parallelize_module`
+(the plan `exact_plan()`); the embedding, the norms, RoPE and the LM head stay replicated. Run it after `exact` and
+before FSDP2. The plan is column-parallel everywhere (wo and w2 too, not torchtitan's `RowwiseParallel`): a product
+split by its output features gives each element its one-process bits and gathering them back only moves data, where a
+row-parallel (split-K) product adds roundings. So the forward's log-probs are the one-process model's, bit for bit;
+the backward's summed partial dx differ in their last bits (the parity check compares forward log-probs only).
+The numerics, the backward, and the departures from torchtitan's recipe with their communication: docs/distributed.md,
+"`workbench/titan/tp.py`: tensor parallelism that keeps the forward's bits".
 """
 
 from __future__ import annotations
