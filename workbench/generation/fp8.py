@@ -1,30 +1,14 @@
-"""The fp8 sampler (`TrainConfig.rollout.sampler_precision='fp8'`, the `off-fp8` arm): the generator runs its decoder's
-products W8A8 in float8_e4m3fn as vLLM's default fp8 (`quantization="fp8"` on a bf16 checkpoint) runs them, beside
-a bf16 trainer; it holds its own fp8 copy of the weights, refreshed from the bf16 generator weights at every sync.
+"""The fp8 sampler (`sampler_precision='fp8'`, the `off-fp8` arm): the generator runs its decoder's products W8A8 in
+float8_e4m3fn as vLLM's default fp8 (`quantization="fp8"` on a bf16 checkpoint) runs them, beside a bf16 trainer,
+from its own fp8 copy of the weights refreshed at every sync.
 
-Numerics contract:
-- Which products: every projection of the decoder layers (q/k/v, o, gate/up, down), the ones vLLM's fp8 method
-  quantizes (its linear layers); the embedding, the norms, RoPE, attention and the LM head stay bf16, as in vLLM,
-  and so does the KV cache (vLLM's default `kv_cache_dtype='auto'`: the model's dtype; an fp8 cache is another
-  option there, not modelled here).
-- Weights: one scale per tensor vLLM holds. It loads q/k/v into one fused parameter and gate/up into another and
-  quantizes each whole (`scaled_fp8_quant` with no scale: dynamic per tensor), so q, k and v share one scale and
-  gate and up another: s_w = amax|W| / 448 in fp32, codes q_w = e4m3(W / s_w) (round to nearest even; |W / s_w|
-  <= 448, no saturation).
-- Activations: dynamic per token (vLLM's choice where its CUTLASS fp8 kernels run, Hopper and Ada):
-  s_a = max(amax|x_row| / 448, 1 / (448 * 512)) in fp32, q_a = e4m3(clamp(x / s_a, -448, 448)).
-- Product: y = bf16((q_a @ q_w.T) * s_a * s_w (+ b)): the codes' products are exact (4 significant bits each) and
-  summed in fp32, then scaled and rounded to bf16 once. On a GPU of compute capability 9.0 or newer (H100, H200)
-  `torch._scaled_mm` runs it on the fp8 tensor cores with row-wise scales, as vLLM's CUTLASS kernels do, with the
-  full fp32 accumulation (`use_fast_accum=False`; vLLM's Hopper kernels use the tensor cores' faster accumulation,
-  a further error far below fp8's); elsewhere (CPU, older GPUs) the codes are upcast to fp32, exactly, and
-  multiplied in fp32. The two differ only in the order of the fp32 sums. The tensor cores where they exist, not
-  an emulation in bf16: the arm then reads one byte a weight in its decode steps and multiplies as the engine it
-  models does, so its step times are an fp8 engine's too. With a bias (Qwen2's q/k/v) the bias is
-  added to the bf16 product (one more rounding; vLLM adds it before its single one).
-So the generator's log-probs are those of a W8A8 model, its bf16 LM head's logits at fp32 log-softmax as the
-other arms, and the trainer's stay bf16 (the mismatch this arm doses: Jet-RL, FP8-RL in
-shared/research/anchors_2026-12-02.md, 1.3 and 1.5).
+Numerics contract: the decoder layers' projections only (the embedding, norms, RoPE, attention, LM head and KV cache
+stay bf16). Weights: one scale per tensor vLLM holds (q/k/v share one, gate/up another), s_w = amax|W| / 448 in fp32,
+codes e4m3(W / s_w). Activations: per token, s_a = max(amax|x_row| / 448, 1 / (448 * 512)), codes
+e4m3(clamp(x / s_a, -448, 448)). Product: y = bf16((q_a @ q_w.T) * s_a * s_w (+ b)), the codes' products exact and
+summed in fp32 (on fp8 tensor cores by `torch._scaled_mm` at compute capability 9.0 or newer, in fp32 elsewhere: only
+the sums' order differs). Why each choice, the bias and the sources: docs/generation.md,
+"`workbench/generation/fp8.py`: the fp8 sampler's numerics contract".
 """
 
 from __future__ import annotations

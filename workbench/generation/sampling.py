@@ -1,29 +1,13 @@
 """Sampling parameters, per-request random numbers, and the two log-prob definitions.
 
-Randomness: the uniform number for vocabulary entry v at generation position p
-of request r is a 32-bit integer hash of (seed, r, p, v), pure integer
-arithmetic, the same on any device and in any batch. Sampling is Gumbel-max:
-the token is argmax over the kept vocabulary of logits / T - log(-log(u)),
-which draws exactly from softmax(logits / T) restricted to the kept set, up to
-the 2^-23 quantisation of u (`unit_interval`). One
-fused kernel (`workbench.kernels.gumbel`) hashes, adds the noise and takes the
-argmax in a single read of the logits; a CPU without the Triton interpreter
-runs the same formula in PyTorch.
-
-A controlled mismatch (`logit_noise` = sigma > 0): the sampler adds sigma x z to the logits before
-everything else, z ~ N(0, 1) per (seed, request, position, vocabulary entry) from the same hash with
-another salt, so the sampler's distribution differs from the model's by an amount set by sigma and
-measured (as any sampler-trainer mismatch) by the trainer's parity check. Both log-probs below are then
-those of the perturbed distribution: what a generator with other kernels reports.
-
-Two distributions, both returned for every sampled token:
-- `raw`: log softmax(logits)[token] at temperature 1, the model's own
-  distribution (what a trainer's forward computes);
-- `sampled`: log of the probability the token had in the distribution actually
-  sampled from: logits / T, cut to the top-k and top-p set, renormalised.
-  Greedy decoding (T = 0) samples with probability 1: 0.
-Both come from `workbench.kernels.token_logprobs`, so a trainer that calls the
-same functions on the same logits gets the same bits (`sampled_logprobs`).
+The uniform number for vocabulary entry v at position p of request r is an integer hash of (seed, r, p, v), the same
+on any device and in any batch; sampling is Gumbel-max over the kept vocabulary (one fused kernel,
+`workbench.kernels.gumbel`): an exact draw from softmax(logits / T) on the kept set, up to u's 2^-23 quantisation.
+`logit_noise` > 0 adds seeded Gaussian noise of that size to the logits: a controlled sampler-trainer mismatch. Every
+sampled token gets two log-probs, `raw` (the model's own at temperature 1, what a trainer's forward computes) and
+`sampled` (in the distribution actually sampled from), both from `workbench.kernels.token_logprobs`, so a trainer
+that calls the same functions on the same logits gets the same bits. In full: docs/generation.md,
+"`workbench/generation/sampling.py`: per-request random numbers and the two log-probs".
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """vLLM as an optional rollout backend, with the embedded generator's interface.
 
-`VLLMGenerator(checkpoint)` runs vLLM's offline `LLM` in this process, on this GPU, beside the
-trainer (a configurable share of the GPU memory), in one of two model implementations:
-- `model_impl='workbench'` (the default): vLLM runs the workbench's own model and kernels
-  (`vllm_model.py`), so in `invariant` mode its log-probs are the trainer's, bit for bit, at any
-  batch, chunking or paging. vLLM keeps its scheduler, paged KV cache and random draws.
-- `model_impl='vllm'`: vLLM's own implementation of the family and its kernels. Its batch-invariant
-  mode makes a request's result independent of its batch, but not equal to the trainer's (other
-  kernels): the control.
-
-`batch_invariant` sets `VLLM_BATCH_INVARIANT=1` before vLLM is imported, as vLLM requires.
-`generate` returns the same `GenerationOutput` as the embedded generator: the tokens, fp32
-log-probs of each sampled token, finish reasons; per-request seeds derived from (seed, request
-id), so a request samples the same tokens whatever batch it is in. vLLM's random numbers are not
-the embedded generator's, so the two backends sample different tokens.
-
-Weight sync without a restart: `load_weights(state)` hands the trainer's bf16 tensors (Hugging
-Face names) to the running model's `load_weights` (vLLM's own model fuses q/k/v and gate/up as it
-stores them). `load_checkpoint(path)` does the same from a safetensors checkpoint on disk, as an
-external engine would. After each sync `weights_checksum()` hashes the engine's parameters and
-`expected_checksum(state)` the trainer's tensors in the engine's layout, so a sync is verified
-bit for bit.
-
-The workbench imports and works without vLLM; only constructing a `VLLMGenerator` needs it, and
-says what is missing.
+`VLLMGenerator(checkpoint)` runs vLLM's offline `LLM` in this process, on this GPU, beside the trainer. With
+`model_impl='workbench'` (the default) vLLM runs the workbench's own model and kernels (`vllm_model.py`), so in
+`invariant` mode its log-probs are the trainer's, bit for bit, at any batch, chunking or paging; `model_impl='vllm'`
+(vLLM's own model and kernels) is the control. `generate` returns the embedded generator's `GenerationOutput`, with
+per-request seeds (vLLM's random numbers are not the embedded generator's). Weights sync without a restart
+(`load_weights`, `load_checkpoint`), each sync verified bit for bit by checksums. The workbench imports and works
+without vLLM; only constructing a `VLLMGenerator` needs it. In full: docs/generation.md,
+"`workbench/generation/vllm_backend.py`: vLLM as a rollout backend".
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """The workbench's own model run by vLLM, so vLLM's rollouts carry the trainer's log-probs bit for bit.
 
-Issue 7's design (b): vLLM schedules the requests, pages the KV cache and draws the random
-numbers; every number of the model comes from the workbench kernels.
-
-- vLLM flattens a step's new tokens of all requests into one row and builds the step's attention
-  metadata (query_start_loc, seq_lens, block_table, slot_mapping) for its FlashAttention backend.
-  Each decoder layer holds one of vLLM's `Attention` layers only so that vLLM allocates and binds
-  the paged KV cache and builds that metadata; its kernels never run.
-- `forward` wraps the metadata and the layers' caches as a `PagedKVCache` and runs
-  `DecodingModel.hidden_states_paged` (the generator's view of the model, built once): our matmul,
-  norms, RoPE, `paged_kv_write` and `attention_paged`. In `invariant` mode a token's hidden state has
-  the bits the trainer's forward gives it, whatever vLLM batches it with, chunks or pages.
-- Decode steps run in vLLM's full CUDA graphs (`VLLMGenerator`): nothing here reads a tensor on the host,
-  and a padded request (kv_len 0, no query row, slot -1) reads and writes nothing.
-- `compute_logits` returns, in place of logits, `logprob_rows` of our logits at the sampling
-  temperature: the trainer's log-probs of every token. The engine runs with
-  `logprobs_mode='raw_logits'`, so vLLM reports those values untouched as the sampled tokens'
-  log-probs, and with temperature 1, so its sampler draws from softmax(log p) = p. Its own
-  log-softmax (another reduction order) never touches a reported number.
-
-vLLM is imported only when the engine builds or runs the model, after `VLLMGenerator` has set
-vLLM's environment.
+Issue 7's design (b): vLLM schedules the requests, pages the KV cache and draws the random numbers; every number of
+the model comes from the workbench kernels. vLLM's `Attention` layers are held only so that vLLM allocates the paged
+cache and builds its metadata; `forward` runs `DecodingModel.hidden_states_paged` on them. `compute_logits` returns,
+in place of logits, the trainer's log-prob rows (`logprob_rows`) at the sampling temperature; with
+`logprobs_mode='raw_logits'` and temperature 1, vLLM reports them untouched and samples from softmax(log p) = p.
+vLLM is imported only when the engine builds or runs the model. In full: docs/generation.md,
+"`workbench/generation/vllm_model.py`: the workbench's model inside vLLM".
 """
 
 from __future__ import annotations
