@@ -1,38 +1,13 @@
 """The arms of the ON/OFF experiment: named variants of one run config, each changing only where the
 generator's log-probs come from and what the update does with them.
 
-| arm | generator | trainer | PPO ratio's old log-probs | correction |
-|---|---|---|---|---|
-| `on` | embedded, invariant kernels | invariant | the sampler's (the same bits as the trainer's) | none |
-| `off` | embedded, an engine's kernels | standard | the sampler's (the blog's OFF) | none |
-| `off-recompute` | an engine's | standard | the trainer's recomputation | none |
-| `off-tis` | an engine's | standard | recomputed | truncated IS, w = min(pi_old / mu, 2) |
-| `off-mis` | an engine's | standard | recomputed | masked IS, w = 1 inside [1/2, 2], else 0 |
-| `off-fp8` | an engine's, its products W8A8 fp8 (vLLM's default fp8) | standard (bf16) | the sampler's | none |
-| `off-shapes` | embedded, standard kernels | standard | the sampler's | none |
-| `off-vllm` | vLLM, its own model and default kernels | standard | the sampler's (the blog's exact OFF) | none |
-| `on-vllm` | vLLM running the workbench model, invariant | invariant | the sampler's | none |
-| `noise=S` | embedded, invariant, logits + S x N(0, 1) | invariant | the sampler's | none |
-
-What an engine's kernels model (`sampler_kernels='engine'`). A production engine (vLLM, SGLang) and a training
-framework differ in two ways, and the `off` arms have both:
-- the shapes: the engine's products and attention run decode-shaped (one token per sequence against its cache),
-  the trainer's prefill-shaped, so cuBLAS and FlashAttention pick other tiles and splits. Alone (`off-shapes`)
-  this depends on the shapes and on the decode path: with few, short sequences both sides can sum in nearly the
-  same order, so at small presets this alone can be far below an engine's mismatch
-  (docs/results/2026-11-27_offarm-probe-h100_8217c92).
-- the formulas: the engine fuses RMSNorm, SiLU x up and RoPE into kernels that compute in fp32 and round once
-  (vLLM's `fused_add_rms_norm`, `silu_and_mul`, `rotary_embedding`), where the trainer runs Hugging Face's
-  (TRL's, most trainers') formulas with their bf16 round trips and bf16 cos/sin. That difference is in every
-  element at every shape, so the arm mismatches on every preset. Both sides keep bf16 logits and an fp32
-  log-softmax of them, as vLLM computes its sampler's log-probs.
-`off-shapes` (the `off` of results before 2026-11-27) is kept to show what shapes alone do.
-
-`off` puts the mismatch into the ratio (and its clipping) as trainers that take the old log-probs from the
-sampler do; `off-recompute` keeps it out of the ratio and leaves it only in which tokens were sampled;
-the corrections reweigh tokens (or sequences, for a sequence-level loss) by pi_old / mu. `noise=S` is the
-dose-response knob: the kernels stay bitwise, and a seeded perturbation of known size makes the sampler
-another policy, so its mismatch is measured (KL per step) like the kernels'.
+`on`: generator and trainer bitwise equal. The `off` arms run an engine's kernels (`sampler_kernels='engine'`: decode
+shapes, and RMSNorm, SiLU x up and RoPE fused and rounded once, as vLLM's) beside a standard trainer with Hugging
+Face's formulas; `off-recompute`, `off-tis` and `off-mis` change only the update (old log-probs recomputed, truncated
+or masked importance sampling); `off-fp8` samples W8A8; `off-shapes` changes only the shapes; `off-vllm` / `on-vllm`
+generate with vLLM; `noise=S` perturbs the logits by a seeded amount (the dose-response knob). The table of arms, and
+why an engine's kernels are modelled so: docs/onoff.md, "`workbench/onoff/arms.py`: the arms, and what an engine's
+kernels model".
 """
 
 from __future__ import annotations

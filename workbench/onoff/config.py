@@ -1,30 +1,11 @@
 """`OnOffConfig`: one ON/OFF experiment (arms x seeds of one run config), and its presets.
 
-A preset is a set of field values; `python -m workbench on-off --preset blog` starts from it, and a
-config file, options and key=value overrides change it field by field. Every run's settings are a `TrainConfig`
-(`run`), so any train setting (clip_low, kl_coef, adapter, parity_sample, ...) can be set for an ON/OFF run, by
-its name or as run.<name>. `smoke=True` shrinks any preset
-to a CPU check of the pipeline (the tiny self-trained policy on its arithmetic, two arms, two steps, one seed):
-the numbers it gives are no result.
-
-The `blog` preset reproduces the vLLM + TorchTitan blog post's experiment ("Bitwise-exact Batch
-Invariant On-Policy Reinforcement Learning with vLLM and TorchTitan"; torchtitan
-`experiments/deterministic_vllm_rl/simple_rl.py`) item for item:
-
-| item | the source | here |
-|---|---|---|
-| policy | Qwen/Qwen3-1.7B | SmolLM2-135M-Instruct offline (`policy=Qwen/Qwen3-1.7B` where a hub is reachable) |
-| prompts | 5 fixed factual prompts, raw text | the same 5 (`tasks.FACTS`), raw text (`chat_template=False`) |
-| samples | 4 per prompt, 20 new tokens, temperature 1 | `group_size=4`, `max_new_tokens=20`, `temperature=1` |
-| reward | 1.0, x0.1 if >10% non-ASCII, x(1 - 0.9 uppercase share), x2 if the answer appears else x0.5; empty 0 | `tasks.Facts.reward`, rule for rule |
-| advantages | rewards normalised over the batch (mean 0, std 1), minus the group mean | `group_advantages(scale='batch')` |
-| loss | PPO clip 0.2 on exp(sum log p_train - sum log p_vLLM), + 0.1 mean(ratio - 1 - log ratio), - 0.01 mean(-log p) | `loss='blog'` (`losses.blog_loss`) |
-| old log-probs | vLLM's | `old_logprobs='sampler'` (arms `on`, `off`) |
-| optimizer | AdamW lr 1e-5 (torch defaults: weight decay 0.01), bf16 weights, grad-norm clip 1.0 | `lr=1e-5`, `weight_decay=0.01`, `master_dtype='bfloat16'`, `max_grad_norm=1` |
-| updates | one per step, 100 steps | `mini_batches=1`, `epochs=1`, `steps=100` |
-| ON / OFF | vLLM batch-invariant + TorchTitan vLLM-compat model / vLLM default kernels + TorchTitan model | `on` / `off` (embedded generator), `on-vllm` / `off-vllm` |
-| sampling seed | vLLM `seed=42` in every step's SamplingParams | a seed per (run seed, step): a fixed seed would redraw one sample path each step |
-| logging | TensorBoard | the long metrics table, and TensorBoard with `tensorboard=True` |
+A preset is a set of field values; `python -m workbench on-off --preset blog` starts from it, and a config file,
+options and key=value overrides change it field by field. Every run's settings are a `TrainConfig` (`run`), so any
+train setting can be set for an ON/OFF run, by its name or as run.<name>. `smoke=True` shrinks any preset to a CPU
+check of the pipeline whose numbers are no result. The `blog` preset reproduces the vLLM + TorchTitan blog post's
+experiment item for item: the table is in docs/onoff.md, "`workbench/onoff/config.py`: presets, and the blog recipe
+item by item".
 """
 
 from __future__ import annotations

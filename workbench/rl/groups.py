@@ -40,7 +40,7 @@ class RolloutConfig:
     sampler_kernels: Literal["trainer", "engine"] = "trainer"
     """The embedded generator's kernels: 'trainer' (the trainer's kernel mode) or 'engine' (with
     kernel_mode='standard': an inference engine's fast path, the norms, SiLU and RoPE fused and rounded once as
-    vLLM's kernels do, against the trainer's Hugging Face formulas; see onoff/arms.py)."""
+    vLLM's kernels do, against the trainer's Hugging Face formulas; see docs/onoff.md)."""
     sampler_precision: Literal["bf16", "fp8"] = "bf16"
     """The embedded generator's decoder products: 'bf16', or 'fp8' (W8A8 as vLLM's default fp8; with
     sampler_kernels='engine'; generation/fp8.py)."""
