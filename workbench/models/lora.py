@@ -1,25 +1,15 @@
 """LoRA adapters on the model's projections: the config, attaching and detaching them, their names, merging.
 
-An adapted projection holds a frozen weight W [out, in] and two trained matrices, A [r, in] and B [out, r]
-(`Linear.lora_A`, `Linear.lora_B`; names `model.layers.3.mlp.up_proj.lora_A`), and computes
+An adapted projection holds a frozen W [out, in] and trained A [r, in], B [out, r] and computes, unmerged in the
+trainer and the generator alike (so the two run the same products on the same weights):
 
     y = linear(x, W) + scale * linear(linear(x, A), B),   scale = alpha / r
 
-unmerged, in the trainer and the generator alike, so the two run the same products on the same weights.
-
-Numerics contract (per output element):
-- base = linear(x, W), h = linear(x, A), low = linear(h, B): three products through `kernels.linear`, each
-  rounded once to the weights' dtype (in `invariant` mode each is the batch-invariant kernel, so h and low,
-  like base, are a row's bits whatever else is in the batch).
-- The sum y = base + scale * low through `kernels.lora_add` (invariant: fp32 multiply, fp32 add, one cast,
-  never an FMA; standard: PEFT's bf16 `base + low * scale`): elementwise, a fixed formula on the row's own values.
-- Merging (`merge`) is W + scale * (B @ A) computed in fp32 and cast once to W's dtype (`lora-merge` merges an
-  fp32 copy of the base, then casts once to the checkpoint's dtype): the same function up to the rounding of the
-  two paths, not the same bits (a merged model is for serving, not for exact parity).
-
-Initialisation follows PEFT's default: A Kaiming-uniform (a = sqrt(5), i.e. uniform(+-1/sqrt(in))), B zeros, so
-the adapted model starts as the base. Draws are made on the CPU in fp32 from a seeded generator, so every device
-and dtype gets the same numbers.
+The products go through `kernels.linear` and the sum through `kernels.lora_add`, so in `invariant` mode a row's
+output has its own bits whatever else is in the batch. A merged model (`merge`: fp32, cast once) is the same function,
+not the same bits: it is for serving. Initialisation is PEFT's (B zeros: the adapted model starts as the base), drawn
+on the CPU in fp32 so that every device and dtype gets the same numbers. The numerics contract per output element:
+docs/lora.md, "`workbench/models/lora.py`: the adapter's numerics contract".
 """
 
 from __future__ import annotations
