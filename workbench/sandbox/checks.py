@@ -1,27 +1,13 @@
 """Score a solution against a HumanEval-style test (`def check(candidate): assert ...`), unit by unit, so a reward
 can be all-or-nothing or partial; the verdict is reached outside the solution's interpreter.
 
-A *unit* is a top-level statement of `check`'s body that holds an `assert` whose condition is not a constant
-(`assert True, "..."`, in 36 HumanEval tests, checks nothing).
-
-Two ways to run a test (`prepare_test` picks):
-
-- *calls*: every unit is `assert candidate(<literals>) == <literal>` (or `<literal> == candidate(..)`, `is`
-  True/False/None, `candidate(..)`, `not candidate(..)`; constant arithmetic such as `3 * 19` counts as a
-  literal). The solution's process (harness.py) gets only the arguments and sends back each call's value as
-  marshal data; this process reads it with `values.loads` and compares it with the expected value, which
-  the solution's process never sees. A value that is not plain data (an object whose `__eq__` says yes to
-  everything) fails its unit.
-- *judge*: any other test runs in a second sandboxed interpreter (judge.py), in which `candidate` forwards each
-  call to the solution's process and returns the plain value that comes back; the test's names (`abs`, its
-  helpers) are its own. Each unit is wrapped in its own `try` (`instrument_test`) and passes when it raises
-  nothing (a `for` loop of asserts is one unit); other statements run as written, and if one raises, `check`
-  stops there and the units after it count as failed.
-
-binary: 1.0 when every unit passed and the run reached its end (for *judge*: exactly when HumanEval's own
-`check(candidate)` passes). partial: the share of units that passed. A run that times out, uses up its CPU,
-crashes before answering or prints past the output cap scores 0 in both. Nothing the solution's code can
-reach (frames, builtins, stdout, exit status) is read for the verdict: only the values.
+A unit is a top-level statement of `check` holding an `assert` on a non-constant condition. `prepare_test` runs a
+test as *calls* (the solution's process gets only the arguments and sends back plain values, compared here with the
+expected values it never sees) or through the *judge* (a second sandboxed interpreter runs the test's code, its
+`candidate` forwarding each call). binary: 1.0 when every unit passed and the run reached its end; partial: the share
+of units passed; a timeout, crash or output past the cap scores 0. Nothing the solution's code can reach is read for
+the verdict, only the values. The rules in full: docs/sandbox.md, "`workbench/sandbox/checks.py`: units, calls or
+judge, binary or partial".
 """
 
 from __future__ import annotations
