@@ -226,12 +226,16 @@ def test_one_arm_publishes_as_an_arm_record_and_the_map_command_reads_it(tmp_pat
     rng = np.random.default_rng(7)
     dest = tmp_path / "results"
     base = rng.normal(0.4, 0.1, 8)
-    for arm, shift, kl in (("on", 0.0, 0.0), ("noise=0.6", -0.1, 0.1), ("off", 0.0, 2e-3)):
-        out = tmp_path / arm
-        cfg = preset("regime", arms=(arm,), max_new_tokens=1024, loss="blog", policy="/warm/L1024", out_dir=str(out))
+    # `off` comes in two parts (seeds 0-3 and 4-7, as two GPU holds would run it): two records, one arm.
+    parts = [("on", 0.0, 0.0, SEEDS), ("noise=0.6", -0.1, 0.1, SEEDS), ("off", 0.0, 2e-3, SEEDS[:4]),
+             ("off", 0.0, 2e-3, SEEDS[4:])]
+    for arm, shift, kl, seeds in parts:
+        out = tmp_path / f"{arm}-{seeds[0]}"
+        cfg = preset("regime", arms=(arm,), seeds=tuple(seeds), max_new_tokens=1024, loss="blog",
+                     policy="/warm/L1024", out_dir=str(out))
         out.mkdir()
         write_config(cfg, out / "config.yaml")
-        for seed in SEEDS:
+        for seed in seeds:
             run = out / f"{arm}-seed{seed}"
             run.mkdir()
             _runs(arm, {seed: base[seed] + shift}, rng, kl=kl).to_csv(run / "metrics.csv", index=False)
@@ -239,15 +243,17 @@ def test_one_arm_publishes_as_an_arm_record_and_the_map_command_reads_it(tmp_pat
         pd.DataFrame({"started": ["x"], "wall_s": [60.0], "device": ["NVIDIA H200"], "git_sha": ["abc1234"]}).to_csv(
             out / "invocations.csv", index=False)
         folder = publish.publish(out, dest)
-        assert folder.name.endswith(f"_onoff-regime-arm-{arm.replace('=', '')}-L1024-blog-h200_abc1234")
+        assert folder.name.endswith(f"_onoff-regime-arm-{arm.replace('=', '')}-L1024-blog-s{seeds[0]}-{seeds[-1]}"
+                                    "-h200_abc1234")
         record = read_record(folder)
         assert record.preset == "regime-arm" and "It calls nothing" in record.verdict and "=" not in folder.name[:10]
-    assert len(published_arms(dest)) == 3 and publish.published_results(dest) == [], "an arm is no result alone"
+    assert len(published_arms(dest)) == 4 and publish.published_results(dest) == [], "an arm is no result alone"
     assert main(["regime-map", "--root", str(dest)]) == 0
     made = [p for p in dest.iterdir() if "_regime-map-" in p.name]
     assert len(made) == 1 and "P1 (`noise=0.6` x blog" in capsys.readouterr().out
     table = pd.read_csv(made[0] / "map.csv").set_index("name")
     assert table.loc["P1", "resolved"] and not table.loc["P2", "resolved"] and table.loc["P1", "family_in"] == "2 of 6"
+    assert table.loc["P2", "status"] == "complete", "the two parts of `off` make one complete arm"
     assert read_record(made[0]).preset == "regime-map" and (made[0] / "plan_map.png").exists()
     assert [p.folder.name for p in publish.published_results(dest)] == [made[0].name]
     assert not stale(dest), "the map command left the index current"

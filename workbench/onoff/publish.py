@@ -5,9 +5,9 @@ result.json, and regenerates dest's index (`workbench.records`),
 `reissue` rewrites a published folder's statistics from its own files, and `published_results` lists the newest
 published record per preset, found through that index, for a reader without a GPU.
 
-An experiment of one arm (`arms=[off]`: one arm of a regime-map cell, run inside one GPU hold) is published as an
-arm record: its folder named by the arm, length and loss, its preset `<preset>-arm`, and its report calling nothing
-(`regime_record` pairs the arms of a cell from their records)."""
+An experiment of one arm (`arms=[off]`: one arm of a regime-map cell, or a part of its seeds, run inside one GPU
+hold) is published as an arm record: its folder named by the arm, length, loss and seeds, its preset
+`<preset>-arm`, and its report calling nothing (`regime_record` pairs the arms of a cell from their records)."""
 
 from __future__ import annotations
 
@@ -302,7 +302,8 @@ def publish(out_dir: str | Path, dest: str | Path) -> Path:
     if len(cfg.arms) == 1:  # one arm of a cell: arms of one day and commit must not overwrite each other
         settings = recorded_settings(folder)
         preset = f"{preset}{ARM_SUFFIX}"
-        name = f"{preset}-{re.sub(r'[^A-Za-z0-9.-]', '', cfg.arms[0])}-L{settings['max_new_tokens']}-{settings['loss']}"
+        name = f"{preset}-{re.sub(r'[^A-Za-z0-9.-]', '', cfg.arms[0])}-L{settings['max_new_tokens']}-{settings['loss']}" \
+               f"-s{_seed_span(cfg.seeds)}"
     target = Path(dest) / f"{date}_onoff-{name}{'-smoke' if cfg.smoke else ''}-{slug}_{sha}"
     if target.exists():
         shutil.rmtree(target)
@@ -310,6 +311,15 @@ def publish(out_dir: str | Path, dest: str | Path) -> Path:
     write_record(target, _record(target, cfg, preset, device, sha, date))
     write_index(dest)
     return target
+
+
+def _seed_span(seeds) -> str:
+    """'0-7' for consecutive seeds, else '0.2.5': an arm may come in parts (seeds 0-3 in one GPU hold, 4-7 in the
+    next), each its own record."""
+    seeds = sorted(int(s) for s in seeds)
+    if seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else str(seeds[0])
+    return ".".join(map(str, seeds))
 
 
 def _record(folder: Path, cfg: OnOffConfig, preset: str, device: str, sha: str, date: str) -> Record:
