@@ -242,8 +242,9 @@ def _summary_markdown(cfg: OnOffConfig, out: Path, done, summary, dose, figures,
     lines += _figure_lines(figures)
     caveats = []
     if cfg.smoke:
-        caveats.append("Smoke scale: the tiny self-trained policy, two steps, one seed. This checks the pipeline; "
-                       "it is no result.")
+        seeds = len(cfg.seeds)
+        caveats.append(f"Smoke scale: the tiny self-trained policy, {cfg.run.steps} steps, {seeds} seed"
+                       f"{'s' if seeds > 1 else ''}. This checks the pipeline; it is no result.")
     workers = int(cfg.workers)
     if workers > 1:
         caveats.append(f"Up to {workers} runs shared the device at once: seconds per step are not the speed of one "
