@@ -11,6 +11,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from workbench.__main__ import main
 from workbench.config import write_config
@@ -148,13 +149,18 @@ def test_arms_started_from_other_weights_under_one_path_are_refused(tmp_path):
 
     rng = np.random.default_rng(4)
     on, dose = _cell(tmp_path, rng, "off", 1024, "blog", np.zeros(8))
+    from safetensors.torch import save_file
+
     warm = tmp_path / "warm"
     warm.mkdir()
-    for folder, payload in ((on, b"weights of hold 1"), (dose, b"weights of hold 1")):
-        (warm / "model.safetensors").write_bytes(payload)
+    hold1 = {"w": torch.arange(6, dtype=torch.bfloat16)}
+    for folder in (on, dose):
+        save_file(hold1, warm / "model.safetensors")
         record_policy(str(warm), folder)
     assert set(assemble([on, dose]).variant) == {"on", "off"}, "the same weights join"
-    (warm / "model.safetensors").write_bytes(b"weights of hold 2")
+    hold2 = {"w": hold1["w"].clone()}
+    hold2["w"][5] += 1   # one value of six moved
+    save_file(hold2, warm / "model.safetensors")
     record_policy(str(warm), dose)
     assert (dose / POLICY_RECORD).exists()
     with pytest.raises(ValueError, match=r"refusing to join .*off-L1024.* with .*on-L1024.*: their starting policies "

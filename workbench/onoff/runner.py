@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import hashlib
 import json
 import multiprocessing
 import os
@@ -35,10 +34,11 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from safetensors.torch import load_file
 
 from ..config import flat_dict, write_config
 from ..env import environment_record, resolve_device
-from ..models.gguf import file_sha256
+from ..models.checkpoint import weights_checksum
 from ..models.hub import resolve_model
 from ..policies.selftrained import PolicyConfig, train_policy
 from ..rl.checkpoint import config_changes, latest_checkpoint
@@ -90,14 +90,12 @@ POLICY_RECORD = "starting_policy.json"
 def record_policy(policy: str, out: Path) -> dict:
     """Write POLICY_RECORD for `policy` (a folder; a registry name or hub id is resolved through the model cache):
     arms run in other holds or sessions, each from its own copy of a warm start, join one cell only where the
-    weights are the same bits (`regime_plan.assemble`), not just the same path."""
+    weights are the same bits (`regime_plan.assemble`), not just the same path: the checkpoints' own checksum of
+    the tensors by name, whatever the files' layout."""
     path = Path(policy).expanduser()
     folder = path if path.is_dir() else resolve_model(policy)
-    digest = hashlib.sha256()
-    for f in sorted(folder.glob("*.safetensors")):
-        digest.update(f.name.encode())
-        digest.update(file_sha256(f).encode())
-    record = {"path": str(policy), "weights_sha256": digest.hexdigest()}
+    state = {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+    record = {"path": str(policy), "weights_sha256": weights_checksum(state)}
     (out / POLICY_RECORD).write_text(json.dumps(record, indent=1))
     return record
 
