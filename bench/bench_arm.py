@@ -101,4 +101,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:   # a bad --set, or a setting the preset refuses: one line, as profile_regime.py
+        raise SystemExit(f"bench_arm: {e}") from None

@@ -117,8 +117,7 @@ _REALISTIC = {"policy": SMOLLM2, "task": "arithmetic-chat", "difficulty": 1, "ch
 # then policy=<its folder>).
 # Its update runs one packed micro-batch a mini-batch with layer recompute: at the 135M shape a micro-batch's cost is
 # its kernels' host work, not its tokens, and eight runs sharing a GPU need little activation memory each
-# (2.45x the update's real tokens/s of padded 16,384-token micro-batches at the regime's lengths:
-# docs/results/2026-12-02_packed-microbatches-h200_6ebc574).
+# (the measurement: docs/results/2026-12-02_packed-microbatches-h200_6ebc574).
 _REGIME = {**_REALISTIC, "task": "counting", "difficulty": 2, "prompts_per_step": 8, "max_new_tokens": 2048,
            "steps": 300, "seeds": tuple(range(8)), "arms": ("on", "off"), "workers": 2,
            "max_tokens_per_microbatch": 65536, "activation_checkpointing": "layers"}
