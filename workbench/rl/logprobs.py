@@ -5,8 +5,8 @@ Only completion positions reach the LM head: the decoder's hidden states at the 
 completion token go through `linear_logprobs` (the LM head fused with the log-softmax, chunked over
 tokens), so no [tokens, vocab] logits exist, in any dtype. In `invariant` mode a token's log-prob is the
 bits the generator reported for it (same kernels, same temperature), whatever the micro-batch, padded or
-packed. The workbench's own model (`CausalLM`) always runs packed micro-batches (no work on padding); torchtitan's
-routed model (`titan.model`) runs padded ones. The weights' gradients are not bitwise alike between the two
+packed. The workbench's own model (`CausalLM`) scores packed micro-batches (no work on padding) and updates on
+them unless `optim.packed_sequences` is off; torchtitan's routed model (`titan.model`) runs padded ones. The weights' gradients are not bitwise alike between the two
 layouts: dW sums over a micro-batch's tokens, and the layouts group the tokens into other tiles and micro-batches.
 """
 
