@@ -12,8 +12,9 @@
 #               of 4 (0, 1, ...: $OUT brings back 64 MiB a call), with SHA256SUMS of the whole files, for keeping under
 #               .carry/ (a warm start is made once: its SFT runs standard kernels, so a second one is other bits);
 #   STEP=in     join a carried folder's parts (CARRY, from STEP=out, over several calls) into DEST, checking SHA256SUMS;
-#   STEP=arm    one arm of the regime map (ARM, LOSS, L, SEEDS e.g. "0,1,2,3", POLICY) run by the runner under its
-#               MPS daemon and published into <runs>/pub (the arm record `STEP=wait` brings back), in the background;
+#   STEP=arm    arms of one regime-map cell (ARM, e.g. "on" or "on,noise=0.6"; LOSS, L, SEEDS e.g. "0,1,2,3",
+#               POLICY) run by the runner under its MPS daemon, each published into <runs>/pub as an arm record
+#               (`STEP=wait` brings them back), in the background;
 #   STEP=probe  every preset's OFF arms for a few steps (bench/probe_mismatch.py), one job per GPU, in the background;
 #   STEP=cell   run_on_off of the regime cells in CELLS (e.g. "grpo:256 gspo:256") on all GPUs, in the background;
 #   STEP=job    any command CMD on the GPUs GPUS (e.g. "0,1"), in the background, its output in <runs>/NAME.log;
@@ -72,9 +73,10 @@ case "${STEP:?}" in
     else echo "$(ls /tmp/in-parts | wc -l) files held; LAST=1 on the call that carries the last parts joins them"; fi ;;
   arm)
     snapshot; export PYTHONPATH="$PWD:${PYTHONPATH#*:}"
-    name="${ARM:?}-L${L:?}-${LOSS:?}-s${SEEDS:?}"
+    name="$(echo "${ARM:?}" | tr ',' '+')-L${L:?}-${LOSS:?}-s${SEEDS:?}"
+    runs_n=$(( $(echo "$SEEDS" | tr ',' '\n' | wc -l) * $(echo "$ARM" | tr ',' '\n' | wc -l) ))
     setsid nohup python3 -m workbench on-off --preset regime loss="$LOSS" max_new_tokens="$L" arms="[$ARM]" \
-      seeds="[$SEEDS]" workers="$(echo "$SEEDS" | tr ',' '\n' | wc -l)" policy="${POLICY:?}" mps=on \
+      seeds="[$SEEDS]" workers="$runs_n" policy="${POLICY:?}" mps=on \
       out_dir="$runs/regime/$name" publish="$runs/pub" --no-progress ${EXTRA:-} > "$runs/arm_$name.log" 2>&1 & ;;
   probe)
     n=$(nvidia-smi -L | wc -l); i=0; snapshot; export PYTHONPATH="$PWD:${PYTHONPATH#*:}"

@@ -225,6 +225,34 @@ def test_the_figures_draw(tmp_path):
         plan_map(map_table(assemble([])))
 
 
+def test_arms_run_together_publish_as_one_record_each(tmp_path):
+    """A hold that runs `on` and a dose together (parts of their seeds, one MPS daemon) publishes one arm record
+    per arm, each holding only its own runs, as if that arm had run alone; the map pairs them."""
+    rng = np.random.default_rng(11)
+    dest, out = tmp_path / "results", tmp_path / "together"
+    seeds = SEEDS[:2]
+    cfg = preset("regime", arms=("on", "noise=0.6"), seeds=tuple(seeds), max_new_tokens=1024, loss="blog",
+                 policy="/warm/L1024", out_dir=str(out))
+    out.mkdir()
+    write_config(cfg, out / "config.yaml")
+    for arm, shift in (("on", 0.0), ("noise=0.6", -0.1)):
+        for seed in seeds:
+            run = out / f"{arm}-seed{seed}"
+            run.mkdir()
+            _runs(arm, {seed: 0.4 + shift}, rng).to_csv(run / "metrics.csv", index=False)
+            (run / runner.RECORD).write_text(json.dumps({"config": {"steps": STEPS}, "steps": STEPS}))
+    pd.DataFrame({"started": ["x"], "wall_s": [60.0], "device": ["NVIDIA H200"], "git_sha": ["abc1234"]}).to_csv(
+        out / "invocations.csv", index=False)
+    folders = publish.publish_experiment(out, dest)
+    assert [f.name.split("_onoff-")[1] for f in folders] == ["regime-arm-on-L1024-blog-s0-1-h200_abc1234",
+                                                            "regime-arm-noise0.6-L1024-blog-s0-1-h200_abc1234"]
+    for folder, arm in zip(folders, ("on", "noise=0.6")):
+        runs = pd.read_csv(folder / "runs.csv")
+        assert set(runs.variant) == {arm} and sorted(runs.seed) == list(seeds), f"{folder.name} holds {list(runs.run)}"
+    status = map_table(assemble(published_arms(dest))).set_index("name").loc["P1", "status"]
+    assert status.count("2 of 8 seeds complete") == 2 and "not published" not in status, status
+
+
 def test_one_arm_publishes_as_an_arm_record_and_the_map_command_reads_it(tmp_path, capsys):
     """`publish` of a one-arm experiment (its run folders as the runner leaves them) names the folder by arm,
     length and loss, so arms of one day do not overwrite each other, and calls nothing; `regime-map` builds the map

@@ -78,20 +78,21 @@ def _train(cfg: TrainConfig, args) -> int:
 
 
 def _on_off(cfg: OnOffConfig, args) -> int:
-    from .onoff.publish import publish, report
+    from .onoff.publish import publish_experiment, report
     from .onoff.runner import run_on_off
     from .rundir import claim
 
     with claim(cfg.out_dir, "on-off"):   # the runs and their report, one process
         run_on_off(cfg)
         try:
-            folder = publish(cfg.out_dir, cfg.publish) if cfg.publish else report(cfg.out_dir)
+            folders = publish_experiment(cfg.out_dir, cfg.publish) if cfg.publish else [report(cfg.out_dir)]
         except Exception as e:  # noqa: BLE001  the runs are written: the report's failure must not read as theirs
             raise RunFailed(f"the runs are kept in {cfg.out_dir}, but their report failed ({type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''}); run the same command again to retry "
                             "it (finished runs are not run again)") from e
-    print((folder / "summary.md").read_text())
-    print(f"report: {folder}; metrics: {cfg.out_dir}/metrics.csv")
+    for folder in folders:
+        print((folder / "summary.md").read_text())
+        print(f"report: {folder}; metrics: {cfg.out_dir}/metrics.csv")
     return 0
 
 

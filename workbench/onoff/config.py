@@ -58,7 +58,8 @@ class OnOffConfig:
     """Stop after this many minutes: running runs checkpoint at their next step boundary, the rest wait; the
     next call with the same out_dir continues (0: no limit)."""
     publish: str = ""
-    """Also copy the report to <publish>/<date>_onoff-<preset>-<device>_<sha>/ (e.g. docs/results)."""
+    """Also copy the report to <publish>/<date>_onoff-<preset>-<device>_<sha>/ (e.g. docs/results); the regime
+    preset's as one arm record per arm (onoff/publish.py, `publish_experiment`)."""
     run: TrainConfig = _RUN
     """Every run's settings (policy, task, loss, optimizer, device, ...: see TrainConfig), each settable by its
     name (lr=1e-5) or as run.<name>; the arm sets the generator's and the ratio's, the seed and out_dir the run's

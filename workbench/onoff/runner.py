@@ -55,7 +55,8 @@ class RunFailed(RuntimeError):
 
 RECORD = "run.json"
 """Written into a run's folder when it has finished: its config and its number of steps."""
-_RUN_FOLDER = re.compile(r"(?P<arm>.+)-seed(?P<seed>\d+)")
+RUN_FOLDER = re.compile(r"(?P<arm>.+)-seed(?P<seed>\d+)")
+"""A run's folder name in out_dir: its arm and seed."""
 
 
 def starting_policy(cfg: OnOffConfig) -> str:
@@ -247,7 +248,7 @@ def collect(out: Path) -> pd.DataFrame:
     """The long table of every run folder in `out` (finished or not), written atomically to out/metrics.csv,
     and their status to out/runs.csv."""
     tables, status = [], []
-    for folder in sorted(p for p in out.iterdir() if p.is_dir() and _RUN_FOLDER.fullmatch(p.name)):
+    for folder in sorted(p for p in out.iterdir() if p.is_dir() and RUN_FOLDER.fullmatch(p.name)):
         path = folder / "metrics.csv"
         if not path.exists() or path.stat().st_size == 0:
             continue
@@ -256,7 +257,7 @@ def collect(out: Path) -> pd.DataFrame:
         record = folder / RECORD
         target = json.loads(record.read_text())["config"]["steps"] if record.exists() else None
         status.append({"run": folder.name, "variant": t.variant.iloc[0] if len(t) else "",
-                       "seed": int(_RUN_FOLDER.fullmatch(folder.name)["seed"]),
+                       "seed": int(RUN_FOLDER.fullmatch(folder.name)["seed"]),
                        "steps_done": int(t.step.max()) if len(t) else 0, "finished": record.exists(),
                        "steps": target})
     table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(
