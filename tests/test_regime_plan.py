@@ -251,6 +251,7 @@ def test_arms_run_together_publish_as_one_record_each(tmp_path):
         assert set(runs.variant) == {arm} and sorted(runs.seed) == list(seeds), f"{folder.name} holds {list(runs.run)}"
     status = map_table(assemble(published_arms(dest))).set_index("name").loc["P1", "status"]
     assert status.count("2 of 8 seeds complete") == 2 and "not published" not in status, status
+    assert "so far (not tested) dose - `on` by seed: 0: -0.1, 1: -0.1" in status, status
 
 
 def test_one_arm_publishes_as_an_arm_record_and_the_map_command_reads_it(tmp_path, capsys):

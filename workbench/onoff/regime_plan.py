@@ -266,9 +266,12 @@ def map_table(long: pd.DataFrame) -> pd.DataFrame:
                "status": "complete" if not missing else "; ".join(missing),
                **{col: pd.to_numeric(dose[col], errors="coerce").mean() for col in MISMATCH},
                "on_tokens_differing": pd.to_numeric(on.tokens_differing, errors="coerce").sum(min_count=1)}
+        paired = (final(dose) - final(on)).dropna()
         if not missing:
-            row.update(on_reward=final(on).mean(), dose_reward=final(dose).mean(),
-                       diffs=(final(dose) - final(on)).to_numpy(dtype=float))
+            row.update(on_reward=final(on).mean(), dose_reward=final(dose).mean(), diffs=paired.to_numpy(dtype=float))
+        elif len(paired):  # described, never tested: the plan tests a cell at all its seeds
+            row["status"] += (f"; so far (not tested) dose - `{REFERENCE}` by seed: "
+                              + ", ".join(f"{seed}: {d:+.3g}" for seed, d in paired.items()))
         rows.append(row)
     out = pd.DataFrame(rows)
     for col in ("d", "lo", "hi", "p", "p_holm", "floor", "sd", "detectable", "on_reward", "dose_reward"):
