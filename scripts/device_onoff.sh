@@ -13,8 +13,9 @@
 #               .carry/ (a warm start is made once: its SFT runs standard kernels, so a second one is other bits);
 #   STEP=in     join a carried folder's parts (CARRY, from STEP=out, over several calls) into DEST, checking SHA256SUMS;
 #   STEP=arm    arms of one regime-map cell (ARM, e.g. "on" or "on,noise=0.6"; LOSS, L, SEEDS e.g. "0,1,2,3",
-#               POLICY) run by the runner under its MPS daemon, each published into <runs>/pub as an arm record
-#               (`STEP=wait` brings them back), in the background;
+#               POLICY; SHA, the commit the carried tree holds: the copy has no .git of its own) run by the runner
+#               under its MPS daemon, each published into <runs>/pub as an arm record (`STEP=wait` brings them
+#               back), in the background;
 #   STEP=probe  every preset's OFF arms for a few steps (bench/probe_mismatch.py), one job per GPU, in the background;
 #   STEP=cell   run_on_off of the regime cells in CELLS (e.g. "grpo:256 gspo:256") on all GPUs, in the background;
 #   STEP=job    any command CMD on the GPUs GPUS (e.g. "0,1"), in the background, its output in <runs>/NAME.log;
@@ -72,6 +73,7 @@ case "${STEP:?}" in
         && echo "joined into $DEST"
     else echo "$(ls /tmp/in-parts | wc -l) files held; LAST=1 on the call that carries the last parts joins them"; fi ;;
   arm)
+    export WORKBENCH_GIT_SHA="${SHA:?the commit the carried tree holds (git rev-parse --short HEAD here)}"
     snapshot; export PYTHONPATH="$PWD:${PYTHONPATH#*:}"
     name="$(echo "${ARM:?}" | tr ',' '+')-L${L:?}-${LOSS:?}-s${SEEDS:?}"
     runs_n=$(( $(echo "$SEEDS" | tr ',' '\n' | wc -l) * $(echo "$ARM" | tr ',' '\n' | wc -l) ))

@@ -102,8 +102,9 @@ def test_a_cut_run_is_drawn_but_left_out_of_the_endpoints(tmp_path, monkeypatch,
     cfg = _cfg(_ready(tmp_path, starting), seeds=(0,), steps=2, checkpoint_every=1, time_limit_min=1e-6)
     run_on_off(cfg)  # one step a call
     folder = publish.report(tmp_path)
-    assert "No run has finished yet" in (folder / "summary.md").read_text()
-    assert "`off-seed0` at step 1" in (folder / "summary.md").read_text()
+    text = (folder / "summary.md").read_text()
+    assert "No run finished" in text and "nothing tested" in text and "`off-seed0` at step 1 of 2" in text
+    assert "| `off-seed0` | 1 | " in text, "where each run got to, described"
     assert (folder / "reward.png").exists() and not (folder / "summary.csv").exists(), "curves, no endpoints"
     for _ in range(2):  # `off` finishes, `off-tis` stops after its first step
         run_on_off(cfg)

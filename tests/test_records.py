@@ -68,7 +68,7 @@ def test_the_published_views_read_the_real_index():
     table = published_metrics("docs/results", "blog", "off-vllm")
     assert set(table.source) == {"2026-11-24_onoff-blog-vllm-h100_5010901"}, "a variant of the preset counts"
     newest = published_metrics("docs/results", "regime", "on").source.iloc[0]
-    assert newest == "2026-11-28_onoff-regime-pilot-h100_cb149ba", "the newest record that ran the arm"
+    assert newest == "2026-12-02_onoff-regime-arm-on-L1024-blog-s0-1-h200_e5e1395", "the newest record that ran the arm"
 
 
 def _numbers(cell: str) -> list[float]:

@@ -254,6 +254,7 @@ def test_arms_run_together_publish_as_one_record_each(tmp_path):
     assert "so far (not tested) dose - `on` by seed: 0: -0.1, 1: -0.1" in status, status
 
 
+@pytest.mark.slow  # 21-23 s on 2 cores
 def test_one_arm_publishes_as_an_arm_record_and_the_map_command_reads_it(tmp_path, capsys):
     """`publish` of a one-arm experiment (its run folders as the runner leaves them) names the folder by arm,
     length and loss, so arms of one day do not overwrite each other, and calls nothing; `regime-map` builds the map

@@ -154,7 +154,7 @@ def write_report(folder: str | Path, window: int = 10, smooth: int = 5, header: 
     shown = [n for n in ("regime_map", "reward", "mismatch", "delta_histogram", "dose_response")
              if n in figures or (folder / f"{n}.png").exists()]
     if done.empty:
-        (folder / "summary.md").write_text(_unfinished_markdown(cfg, folder, shown))
+        (folder / "summary.md").write_text(_unfinished_markdown(cfg, folder, shown, table))
         return
     if regime is not None:
         regime.to_csv(folder / "summary.csv", index=False)
@@ -185,12 +185,29 @@ def _figure_lines(figures) -> list[str]:
     return ["", "## Figures", ""] + [f"![{name}]({name}.png) ([SVG]({name}.svg))" for name in figures]
 
 
-def _unfinished_markdown(cfg: OnOffConfig, out: Path, figures) -> str:
+def _unfinished_markdown(cfg: OnOffConfig, out: Path, figures, table: pd.DataFrame) -> str:
+    """No finished run: where each run got to and what it showed there, described, with no endpoint or test."""
     runs = pd.read_csv(out / "runs.csv")
-    cut = ", ".join(f"`{r.run}` at step {int(r.steps_done)}" for r in runs.itertuples())
-    return "\n".join([f"# ON/OFF experiment `{cfg.preset or 'custom'}`", "",
-                      (f"No run has finished yet, so there are no endpoints and no verdict. Runs so far: {cut}; "
-                       f"total wall time {total_wall_s(out) / 60:.1f} min. The curves show every step reached.")]
+    settings = recorded_settings(out)
+    title = (f"# ON/OFF experiment `{cfg.preset or 'custom'}`"
+             + (f": arm `{cfg.arms[0]}` at {settings['max_new_tokens']} new tokens, loss `{settings['loss']}`, seeds "
+                f"{_seed_span(cfg.seeds)} (no run finished)" if len(cfg.arms) == 1 else ""))
+    cut = ", ".join(f"`{r.run}` at step {int(r.steps_done)} of {cfg.run.steps}" for r in runs.itertuples())
+    wide = table.pivot_table(index=["variant", "seed", "step"], columns="metric", values="value").reset_index()
+    rows = ["| run | steps | reward, last 20 steps reached | response length | KL / token | tokens differing | "
+            "s / step (median) |", "|---|---|---|---|---|---|---|"]
+    for (variant, seed), run in wide.groupby(["variant", "seed"]):
+        last = run[run.step > run.step.max() - 20]
+        rows.append(f"| `{variant}-seed{seed}` | {int(run.step.max())} | {last.reward_mean.mean():.3f} | "
+                    f"{last.get('response_length', pd.Series(dtype=float)).mean():.0f} | "
+                    f"{last.get('sampler_trainer_kl', pd.Series(dtype=float)).mean():.3g} | "
+                    f"{run.get('parity_tokens_differing', pd.Series(dtype=float)).sum():.0f} | "
+                    f"{run.get('time_step', pd.Series(dtype=float)).median():.2f} |")
+    return "\n".join([title, "", "## Verdict", "",
+                      (f"No run finished ({cut}; total wall time {total_wall_s(out) / 60:.1f} min): no endpoint and "
+                       "nothing tested. The runs are published for their curves; the plan's endpoint needs runs "
+                       "that reach its last step."), "",
+                      "## Where each run got to (described, not tested)", "", *rows]
                      + _figure_lines(figures)) + "\n"
 
 
