@@ -104,3 +104,18 @@ def test_warm_start_fine_tunes_the_real_policy_toward_the_answers(smollm2, tmp_p
     # A policy already at the range's low end is saved as it is: more fine-tuning would only raise its rate.
     table = warm_start(dataclasses.replace(cfg, target_reward=(0.0, 1.0)), tmp_path / "as-is")
     assert "loss" not in set(table.metric) and table[table.metric == "in_range"].value.tolist() == [1.0]
+
+
+def test_the_warm_start_runs_deterministic_algorithms_and_restores_the_setting(monkeypatch):
+    import os
+
+    import torch
+
+    from workbench.policies.warmstart import deterministic
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.are_deterministic_algorithms_enabled()
+    with deterministic():
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert torch.are_deterministic_algorithms_enabled() == before

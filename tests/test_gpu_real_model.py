@@ -70,3 +70,24 @@ def test_gpu_real_model_logits_match_transformers(smollm2, real):
     print(f"top-1 over {int(keep.sum())} positions: ours = transformers bf16 {ours_ref:.2%}, ours = fp32 "
           f"{ours_true:.2%}, transformers bf16 = fp32 {ref_true:.2%}")
     assert ours_true >= ref_true - 0.01 and ours_ref >= 0.95
+
+
+def test_gpu_warm_start_gives_the_same_bits_twice_and_other_bits_for_another_seed(smollm2, tmp_path):
+    """Each GPU hold warm-starts its own starting policy, and the regime map pairs arms only from the same weights'
+    digest: two warm starts with one config must save the same bits (deterministic algorithms), a third with another
+    seed other bits (the digest can tell them apart)."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    from workbench.models.checkpoint import weights_checksum
+    from workbench.policies.warmstart import WarmStartConfig, warm_start
+
+    cfg = WarmStartConfig(policy=smollm2, max_new_tokens=64, steps=4, batch_size=8, eval_every=2, eval_problems=8,
+                          target_reward=(0.99, 1.0), device="cuda")
+    digests = []
+    for name, c in (("a", cfg), ("b", cfg), ("other", dataclasses.replace(cfg, seed=cfg.seed + 1))):
+        warm_start(c, tmp_path / name)
+        digests.append(weights_checksum(load_file(str(tmp_path / name / "model.safetensors"))))
+    assert digests[0] == digests[1], "one config, two warm starts: other bits"
+    assert digests[2] != digests[0], "another seed gave the same bits: the digest tells nothing apart"

@@ -8,13 +8,19 @@ reward, so nothing is learned, in either arm of an ON/OFF comparison. A cold sta
 rate the way the RL runs will meet it: sampled at their temperature, scored by the task's reward, on problems the
 fine-tune did not see.
 
-The fine-tune runs the standard kernels with fp32 weights and AdamW; the saved checkpoint is bf16, through the one
-cast path (`selftrained.save_policy`), as every starting policy.
+The fine-tune runs the standard kernels with fp32 weights and AdamW, under torch's deterministic algorithms: the
+same settings give the same bits on the same GPU and software, so each GPU hold can make its own copy of a starting
+policy that the regime map's arms share (they are paired only from the same weights' digest, and nothing but a
+hold's outputs survives it). The saved checkpoint is bf16, through the one cast path (`selftrained.save_policy`), as
+every starting policy.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +110,20 @@ def warm_start(cfg: WarmStartConfig, out_dir: str | Path, progress: bool = False
         return _warm_start(cfg, folder.folder, progress)
 
 
+@contextlib.contextmanager
+def deterministic() -> Iterator[None]:
+    """torch's deterministic algorithms while the block runs (an op without a deterministic form raises, naming
+    itself); cuBLAS's products are run to run the same only with a fixed workspace, which it reads from
+    CUBLAS_WORKSPACE_CONFIG (set here where unset: before this process's first product, as in the CLI)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
 def _warm_start(cfg: WarmStartConfig, out: Path, progress: bool) -> pd.DataFrame:
     device = resolve_device(cfg.device)
     task = make_task(cfg.task, seed=cfg.seed, difficulty=cfg.difficulty, max_new_tokens=cfg.max_new_tokens)
@@ -116,7 +136,7 @@ def _warm_start(cfg: WarmStartConfig, out: Path, progress: bool) -> pd.DataFrame
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     rows, start = [], time.perf_counter()
     bar = tqdm(total=cfg.steps, disable=not progress, desc=f"warm-start ({cfg.task}, {device})")
-    with mode("standard"), bar:
+    with mode("standard"), deterministic(), bar:
         reward = sampled_reward(model, tok, task, held_out, cfg, seed=cfg.seed)
         rows.append({"step": 0, "metric": "sampled_reward", "value": reward})
         for step in range(1, cfg.steps + 1):
