@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -250,6 +251,11 @@ def test_arms_run_together_publish_as_one_record_each(tmp_path):
         runs = pd.read_csv(folder / "runs.csv")
         assert set(runs.variant) == {arm} and sorted(runs.seed) == list(seeds), f"{folder.name} holds {list(runs.run)}"
     status = map_table(assemble(published_arms(dest))).set_index("name").loc["P1", "status"]
+    for seed in seeds:
+        shutil.rmtree(out / f"noise=0.6-seed{seed}")
+    with pytest.raises(ValueError, match=r"holds no run of arm\(s\) noise=0.6 .* nothing was published"):
+        publish.publish_experiment(out, tmp_path / "elsewhere")
+    assert not (tmp_path / "elsewhere").exists()
     assert status.count("2 of 8 seeds complete") == 2 and "not published" not in status, status
     assert "so far (not tested) dose - `on` by seed: 0: -0.1, 1: -0.1" in status, status
 

@@ -349,6 +349,11 @@ def publish_arms(out_dir: str | Path, dest: str | Path) -> list[Path]:
     cfg = OnOffConfig(**read_config_file(out / "config.yaml", OnOffConfig))
     if len(cfg.arms) == 1:
         return [publish(out, dest)]
+    runs = {arm: [run for run in sorted(out.iterdir()) if run.is_dir() and (m := RUN_FOLDER.fullmatch(run.name))
+                  and m["arm"] == arm and (run / "metrics.csv").exists()] for arm in cfg.arms}
+    if missing := [arm for arm, found in runs.items() if not found]:
+        raise ValueError(f"{out} holds no run of arm(s) {', '.join(missing)} (no <arm>-seed<n>/metrics.csv): run "
+                         "them first (the same on-off command continues the experiment), nothing was published")
     folders = []
     for arm in cfg.arms:
         view = out / "arms" / arm
@@ -359,10 +364,8 @@ def publish_arms(out_dir: str | Path, dest: str | Path) -> list[Path]:
         for name in ("invocations.csv", POLICY_RECORD):
             if (out / name).exists():
                 shutil.copy(out / name, view / name)
-        for run in out.iterdir():
-            match = RUN_FOLDER.fullmatch(run.name)
-            if run.is_dir() and match and match["arm"] == arm:
-                (view / run.name).symlink_to(Path("..", "..", run.name))
+        for run in runs[arm]:
+            (view / run.name).symlink_to(Path("..", "..", run.name))
         folders.append(publish(view, dest))
     return folders
 
