@@ -126,6 +126,41 @@ def swiglu_product_unfused(x, gate_up):
     return silu_mul_invariant(linear_invariant(x, gate), linear_invariant(x, up))
 
 
+def rms_norm_linear_inputs(rows, size, g, device, dtype):
+    """The stream's two parts, the norm's weight, eps and a projection's weight."""
+    x, residual, w, eps = rms_norm_add_inputs(rows, size, g, device, dtype)
+    s = SIZES[size]
+    return x, residual, w, eps, _randn((s["n"], s["hidden"]), g, device, dtype, s["hidden"] ** -0.5)
+
+
+def _norm_linear_rows(fn, x, residual, norm_weight, eps, weight):
+    y, h = fn(x, residual, norm_weight, weight, eps)
+    return torch.cat([y, h], 1)
+
+
+def rms_norm_linear_rows(x, residual, norm_weight, eps, weight):
+    """[N, n + H]: the product, then the stream."""
+    from .norm_linear import rms_norm_linear
+
+    def fused(*args):
+        out = rms_norm_linear(*args)
+        if out is None:
+            raise RuntimeError("rms_norm_linear does not apply here (bf16 operands, a Hopper GPU or the interpreter)")
+        return out
+    return _norm_linear_rows(fused, x, residual, norm_weight, eps, weight)
+
+
+def rms_norm_linear_rows_reference(x, residual, norm_weight, eps, weight):
+    from .norm_linear import rms_norm_linear_reference
+
+    return _norm_linear_rows(rms_norm_linear_reference, x, residual, norm_weight, eps, weight)
+
+
+def rms_norm_linear_unfused(x, residual, norm_weight, eps, weight):
+    y, h = rmsnorm.rms_norm_add(x, residual, norm_weight, eps)
+    return torch.cat([linear_invariant(y, weight), h], 1)
+
+
 def linear_logprobs_inputs(rows, size, g, device, dtype):
     s = SIZES[size]
     return (_randn((rows, s["k"]), g, device, dtype), _randn((s["vocab"], s["k"]), g, device, dtype, s["k"] ** -0.5),
