@@ -1,13 +1,15 @@
-"""`rms_norm_linear`: the residual add and RMSNorm in the prologue of the product that reads the normalised rows,
-the bits of `rms_norm_add` then `linear` in the interpreter (fresh random inputs, the seed in the message), and the
-decoding model that runs it gives the training forward's tokens and log-probs; the GPU tests hold it on the device."""
+"""`rms_norm_linear` and `rms_norm_swiglu_product`: the residual add and RMSNorm in the prologue of the product that
+reads the normalised rows, the bits of `rms_norm_add` then `linear` (or `swiglu_product`'s unfused ops) in the
+interpreter (fresh random inputs, the seed in the message), and the decoding model that runs them gives the training
+forward's tokens and log-probs; the GPU tests hold them on the device."""
 
 import pytest
 import torch
 
 from helpers import rel_err, seed_for, tolerance
-from workbench.kernels import linear, mode, rms_norm, rms_norm_add, rms_norm_linear
+from workbench.kernels import linear, mode, rms_norm, rms_norm_add, rms_norm_linear, rms_norm_swiglu_product, silu_mul
 from workbench.kernels.norm_linear import rms_norm_linear_reference
+from workbench.kernels.swiglu_product import rms_norm_swiglu_product_reference
 
 
 def _inputs(device, rows, k, n, seed):
@@ -19,38 +21,47 @@ def _inputs(device, rows, k, n, seed):
     return x, res, norm_w, w
 
 
-def _unfused(x, res, norm_w, w, eps):
+def _unfused(x, res, norm_w, w, eps, swiglu=False):
     y, h = (rms_norm(x, norm_w, eps), x) if res is None else rms_norm_add(x, res, norm_w, eps)
+    if swiglu:
+        gate, up = w.chunk(2)
+        return silu_mul(linear(y, gate), linear(y, up)), h
     return linear(y, w), h
 
 
-def check_norm_linear(device, rows, k, n, residual=True, eps=1e-5):
-    """The fused kernel against `rms_norm_add` (`rms_norm` without a residual) then `linear` in invariant mode,
-    bitwise, product and stream; a row alone gives its bits in the batch; close to fp64."""
+def check_norm_product(device, rows, k, n, residual=True, eps=1e-5, swiglu=False):
+    """The fused kernel (`rms_norm_swiglu_product` with swiglu, n = 2 I) against `rms_norm_add` (`rms_norm` without
+    a residual) then the product (`silu_mul` of gate's and up's) in invariant mode, bitwise, product and stream; a
+    row alone gives its bits in the batch; close to fp64."""
     seed = seed_for()
     x, res, norm_w, w = _inputs(device, rows, k, n, seed)
     res = res if residual else None
     r = rows // 2
+    fused = rms_norm_swiglu_product if swiglu else rms_norm_linear
     with mode("invariant"):
-        got = rms_norm_linear(x, res, norm_w, w, eps)
-        want = _unfused(x, res, norm_w, w, eps)
-        alone = rms_norm_linear(x[r : r + 1], None if res is None else res[r : r + 1], norm_w, w, eps)
-    assert got is not None and got[0].shape == (rows, n) and got[1].shape == (rows, k), f"seed {seed}"
+        got = fused(x, res, norm_w, w, eps)
+        want = _unfused(x, res, norm_w, w, eps, swiglu)
+        alone = fused(x[r : r + 1], None if res is None else res[r : r + 1], norm_w, w, eps)
+    width = n // 2 if swiglu else n
+    assert got is not None and got[0].shape == (rows, width) and got[1].shape == (rows, k), f"seed {seed}"
     assert torch.equal(got[0], want[0]), f"seed {seed}: the fused product differs from the norm then the product"
     assert torch.equal(got[1], want[1]), f"seed {seed}: the stream differs from rms_norm_add's"
     assert torch.equal(alone[0][0], got[0][r]), f"seed {seed}: a row alone differs from the same in the batch"
-    ref = rms_norm_linear_reference(x, res, norm_w, w, eps)[0]
-    assert rel_err(got[0], ref) < 2 * tolerance(torch.bfloat16, device == "cuda"), f"seed {seed}: far from fp64"
+    ref = (rms_norm_swiglu_product_reference if swiglu else rms_norm_linear_reference)(x, res, norm_w, w, eps)[0]
+    roundings = 6 if swiglu else 3  # the norm's two, then the product's one, or gate, silu, up and their product
+    assert rel_err(got[0], ref) < roundings / 1.5 * tolerance(torch.bfloat16, device == "cuda"), \
+        f"seed {seed}: far from fp64"
 
 
-@pytest.mark.parametrize("rows,k,n,residual", [
-    (5, 96, 80, True),          # K and N tails, one row tile
-    (37, 576, 960, True),       # SmolLM2's q/k/v: two row tiles (the last ragged), four column tiles (ragged)
-    (3, 576, 3072, True),       # SmolLM2's gate/up width
-    (4, 576, 960, False),       # the first layer: no residual, the stream is the embeddings
-], ids=["tails", "smollm2-qkv", "smollm2-gate-up", "no-residual"])
-def test_fused_is_the_bits_of_the_norm_then_the_product(rows, k, n, residual):
-    check_norm_linear("cpu", rows, k, n, residual)
+@pytest.mark.parametrize("rows,k,n,residual,swiglu", [
+    (5, 96, 80, True, False),       # K and N tails, one row tile
+    (37, 576, 960, True, False),    # SmolLM2's q/k/v: two row tiles (the last ragged), four column tiles (ragged)
+    (4, 576, 960, False, False),    # the first layer: no residual, the stream is the embeddings
+    (5, 96, 80, True, True),        # gate/up + silu_mul: tails
+    (3, 576, 3072, True, True),     # SmolLM2's gate/up
+], ids=["tails", "smollm2-qkv", "no-residual", "swiglu-tails", "smollm2-gate-up"])
+def test_fused_is_the_bits_of_the_norm_then_the_product(rows, k, n, residual, swiglu):
+    check_norm_product("cpu", rows, k, n, residual, swiglu=swiglu)
 
 
 def test_the_comparison_sees_another_reduction_order():
@@ -79,20 +90,23 @@ def test_where_it_does_not_apply_the_caller_is_told():
 
 
 def test_decoding_with_the_fusion_gives_the_trainers_tokens_and_logprobs(monkeypatch):
-    """`generate` on the tiny model, whose decoding view runs every layer's q/k/v product with the norm in its
-    prologue (counted): the trainer's recomputed log-probs are the generator's, bit for bit."""
+    """`generate` on the tiny model, whose decoding view runs every layer's q/k/v and gate/up products with the norm
+    in their prologue (counted): the trainer's recomputed log-probs are the generator's, bit for bit."""
     from workbench.generation import SamplingParams, generate, trainer_logprobs
     from workbench.models import build
     from workbench.models import decoding
 
-    calls = []
+    calls = {}
 
-    def counted(*args):
-        out = rms_norm_linear(*args)
-        calls.append(out is not None)
-        return out
+    def counted(fn):
+        def run(*args):
+            out = fn(*args)
+            calls.setdefault(fn.__name__, []).append(out is not None)
+            return out
+        return run
 
-    monkeypatch.setattr(decoding, "rms_norm_linear", counted)
+    for fn in (rms_norm_linear, rms_norm_swiglu_product):
+        monkeypatch.setattr(decoding, fn.__name__, counted(fn))
     model = build("tiny", dtype=torch.bfloat16, seed=1)
     g = torch.Generator().manual_seed(seed_for())
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (4, 7)]
@@ -102,7 +116,8 @@ def test_decoding_with_the_fusion_gives_the_trainers_tokens_and_logprobs(monkeyp
         tokens = [c.tokens for c in out.completions]
         raw = trainer_logprobs(model, prompts, tokens)
         sampled = trainer_logprobs(model, prompts, tokens, params)
-    assert calls and all(calls), "the decoding view did not run the fused norm and product"
+    assert set(calls) == {"rms_norm_linear", "rms_norm_swiglu_product"} and all(map(all, calls.values())), \
+        f"the decoding view did not run the fused norms and products every time: {calls}"
     for c, t, s in zip(out.completions, raw, sampled):
         assert torch.equal(t, c.logprobs), "the trainer's log-probs differ from the generator's"
         assert torch.equal(s, c.sampled_logprobs), "the trainer's sampled log-probs differ from the generator's"

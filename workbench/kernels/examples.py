@@ -161,6 +161,34 @@ def rms_norm_linear_unfused(x, residual, norm_weight, eps, weight):
     return torch.cat([linear_invariant(y, weight), h], 1)
 
 
+def rms_norm_swiglu_product_inputs(rows, size, g, device, dtype):
+    x, residual, w, eps = rms_norm_add_inputs(rows, size, g, device, dtype)
+    s = SIZES[size]
+    return x, residual, w, eps, _randn((2 * s["inter"], s["hidden"]), g, device, dtype, s["hidden"] ** -0.5)
+
+
+def rms_norm_swiglu_product_rows(x, residual, norm_weight, eps, gate_up):
+    """[N, I + H]: the product, then the stream."""
+    from .swiglu_product import rms_norm_swiglu_product
+
+    out = rms_norm_swiglu_product(x, residual, norm_weight, gate_up, eps)
+    if out is None:
+        raise RuntimeError("rms_norm_swiglu_product does not apply here (bf16 operands, a Hopper GPU or the "
+                           "interpreter)")
+    return torch.cat(out, 1)
+
+
+def rms_norm_swiglu_product_rows_reference(x, residual, norm_weight, eps, gate_up):
+    from .swiglu_product import rms_norm_swiglu_product_reference
+
+    return torch.cat(rms_norm_swiglu_product_reference(x, residual, norm_weight, gate_up, eps), 1)
+
+
+def rms_norm_swiglu_product_unfused(x, residual, norm_weight, eps, gate_up):
+    y, h = rmsnorm.rms_norm_add(x, residual, norm_weight, eps)
+    return torch.cat([swiglu_product_unfused(y, gate_up), h], 1)
+
+
 def linear_logprobs_inputs(rows, size, g, device, dtype):
     s = SIZES[size]
     return (_randn((rows, s["k"]), g, device, dtype), _randn((s["vocab"], s["k"]), g, device, dtype, s["k"] ** -0.5),

@@ -120,7 +120,12 @@ def fused_config(m: int, k: int, device: torch.device, n: int = 0) -> MatmulConf
         return matmul_config(m, torch.bfloat16, device, n, k)
     if m > MAX_ROWS or device.type != "cuda" or not _uses_buckets(_device_capability(device)):
         return None
-    cfg = matmul_config(m, torch.bfloat16, device, n, k)
+    return with_norm_warps(matmul_config(m, torch.bfloat16, device, n, k), k)
+
+
+def with_norm_warps(cfg: MatmulConfig, k: int) -> MatmulConfig | None:
+    """A product's GPU tiles launched with the warps of the norm kernel for rows of width k, or None where such a
+    row does not span every lane of every warp in 8-element pieces (the contract: then its sum's tree differs)."""
     block_norm = next_power_of_2(k)
     warps = _num_warps(block_norm)
     if block_norm < 256 * warps:

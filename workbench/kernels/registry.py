@@ -134,6 +134,10 @@ REGISTRY: dict[str, Op] = {op.name: op for op in (
        run_fn="examples.rms_norm_linear_rows", unfused_fn="examples.rms_norm_linear_unfused",
        tile_config_fn="norm_linear.tile_config", dtypes=(torch.bfloat16,),
        max_rows_gpu=256),   # norm_linear.MAX_ROWS: above it the unfused ops run
+    Op("rms_norm_swiglu_product", "swiglu_product", "the unfused ops' bits",
+       "examples.rms_norm_swiglu_product_rows_reference", "examples.rms_norm_swiglu_product_inputs", (0, 1),
+       (*_GENERIC, "tests/test_norm_linear.py"), run_fn="examples.rms_norm_swiglu_product_rows",
+       unfused_fn="examples.rms_norm_swiglu_product_unfused", dtypes=(torch.bfloat16,), max_rows_gpu=512),
     Op("linear_logprobs", "linear_logprobs", "the unfused ops' bits", "examples.linear_logprobs_rows_reference",
        "examples.linear_logprobs_inputs", (0, 2), (*_GENERIC, "tests/test_linear_logprobs.py"),
        follows=("linear", "token_logprobs"), run_fn="examples.linear_logprobs_rows",

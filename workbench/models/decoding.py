@@ -10,7 +10,8 @@ from the weights' layout and the kernel modes in force when it is built:
 - with invariant linear and silu_mul: silu_mul in the gate/up product's epilogue (`swiglu_product`, at the sizes
   it covers: decode steps);
 - with invariant linear and rms_norm: the residual add and RMSNorm before a packed product in that product's
-  prologue (`rms_norm_linear`, at the sizes it covers: decode steps; not with a bias).
+  prologue (`rms_norm_linear`, `rms_norm_swiglu_product` with the above; at the sizes they cover: decode steps;
+  not with a bias).
 In invariant mode every path has the training forward's bits (the fused kernels' contracts, tests/test_model.py).
 
 The view reads the weights through their storage: an update in place (`copy_weights`, an optimizer step, vLLM's
@@ -24,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from ..kernels import (
-    attention_with_cache, get_mode, linear, rms_norm_linear, rope_cache_write, silu_mul, swiglu_product,
+    attention_with_cache, get_mode, linear, rms_norm_linear, rms_norm_swiglu_product, rope_cache_write, silu_mul,
+    swiglu_product,
 )
 from .transformer import MLP, Attention, CausalLM, KVCache, PagedKVCache
 
@@ -119,15 +121,20 @@ class _PackedMLP:
 
 class _SwigluMLP(_PackedMLP):
     """A decode step's gate and up products each leave most SMs idle at batch 64; as one product they fill them,
-    and at decode sizes silu_mul runs in that product's epilogue (`swiglu_product`, the same bits)."""
+    and at decode sizes silu_mul runs in that product's epilogue (`swiglu_product`, the same bits), and with
+    fuse_norm the norm in its prologue too (`rms_norm_swiglu_product`)."""
 
     def __call__(self, norm, x, residual):
+        fused = rms_norm_swiglu_product(x, residual, norm.weight, self.gate_up, norm.eps) if self.fuse_norm else None
+        if fused is not None:
+            act, residual = fused
+            return self.mlp.down_proj(act), residual
         h, residual = norm.stream(x, residual)
-        fused = swiglu_product(h, self.gate_up)                             # [B, T, I], or None: not here
-        if fused is None:
+        act = swiglu_product(h, self.gate_up)                               # [B, T, I], or None: not here
+        if act is None:
             gate, up = linear(h, self.gate_up).chunk(2, dim=-1)
-            fused = silu_mul(gate, up)
-        return self.mlp.down_proj(fused), residual
+            act = silu_mul(gate, up)
+        return self.mlp.down_proj(act), residual
 
 
 class DecodingModel:
