@@ -4,8 +4,9 @@ for forwards without autograd at decode sizes (generation).
 
 Unfused, a decode step runs `rms_norm_add` (one launch a norm, two a layer), then the q/k/v or gate/up product
 reads back the rows it just wrote. Here each program of the product first normalises its own row tile, then
-multiplies: the norm is recomputed by every column tile of the product (a decode step's rows are few, and
-reading them again is cheaper than a launch), and the stream h is stored by the first column tile's programs.
+multiplies: the norm is recomputed by every column tile of the product (a decode step's rows are few;
+`prologue_pays` says where reading them again should cost less than the launch), and the stream h is stored by
+the first column tile's programs.
 
 Numerics contract (modes `invariant` for `rms_norm` and `linear`; `DecodingModel` calls this only then): the bits
 of `rms_norm_add(x, residual, norm_weight, eps)` (`rms_norm` without a residual) followed by `linear(., weight)`:
@@ -20,8 +21,9 @@ of `rms_norm_add(x, residual, norm_weight, eps)` (`rms_norm` without a residual)
 Several rows at a time: on a GPU `tl.sum`'s tree follows the block's register layout, and a row's share of it
 is the one kernel's only where each row spans every lane of every warp in 8-element (16-byte) pieces, as it
 does in a [1, W] block: W >= 256 x warps (`fused_config` refuses narrower rows, and launches with the norm's
-warps). On Hopper a product's bits do not depend on its tiles (`matmul.py`), so the product part takes the
-product's own tiles (`matmul_config`); other GPUs run the unfused ops (None). The interpreter runs
+warps). On Hopper a product's bits do not depend on its tiles (`matmul.py`), so the product part takes tiles
+of its own (16 rows up to 64 rows, `_SMALL_TILE`; above, the product's `matmul_config`); other GPUs run the
+unfused ops (None). The interpreter runs
 `matmul_config`'s tiles too, and the norm's rows in one block of `BLOCK_M` rows (the norm kernel's 32), whose
 `np.sum` sums each row alone. The GPU test (`tests/test_gpu_model.py`) holds it to the unfused ops bit for bit.
 
@@ -37,21 +39,27 @@ import triton.language as tl
 
 from .runtime import interpreting, l2_prefetch, next_power_of_2, pdl_enter, pdl_flags
 from .matmul import _descriptor, _prefetch_k, _tile_origin, dot_step
-from .matmul_tiles import MatmulConfig, _device_capability, _uses_buckets, matmul_config
+from .matmul_tiles import _DECODE_MIN_WEIGHTS, MatmulConfig, _device_capability, _uses_buckets, matmul_config
 from .rmsnorm import _INTERPRETER_FORWARD_ROWS, _num_warps, normalise, row_rstd
 
 # Decode sizes only: larger batches run the norm, then the product's persistent tiles.
 MAX_ROWS = 256
 # fp32 elements a thread holds of each norm block (NORM_ROWS rows of the width's block): a few rows at a time.
-_NORM_ELEMENTS = 32
+_NORM_ELEMENTS = 64
+# Every column tile's program normalises its row tile again: 4 bytes (x and residual) an element of M x K, N / BLOCK_N
+# times, 2 M / BLOCK_N times the weights' bytes, from the L2. Small row tiles keep that and the norm's serial
+# latency a program's short where a product is latency-bound (up to 64 rows, the M <= 32 bucket's tile, 16 rows);
+# above, the product's own tiles. Not yet measured (`bench/profile_decode.py` shows the step; `prologue_pays`).
+_SMALL_ROWS = 64
+_SMALL_TILE = MatmulConfig(16, 64, 256, group_m=8, num_warps=4, num_stages=4)
 
 
 @triton.jit
-def norm_rows_rstd(x_ptr, res_ptr, h_ptr, off_m, M, K, eps, stride_x, stride_res, stride_h, STORE_H,
+def norm_rows_rstd(x_ptr, res_ptr, h_ptr, off_m, M, K, eps, stride_x, stride_res, stride_h, store_h,
                    BLOCK_M: tl.constexpr, BLOCK_NORM: tl.constexpr, NORM_ROWS: tl.constexpr,
                    ADD_RESIDUAL: tl.constexpr):
     """[BLOCK_M] rstd of rows off_m.. (`rms_norm_add`'s kernel's arithmetic, NORM_ROWS whole rows at a time),
-    storing the stream h = x + residual of those rows where STORE_H."""
+    storing the stream h = x + residual of those rows where store_h."""
     cols = tl.arange(0, BLOCK_NORM)
     slots = tl.arange(0, BLOCK_M)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -62,7 +70,7 @@ def norm_rows_rstd(x_ptr, res_ptr, h_ptr, off_m, M, K, eps, stride_x, stride_res
         if ADD_RESIDUAL:
             h = x + tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             h = h.to(h_ptr.dtype.element_ty)
-            tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], h, mask=mask & STORE_H)
+            tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], h, mask=mask & store_h)
             x = h.to(tl.float32)
         r = row_rstd(x, K, eps, NORM_ROWS, BLOCK_NORM)
         # Into slots c..: each slot's sum is its one value plus zeros, exact.
@@ -120,7 +128,16 @@ def fused_config(m: int, k: int, device: torch.device, n: int = 0) -> MatmulConf
         return matmul_config(m, torch.bfloat16, device, n, k)
     if m > MAX_ROWS or device.type != "cuda" or not _uses_buckets(_device_capability(device)):
         return None
-    return with_norm_warps(matmul_config(m, torch.bfloat16, device, n, k), k)
+    return with_norm_warps(_SMALL_TILE if m <= _SMALL_ROWS else matmul_config(m, torch.bfloat16, device, n, k), k)
+
+
+def prologue_pays(n: int, k: int) -> bool:
+    """Whether a decode product of an [n, k] weight should take the norm in its prologue (`DecodingModel`, once):
+    where it is latency-bound, fewer weights than the decode tiles' floor `_DECODE_MIN_WEIGHTS` (SmolLM2-135M's
+    products), the norm's launch costs more than reading its rows again; where reading the weights is the cost
+    (Qwen3-1.7B's), the norm's rows read again by each column tile (2 M / BLOCK_N times the weights' bytes, above)
+    would likely cost more than the launch. A rule to check against `bench/profile_decode.py` on the GPU."""
+    return n * k < _DECODE_MIN_WEIGHTS
 
 
 def with_norm_warps(cfg: MatmulConfig, k: int) -> MatmulConfig | None:

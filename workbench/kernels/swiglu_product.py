@@ -35,7 +35,9 @@ import triton.language as tl
 from .runtime import interpreting, l2_prefetch, next_power_of_2, pdl_enter, pdl_flags
 from .matmul import _descriptor, _prefetch_k, _tile_origin, dot_step
 from .matmul_tiles import MatmulConfig, _device_capability, _uses_buckets, matmul_config
-from .norm_linear import _norm_rows, norm_rows_rstd, normalised_tile, rms_norm_linear_reference, with_norm_warps
+from .norm_linear import (
+    _SMALL_ROWS, _norm_rows, norm_rows_rstd, normalised_tile, rms_norm_linear_reference, with_norm_warps,
+)
 
 # Decode sizes only (larger M runs the packed product, whose persistent tiles are faster there, then silu_mul).
 # Two [BLOCK_N, BLOCK_K] weight tiles a stage: the bucket's tiles with BLOCK_N halved fit the shared memory.
@@ -45,6 +47,9 @@ _CONFIGS: tuple[tuple[int, MatmulConfig], ...] = (
     (64, MatmulConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=4)),
     (MAX_ROWS, MatmulConfig(128, 64, 64, group_m=8, num_warps=4, num_stages=6)),
 )
+# With the norm in the prologue, up to 64 rows: row tiles of 16, as `norm_linear._SMALL_TILE` (why there). Not yet
+# measured.
+_NORM_SMALL = MatmulConfig(16, 64, 128, group_m=8, num_warps=4, num_stages=4)
 
 
 # K is specialized with a norm (NORM_K): the norm kernel's `sum / N` and masks see the width as its kernel does.
@@ -166,7 +171,7 @@ def rms_norm_swiglu_product(x: torch.Tensor, residual: torch.Tensor | None, norm
     if cfg is None or m == 0 or k == 0 or x2.stride(1) != 1 or (r2 is not None and r2.stride(1) != 1):
         return None
     if not interpreting():
-        cfg = with_norm_warps(cfg, k)
+        cfg = with_norm_warps(_NORM_SMALL if m <= _SMALL_ROWS else cfg, k)
         if cfg is None:
             return None
     h = x2 if r2 is None else torch.empty((m, k), device=x.device, dtype=x.dtype)

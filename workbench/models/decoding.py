@@ -11,7 +11,7 @@ from the weights' layout and the kernel modes in force when it is built:
   it covers: decode steps);
 - with invariant linear and rms_norm: the residual add and RMSNorm before a packed product in that product's
   prologue (`rms_norm_linear`, `rms_norm_swiglu_product` with the above; at the sizes they cover: decode steps;
-  not with a bias).
+  not with a bias; for latency-bound products: `norm_linear.prologue_pays`).
 In invariant mode every path has the training forward's bits (the fused kernels' contracts, tests/test_model.py).
 
 The view reads the weights through their storage: an update in place (`copy_weights`, an optimizer step, vLLM's
@@ -28,6 +28,7 @@ from ..kernels import (
     attention_with_cache, get_mode, linear, rms_norm_linear, rms_norm_swiglu_product, rope_cache_write, silu_mul,
     swiglu_product,
 )
+from ..kernels.norm_linear import prologue_pays
 from .transformer import MLP, Attention, CausalLM, KVCache, PagedKVCache
 
 
@@ -153,12 +154,14 @@ class DecodingModel:
             if qkv is None:
                 static = paged = _SeparateAttention(attn)
             else:
-                paged = _PackedAttention(attn, qkv, fuse_norm)
-                static = _FusedAttention(attn, qkv, fuse_norm) if attn.fuses() else paged
+                norm = fuse_norm and prologue_pays(*qkv[0].shape)
+                paged = _PackedAttention(attn, qkv, norm)
+                static = _FusedAttention(attn, qkv, norm) if attn.fuses() else paged
             if gate_up is None:
                 mlp = _SeparateMLP(mlp)
             else:
-                mlp = _SwigluMLP(mlp, gate_up[0], fuse_norm) if swiglu else _PackedMLP(mlp, gate_up[0], fuse_norm)
+                norm = fuse_norm and prologue_pays(*gate_up[0].shape)
+                mlp = (_SwigluMLP if swiglu else _PackedMLP)(mlp, gate_up[0], norm)
             self.static.append((static, mlp))
             self.paged.append((paged, mlp))
 
