@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from helpers import rel_err, seed_for, tolerance
-from workbench.kernels import linear, mode, rms_norm, rms_norm_add, rms_norm_linear, rms_norm_swiglu_product, silu_mul
+from workbench.kernels import (
+    linear, mode, rms_norm, rms_norm_add, rms_norm_linear, rms_norm_qkv_rope_cache, rms_norm_swiglu_product, silu_mul,
+)
 from workbench.kernels.norm_linear import rms_norm_linear_reference
 from workbench.kernels.swiglu_product import rms_norm_swiglu_product_reference
 
@@ -91,7 +93,9 @@ def test_where_it_does_not_apply_the_caller_is_told():
 
 def test_decoding_with_the_fusion_gives_the_trainers_tokens_and_logprobs(monkeypatch):
     """`generate` on the tiny model, whose decoding view runs every layer's q/k/v and gate/up products with the norm
-    in their prologue (counted): the trainer's recomputed log-probs are the generator's, bit for bit."""
+    in their prologue, the q/k/v product with q/k's norm, RoPE and the cache write in its epilogue too
+    (`rms_norm_qkv_rope_cache`, Qwen3's q/k norm; counted, never `rms_norm_linear` then `rope_cache_write`): the
+    trainer's recomputed log-probs are the generator's, bit for bit."""
     from workbench.generation import SamplingParams, generate, trainer_logprobs
     from workbench.models import build
     from workbench.models import decoding
@@ -105,7 +109,7 @@ def test_decoding_with_the_fusion_gives_the_trainers_tokens_and_logprobs(monkeyp
             return out
         return run
 
-    for fn in (rms_norm_linear, rms_norm_swiglu_product):
+    for fn in (rms_norm_linear, rms_norm_qkv_rope_cache, rms_norm_swiglu_product):
         monkeypatch.setattr(decoding, fn.__name__, counted(fn))
     model = build("tiny", dtype=torch.bfloat16, seed=1)
     g = torch.Generator().manual_seed(seed_for())
@@ -116,7 +120,7 @@ def test_decoding_with_the_fusion_gives_the_trainers_tokens_and_logprobs(monkeyp
         tokens = [c.tokens for c in out.completions]
         raw = trainer_logprobs(model, prompts, tokens)
         sampled = trainer_logprobs(model, prompts, tokens, params)
-    assert set(calls) == {"rms_norm_linear", "rms_norm_swiglu_product"} and all(map(all, calls.values())), \
+    assert set(calls) == {"rms_norm_qkv_rope_cache", "rms_norm_swiglu_product"} and all(map(all, calls.values())), \
         f"the decoding view did not run the fused norms and products every time: {calls}"
     for c, t, s in zip(out.completions, raw, sampled):
         assert torch.equal(t, c.logprobs), "the trainer's log-probs differ from the generator's"

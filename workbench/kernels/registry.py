@@ -145,6 +145,11 @@ REGISTRY: dict[str, Op] = {op.name: op for op in (
     Op("rope_cache_write", "rope_cache", "the unfused ops' bits", "examples.rope_cache_write_rows_reference",
        "examples.rope_cache_write_inputs", (0, 1, 2, 3, 4, 5), (*_GENERIC, "tests/test_rope_cache.py"),
        run_fn="examples.rope_cache_write_rows", unfused_fn="examples.rope_cache_write_unfused", max_rows=16),
+    Op("rms_norm_qkv_rope_cache", "qkv_rope_cache", "the unfused ops' bits",
+       "examples.rms_norm_qkv_rope_cache_rows_reference", "examples.rms_norm_qkv_rope_cache_inputs", (0, 1, 2, 3, 4),
+       (*_GENERIC, "tests/test_qkv_rope_cache.py"), run_fn="examples.rms_norm_qkv_rope_cache_rows",
+       unfused_fn="examples.rms_norm_qkv_rope_cache_unfused", tile_config_fn="qkv_rope_cache.tile_config",
+       dtypes=(torch.bfloat16,), max_rows_gpu=256),   # norm_linear.MAX_ROWS: above it the unfused ops run
     Op("gumbel_argmax", "gumbel", "row-invariant", "examples.gumbel_argmax_rows_reference",
        "examples.gumbel_argmax_inputs", (0, 1, 2), (*_GENERIC, "tests/kernels/test_gumbel_argmax.py"),
        run_fn="examples.gumbel_argmax_rows"),

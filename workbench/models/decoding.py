@@ -6,7 +6,8 @@ from the weights' layout and the kernel modes in force when it is built:
 - q/k/v as one product and gate/up as another, where `CausalLM.pack` laid their weights out in one buffer and no
   adapter or hook sits on them (`packing.py`); else each projection's own module (LoRA, a model moved by `.to()`);
 - over a static `KVCache`, with invariant norm and rope: q/k's norm and rotation and the cache write in one kernel
-  (`rope_cache_write`), then attention over the cache;
+  (`rope_cache_write`), then attention over the cache; where the norm also runs in the q/k/v product's prologue
+  (below), that kernel's work runs in the product's epilogue (`rms_norm_qkv_rope_cache`, at decode sizes);
 - with invariant linear and silu_mul: silu_mul in the gate/up product's epilogue (`swiglu_product`, at the sizes
   it covers: decode steps);
 - with invariant linear and rms_norm: the residual add and RMSNorm before a packed product in that product's
@@ -25,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from ..kernels import (
-    attention_with_cache, get_mode, linear, rms_norm_linear, rms_norm_swiglu_product, rope_cache_write, silu_mul,
-    swiglu_product,
+    attention_with_cache, get_mode, linear, rms_norm_linear, rms_norm_qkv_rope_cache, rms_norm_swiglu_product,
+    rope_cache_write, silu_mul, swiglu_product,
 )
 from ..kernels.norm_linear import prologue_pays
 from .transformer import MLP, Attention, CausalLM, KVCache, PagedKVCache
@@ -85,13 +86,21 @@ class _PackedAttention:
 
 class _FusedAttention(_PackedAttention):
     """The norm and one q/k/v product, then q/k's norm and rotation and the K/V write into a static cache in one
-    kernel (`rope_cache_write`, the bits of invariant norm and rope), then attention over the cache."""
+    kernel (`rope_cache_write`, the bits of invariant norm and rope), then attention over the cache. With fuse_norm,
+    all of it one launch where it applies (decode sizes): the norm in the product's prologue, the rest in its
+    epilogue (`rms_norm_qkv_rope_cache`, the same bits)."""
 
     def __call__(self, norm, x, residual, cos, sin, seq_lens, cache: KVCache, layer, start, end):
         a, (b, t, _) = self.attn, x.shape
-        q, k, v, residual = self.project(norm, x, residual)
-        norms = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps) if a.qk_norm else ()
-        q = rope_cache_write(q, k, v, cos, sin, cache.k[layer], cache.v[layer], start, *norms)
+        qk = (a.q_norm.weight, a.k_norm.weight) if a.qk_norm else (None, None)
+        qk_eps = a.q_norm.eps if a.qk_norm else norm.eps
+        fused = rms_norm_qkv_rope_cache(x, residual, norm.weight, self.qkv[0], a.hq, a.hkv, cos, sin, cache.k[layer],
+                                        cache.v[layer], start, *qk, norm.eps, qk_eps) if self.fuse_norm else None
+        if fused is not None:
+            q, residual = fused
+        else:
+            q, k, v, residual = self.project(norm, x, residual)
+            q = rope_cache_write(q, k, v, cos, sin, cache.k[layer], cache.v[layer], start, *qk, qk_eps)
         o = attention_with_cache(q, cache.k[layer], cache.v[layer], start, end)
         return a.o_proj(o.reshape(b, t, a.hq * a.d)), residual
 
