@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import same_completions, seed_for
+from helpers import count_fused_calls, same_completions, seed_for
 
 from workbench.generation import (
     DecodeGraphs,
@@ -59,17 +59,8 @@ def test_gpu_decode_with_the_norm_in_the_products_is_the_trainers_at_batch_64(si
     from workbench.kernels.norm_linear import prologue_pays
     from workbench.models import decoding
 
-    calls = {}
-
-    def counted(fn):
-        def run(*args):
-            out = fn(*args)
-            calls.setdefault(fn.__name__, []).append(out is not None)
-            return out
-        return run
-
-    for name in ("rms_norm_linear", "rms_norm_qkv_rope_cache", "rms_norm_swiglu_product"):
-        monkeypatch.setattr(decoding, name, counted(getattr(decoding, name)))
+    calls = count_fused_calls(monkeypatch, decoding,
+                              ("rms_norm_linear", "rms_norm_qkv_rope_cache", "rms_norm_swiglu_product"))
     model = build(size, device="cuda", seed=1)
     prompts = _prompts(64, model.config.vocab_size, seed=4)
     with mode("invariant"):

@@ -6,7 +6,7 @@ forward's tokens and log-probs; the GPU tests hold them on the device."""
 import pytest
 import torch
 
-from helpers import rel_err, seed_for, tolerance
+from helpers import count_fused_calls, rel_err, seed_for, tolerance
 from workbench.kernels import (
     linear, mode, rms_norm, rms_norm_add, rms_norm_linear, rms_norm_qkv_rope_cache, rms_norm_swiglu_product, silu_mul,
 )
@@ -100,17 +100,8 @@ def test_decoding_with_the_fusion_gives_the_trainers_tokens_and_logprobs(monkeyp
     from workbench.models import build
     from workbench.models import decoding
 
-    calls = {}
-
-    def counted(fn):
-        def run(*args):
-            out = fn(*args)
-            calls.setdefault(fn.__name__, []).append(out is not None)
-            return out
-        return run
-
-    for fn in (rms_norm_linear, rms_norm_qkv_rope_cache, rms_norm_swiglu_product):
-        monkeypatch.setattr(decoding, fn.__name__, counted(fn))
+    calls = count_fused_calls(monkeypatch, decoding,
+                              ("rms_norm_linear", "rms_norm_qkv_rope_cache", "rms_norm_swiglu_product"))
     model = build("tiny", dtype=torch.bfloat16, seed=1)
     g = torch.Generator().manual_seed(seed_for())
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (4, 7)]
