@@ -16,7 +16,7 @@ import torch
 
 from workbench.__main__ import main
 from workbench.config import write_config
-from workbench.onoff import publish, runner
+from workbench.onoff import arm_records, publish, runner
 from workbench.onoff.comparison_figures import plan_map, plan_mismatch
 from workbench.onoff.config import preset
 from workbench.onoff.regime_plan import (CELLS, SEEDS, STEPS, RegimeMapConfig, assemble, detectable_effect,
@@ -244,7 +244,7 @@ def test_arms_run_together_publish_as_one_record_each(tmp_path):
             (run / runner.RECORD).write_text(json.dumps({"config": {"steps": STEPS}, "steps": STEPS}))
     pd.DataFrame({"started": ["x"], "wall_s": [60.0], "device": ["NVIDIA H200"], "git_sha": ["abc1234"]}).to_csv(
         out / "invocations.csv", index=False)
-    folders = publish.publish_experiment(out, dest)
+    folders = arm_records.publish_experiment(out, dest)
     assert [f.name.split("_onoff-")[1] for f in folders] == ["regime-arm-on-L1024-blog-s0-1-h200_abc1234",
                                                             "regime-arm-noise0.6-L1024-blog-s0-1-h200_abc1234"]
     for folder, arm in zip(folders, ("on", "noise=0.6")):
@@ -254,7 +254,7 @@ def test_arms_run_together_publish_as_one_record_each(tmp_path):
     for seed in seeds:
         shutil.rmtree(out / f"noise=0.6-seed{seed}")
     with pytest.raises(ValueError, match=r"holds no run of arm\(s\) noise=0.6 .* nothing was published"):
-        publish.publish_experiment(out, tmp_path / "elsewhere")
+        arm_records.publish_experiment(out, tmp_path / "elsewhere")
     assert not (tmp_path / "elsewhere").exists()
     assert status.count("2 of 8 seeds complete") == 2 and "not published" not in status, status
     assert "so far (not tested) dose - `on` by seed: 0: -0.1, 1: -0.1" in status, status

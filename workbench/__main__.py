@@ -78,7 +78,8 @@ def _train(cfg: TrainConfig, args) -> int:
 
 
 def _on_off(cfg: OnOffConfig, args) -> int:
-    from .onoff.publish import publish_experiment, report
+    from .onoff.arm_records import publish_experiment
+    from .onoff.publish import report
     from .onoff.runner import run_on_off
     from .rundir import claim
 

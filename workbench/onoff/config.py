@@ -59,7 +59,7 @@ class OnOffConfig:
     next call with the same out_dir continues (0: no limit)."""
     publish: str = ""
     """Also copy the report to <publish>/<date>_onoff-<preset>-<device>_<sha>/ (e.g. docs/results); the regime
-    preset's as one arm record per arm (onoff/publish.py, `publish_experiment`)."""
+    preset's as one arm record per arm (onoff/arm_records.py)."""
     run: TrainConfig = _RUN
     """Every run's settings (policy, task, loss, optimizer, device, ...: see TrainConfig), each settable by its
     name (lr=1e-5) or as run.<name>; the arm sets the generator's and the ratio's, the seed and out_dir the run's

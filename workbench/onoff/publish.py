@@ -7,22 +7,21 @@ published record per preset, found through that index, for a reader without a GP
 
 An experiment of one arm (`arms=[off]`: one arm of a regime-map cell, or a part of its seeds, run inside one GPU
 hold) is published as an arm record: its folder named by the arm, length, loss and seeds, its preset
-`<preset>-arm`, and its report calling nothing (`regime_record` pairs the arms of a cell from their records).
-`publish_experiment` is what `publish=` does: a regime experiment of several arms (a hold running `on` and a dose
-together, parts of their seeds) becomes one arm record per arm, since the map's unit is the arm."""
+`<preset>-arm`, and its report calling nothing (`regime_record` pairs the arms of a cell from their records;
+`arm_records` splits an experiment of several arms into such records)."""
 
 from __future__ import annotations
 
 import datetime
 import re
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from ..config import read_config_file, write_config
+from ..config import read_config_file
 from ..plots import save_figure
 from ..published import published_label
 from ..records import Figure, Record, load_index, write_index, write_record
@@ -32,7 +31,7 @@ from .comparison_figures import dose_response_figure, regime_map
 from .config import OnOffConfig
 from .figures import delta_histogram, mismatch_panels, reward_curves
 from .regime_plan import recorded_settings
-from .runner import POLICY_RECORD, RUN_FOLDER, collect, finished_runs, total_wall_s
+from .runner import POLICY_RECORD, collect, finished_runs, total_wall_s
 from .stats import (CELL, dose_response, dose_sentence, dose_slope, final_reward_words, regime_table, summarize,
                     verdict)
 
@@ -331,43 +330,6 @@ def publish(out_dir: str | Path, dest: str | Path) -> Path:
     write_record(target, _record(target, cfg, preset, device, sha, date))
     write_index(dest)
     return target
-
-
-def publish_experiment(out_dir: str | Path, dest: str | Path) -> list[Path]:
-    """What `publish=` does: `publish_arms` for the regime preset (the map pairs arms from their records), else
-    `publish`."""
-    cfg = OnOffConfig(**read_config_file(Path(out_dir) / "config.yaml", OnOffConfig))
-    return publish_arms(out_dir, dest) if cfg.preset == "regime" else [publish(out_dir, dest)]
-
-
-def publish_arms(out_dir: str | Path, dest: str | Path) -> list[Path]:
-    """One arm record per arm of out_dir, each published from a view of the experiment as if that arm had run
-    alone (out_dir/arms/<arm>/: its config with that arm, links to its run folders, the call log and the starting
-    weights' digest). A run's bits do not depend on what else shared its GPU (tests/test_gpu_mps.py), so runs of
-    several arms in one hold are the runs each arm would hold alone."""
-    out = Path(out_dir)
-    cfg = OnOffConfig(**read_config_file(out / "config.yaml", OnOffConfig))
-    if len(cfg.arms) == 1:
-        return [publish(out, dest)]
-    runs = {arm: [run for run in sorted(out.iterdir()) if run.is_dir() and (m := RUN_FOLDER.fullmatch(run.name))
-                  and m["arm"] == arm and (run / "metrics.csv").exists()] for arm in cfg.arms}
-    if missing := [arm for arm, found in runs.items() if not found]:
-        raise ValueError(f"{out} holds no run of arm(s) {', '.join(missing)} (no <arm>-seed<n>/metrics.csv): run "
-                         "them first (the same on-off command continues the experiment), nothing was published")
-    folders = []
-    for arm in cfg.arms:
-        view = out / "arms" / arm
-        if view.exists():
-            shutil.rmtree(view)
-        view.mkdir(parents=True)
-        write_config(replace(cfg, arms=(arm,), out_dir=str(view)), view / "config.yaml")
-        for name in ("invocations.csv", POLICY_RECORD):
-            if (out / name).exists():
-                shutil.copy(out / name, view / name)
-        for run in runs[arm]:
-            (view / run.name).symlink_to(Path("..", "..", run.name))
-        folders.append(publish(view, dest))
-    return folders
 
 
 def _seed_span(seeds) -> str:
