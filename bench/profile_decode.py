@@ -42,10 +42,7 @@ STEPS = 255  # 256 new tokens (bench_generate's): the first comes from the prefi
 # FlashAttention's name holds "cutlass" too, so attention is tried first).
 KINDS = (
     ("attention", ("_attn", "flash", "fmha", "attention")),
-    # With SwiGLU and the norms folded in (`_norm_linear`, `_swiglu_product`'s prologue): "norm" counts the rest;
-    # with RoPE and the cache write in the q/k/v product's epilogue (`_qkv_rope_cache`): "rope" counts the rest.
-    ("matmul", ("_matmul", "_swiglu_product", "_norm_linear", "_qkv_rope_cache", "gemm", "sm90_xmma", "cutlass",
-                "nvjet")),
+    ("matmul", ("_matmul", "_swiglu_product", "gemm", "sm90_xmma", "cutlass", "nvjet")),  # with SwiGLU folded in
     ("norm", ("_rms_norm", "rms")),
     ("rope", ("_rope",)),
     ("swiglu", ("_silu", "silu")),

@@ -199,20 +199,3 @@ def seed_for(salt: object = "", bound: int = 2**31) -> int:
     test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
     digest = hashlib.sha256(f"{_head()}:{test}:{salt}".encode()).digest()
     return int.from_bytes(digest[:8], "little") % bound
-
-
-def count_fused_calls(monkeypatch, module, names) -> dict[str, list[bool]]:
-    """Wrap module.<name> for each name so each call records whether it ran (a fused launcher returns None where it
-    does not apply): {name: [ran, ...]}, filled as the test runs."""
-    calls: dict[str, list[bool]] = {}
-
-    def counted(fn):
-        def run(*args):
-            out = fn(*args)
-            calls.setdefault(fn.__name__, []).append(out is not None)
-            return out
-        return run
-
-    for name in names:
-        monkeypatch.setattr(module, name, counted(getattr(module, name)))
-    return calls

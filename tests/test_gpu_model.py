@@ -255,35 +255,3 @@ def test_gpu_norm_rope_is_the_unfused_ops(shape):
         check_forward("cuda", 4, 1024, heads, cfg.head_dim, torch.bfloat16)
         check_forward("cuda", 3, 300, heads, cfg.head_dim, torch.bfloat16, packed=True)
         check_backward("cuda", 4, 1024, heads, cfg.head_dim, torch.bfloat16)
-
-
-@pytest.mark.parametrize("shape", ["qwen3-1.7B", "smollm2-135M"])
-@pytest.mark.parametrize("rows", [1, 33, 64, 200, 256])
-def test_gpu_norm_in_the_products_prologue_is_the_unfused_ops(shape, rows):
-    """The residual add and RMSNorm in the prologue of the q/k/v product (`rms_norm_linear`, with and without a
-    residual) and of the gate/up product with silu_mul (`rms_norm_swiglu_product`): the bits of `rms_norm_add` then
-    the product, in each decode bucket's rows (the GPU's `tl.sum` tree is the claim at stake: norm_linear.py)."""
-    from test_norm_linear import check_norm_product
-
-    cfg = config(shape)
-    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
-    eps = cfg.rms_norm_eps
-    check_norm_product("cuda", rows, cfg.hidden_size, qkv, eps=eps)
-    check_norm_product("cuda", rows, cfg.hidden_size, qkv, residual=False, eps=eps)
-    check_norm_product("cuda", rows, cfg.hidden_size, 2 * cfg.intermediate_size, eps=eps, swiglu=True)
-
-
-@pytest.mark.parametrize("shape", ["qwen3-1.7B", "smollm2-135M"])
-@pytest.mark.parametrize("b,t", [(64, 1), (1, 1), (33, 1), (64, 4)], ids=["batch64", "one", "ragged", "chunks"])
-def test_gpu_qkv_product_with_rope_and_the_cache_write_is_the_unfused_ops(shape, b, t):
-    """The norm, the q/k/v product, q/k's norm, RoPE and the cache write in one launch
-    (`rms_norm_qkv_rope_cache`): the bits of `rms_norm_linear` then `rope_cache_write`, and of the training
-    forward's ops, q, stream and cache, at batch 64 decode and in other rows (a head-wide column tile: the claim
-    that the N tile moves no bit on Hopper is at stake, and the epilogue's split of the tile into halves)."""
-    from test_qkv_rope_cache import check_fused_qkv
-
-    cfg = config(shape)
-    for residual in (True, False):
-        check_fused_qkv("cuda", b, t, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                        cfg.head_dim, cfg.qk_norm, residual, cache_len=400, eps=cfg.rms_norm_eps,
-                        qk_eps=cfg.rms_norm_eps)

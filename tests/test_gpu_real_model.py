@@ -72,6 +72,7 @@ def test_gpu_real_model_logits_match_transformers(smollm2, real):
     assert ours_true >= ref_true - 0.01 and ours_ref >= 0.95
 
 
+@pytest.mark.slow
 def test_gpu_warm_start_gives_the_same_bits_twice_and_other_bits_for_another_seed(smollm2, tmp_path):
     """Each GPU hold warm-starts its own starting policy, and the regime map pairs arms only from the same weights'
     digest: two warm starts with one config must save the same bits (deterministic algorithms), a third with another

@@ -81,6 +81,7 @@ def test_gpu_vllm_weight_sync_in_place_and_through_disk(engine, tmp_path):
     assert gen.weights_checksum() == before, "through disk, back to the first weights"
 
 
+@pytest.mark.slow
 def test_gpu_vllm_grpo_run_holds_parity_every_step(tmp_path):
     """`python -m workbench train --generator vllm`, in its own process (its own engine)."""
     import pandas as pd
@@ -128,12 +129,14 @@ def _control(path, impl, bi, eager=True):
     return json.loads(line[0][7:])
 
 
+@pytest.mark.slow
 def test_gpu_vllm_own_model_without_batch_invariance_differs(engine):
     _, _, path = engine
     s = _control(path, "vllm", bi=False)
     assert s["tokens_differing"] > 0, "the control must differ: otherwise the parity test proves nothing"
 
 
+@pytest.mark.slow
 def test_gpu_vllm_parity_at_the_1p7b_shape(tmp_path):
     """Qwen3-1.7B's shape, random weights, in its own process (another engine, its own memory)."""
     save_pretrained(build("qwen3-1.7B", device="cpu", dtype=torch.bfloat16, seed=0), tmp_path / "ckpt")

@@ -19,11 +19,8 @@ tests/test_kernels.py (CPU) and tests/test_gpu.py.
 | embedding | embedding.py | row-invariant | one path | embedding.embedding_reference | test_embedding.py |
 | norm_rope | norm_rope.py | the unfused ops' bits | invariant only | norm_rope.norm_rope_reference | test_norm_rope.py |
 | swiglu_product | swiglu_product.py | the unfused ops' bits | invariant only | swiglu_product.swiglu_product_reference | test_swiglu_product.py |
-| rms_norm_linear | norm_linear.py | the unfused ops' bits | invariant only | norm_linear.rms_norm_linear_reference | test_norm_linear.py |
-| rms_norm_swiglu_product | swiglu_product.py | the unfused ops' bits | invariant only | swiglu_product.rms_norm_swiglu_product_reference | test_norm_linear.py |
 | linear_logprobs | linear_logprobs.py | the unfused ops' bits | follows linear, token_logprobs | linear_logprobs.linear_logprobs_reference | test_linear_logprobs.py |
 | rope_cache_write | rope_cache.py | the unfused ops' bits | invariant only | rope_cache.rope_cache_write_reference | test_rope_cache.py |
-| rms_norm_qkv_rope_cache | qkv_rope_cache.py | the unfused ops' bits | invariant only | qkv_rope_cache.rms_norm_qkv_rope_cache_reference | test_qkv_rope_cache.py |
 | gumbel_argmax | gumbel.py | row-invariant | one path | gumbel.gumbel_argmax_reference | kernels/test_gumbel_argmax.py |
 | attention_paged | attention_paged.py | row-invariant | follows attention | attention_paged.attention_paged_reference | kernels/test_attention_paged.py |
 | attention_varlen | attention_varlen.py | row-invariant | follows attention | attention_varlen.attention_varlen_reference | kernels/test_attention_varlen.py |
@@ -52,15 +49,13 @@ from .logprobs import entropy, logprob_rows, logsumexp, token_logprobs, token_lo
 from .lora_add import lora_add
 from .matmul import linear
 from .matmul_tiles import matmul_config
-from .norm_linear import rms_norm_linear
 from .norm_rope import norm_rope
-from .qkv_rope_cache import rms_norm_qkv_rope_cache
 from .mode import FUSED_ROWWISE, MODES, current_state, get_mode, mode, set_mode
 from .rmsnorm import rms_norm, rms_norm_add
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .rope_cache import rope_cache_write
 from .silu_mul import silu_mul
-from .swiglu_product import rms_norm_swiglu_product, swiglu_product
+from .swiglu_product import swiglu_product
 
 __all__ = [
     "FUSED_ROWWISE",
@@ -90,9 +85,6 @@ __all__ = [
     "pdl",
     "rms_norm",
     "rms_norm_add",
-    "rms_norm_linear",
-    "rms_norm_qkv_rope_cache",
-    "rms_norm_swiglu_product",
     "rope_cache_write",
     "rope_cos_sin",
     "rope_inv_freq",

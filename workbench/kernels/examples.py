@@ -126,69 +126,6 @@ def swiglu_product_unfused(x, gate_up):
     return silu_mul_invariant(linear_invariant(x, gate), linear_invariant(x, up))
 
 
-def rms_norm_linear_inputs(rows, size, g, device, dtype):
-    """The stream's two parts, the norm's weight, eps and a projection's weight."""
-    x, residual, w, eps = rms_norm_add_inputs(rows, size, g, device, dtype)
-    s = SIZES[size]
-    return x, residual, w, eps, _randn((s["n"], s["hidden"]), g, device, dtype, s["hidden"] ** -0.5)
-
-
-def _norm_linear_rows(fn, x, residual, norm_weight, eps, weight):
-    y, h = fn(x, residual, norm_weight, weight, eps)
-    return torch.cat([y, h], 1)
-
-
-def rms_norm_linear_rows(x, residual, norm_weight, eps, weight):
-    """[N, n + H]: the product, then the stream."""
-    from .norm_linear import rms_norm_linear
-
-    def fused(*args):
-        out = rms_norm_linear(*args)
-        if out is None:
-            raise RuntimeError("rms_norm_linear does not apply here (bf16 operands, a Hopper GPU or the interpreter)")
-        return out
-    return _norm_linear_rows(fused, x, residual, norm_weight, eps, weight)
-
-
-def rms_norm_linear_rows_reference(x, residual, norm_weight, eps, weight):
-    from .norm_linear import rms_norm_linear_reference
-
-    return _norm_linear_rows(rms_norm_linear_reference, x, residual, norm_weight, eps, weight)
-
-
-def rms_norm_linear_unfused(x, residual, norm_weight, eps, weight):
-    y, h = rmsnorm.rms_norm_add(x, residual, norm_weight, eps)
-    return torch.cat([linear_invariant(y, weight), h], 1)
-
-
-def rms_norm_swiglu_product_inputs(rows, size, g, device, dtype):
-    x, residual, w, eps = rms_norm_add_inputs(rows, size, g, device, dtype)
-    s = SIZES[size]
-    return x, residual, w, eps, _randn((2 * s["inter"], s["hidden"]), g, device, dtype, s["hidden"] ** -0.5)
-
-
-def rms_norm_swiglu_product_rows(x, residual, norm_weight, eps, gate_up):
-    """[N, I + H]: the product, then the stream."""
-    from .swiglu_product import rms_norm_swiglu_product
-
-    out = rms_norm_swiglu_product(x, residual, norm_weight, gate_up, eps)
-    if out is None:
-        raise RuntimeError("rms_norm_swiglu_product does not apply here (bf16 operands, a Hopper GPU or the "
-                           "interpreter)")
-    return torch.cat(out, 1)
-
-
-def rms_norm_swiglu_product_rows_reference(x, residual, norm_weight, eps, gate_up):
-    from .swiglu_product import rms_norm_swiglu_product_reference
-
-    return torch.cat(rms_norm_swiglu_product_reference(x, residual, norm_weight, gate_up, eps), 1)
-
-
-def rms_norm_swiglu_product_unfused(x, residual, norm_weight, eps, gate_up):
-    y, h = rmsnorm.rms_norm_add(x, residual, norm_weight, eps)
-    return torch.cat([swiglu_product_unfused(y, gate_up), h], 1)
-
-
 def linear_logprobs_inputs(rows, size, g, device, dtype):
     s = SIZES[size]
     return (_randn((rows, s["k"]), g, device, dtype), _randn((s["vocab"], s["k"]), g, device, dtype, s["k"] ** -0.5),
@@ -244,57 +181,6 @@ def rope_cache_write_unfused(q, k, v, cos, sin, start, qn, kn):
         cache_k[rows, pos], cache_v[rows, pos] = rk, v
         return rope.apply_rope_invariant(rmsnorm.rms_norm_invariant(q, qn, eps), cos, sin)
     return _cache_rows(fn, q, k, v, cos, sin, start, qn, kn, q.dtype)
-
-
-def rms_norm_qkv_rope_cache_inputs(rows, size, g, device, dtype):
-    """The stream's two parts [B, 1, H], the tables and start of a decode step at start[b] (up to 7), the norm's
-    weight and eps, the packed q/k/v weight and its head counts, Qwen3's q/k norm weights."""
-    s = SIZES[size]
-    t, d, hq, hkv = 1, s["head_dim"], s["q_heads"], s["kv_heads"]
-    x, residual = (_randn((rows, t, s["hidden"]), g, device, dtype, 3.0) for _ in range(2))
-    start = _randint(8, (rows,), g, device)
-    cos, sin = _cos_sin(start[:, None] + torch.arange(t, device=device), d, device)
-    w = _randn((s["hidden"],), g, device, dtype, 0.2) + 1
-    qkv = _randn(((hq + 2 * hkv) * d, s["hidden"]), g, device, dtype, s["hidden"] ** -0.5)
-    qn, kn = (_randn((d,), g, device, dtype, 0.2) + 1 for _ in range(2))
-    return x, residual, cos, sin, start, w, _EPS, qkv, hq, hkv, qn, kn
-
-
-def _qkv_cache_rows(fn, x, residual, cos, sin, start, w, eps, qkv, hq, hkv, qn, kn, dtype):
-    b, t, _ = x.shape
-    d = qn.shape[0]
-    cache_k, cache_v = (torch.zeros((b, t + 8, hkv, d), device=x.device, dtype=dtype) for _ in range(2))
-    q, h = fn(x, residual, w, qkv, hq, hkv, cos, sin, cache_k, cache_v, start, qn, kn, eps, eps)
-    return torch.cat([q.flatten(1).to(dtype), h.flatten(1).to(dtype), cache_k.flatten(1), cache_v.flatten(1)], 1)
-
-
-def rms_norm_qkv_rope_cache_rows(*args):
-    """[B, ...]: the rotated q, the stream, then the row's K and V cache (zeros where not written)."""
-    from .qkv_rope_cache import rms_norm_qkv_rope_cache
-
-    def fused(*a):
-        out = rms_norm_qkv_rope_cache(*a)
-        if out is None:
-            raise RuntimeError("rms_norm_qkv_rope_cache does not apply here (bf16 operands, a Hopper GPU or the "
-                               "interpreter)")
-        return out
-    return _qkv_cache_rows(fused, *args, args[0].dtype)
-
-
-def rms_norm_qkv_rope_cache_rows_reference(*args):
-    from .qkv_rope_cache import rms_norm_qkv_rope_cache_reference
-
-    return _qkv_cache_rows(rms_norm_qkv_rope_cache_reference, *args, torch.float64)
-
-
-def rms_norm_qkv_rope_cache_unfused(x, residual, cos, sin, start, w, eps, qkv, hq, hkv, qn, kn):
-    """`rms_norm_add`, `linear`, then `rope_cache_write`'s unfused ops (its eps is this example's)."""
-    (b, t, _), d = x.shape, qn.shape[0]
-    y, h = rmsnorm.rms_norm_add(x, residual, w, eps)
-    qkv = linear_invariant(y, qkv).split([hq * d, hkv * d, hkv * d], -1)
-    q, k, v = (u.reshape(b, t, -1, d).contiguous() for u in qkv)   # rms_norm reads rows of one stride
-    out = rope_cache_write_unfused(q, k, v, cos, sin, start, qn, kn)   # [B, q | cache_k | cache_v]
-    return torch.cat([out[:, : q[0].numel()], h.flatten(1), out[:, q[0].numel() :]], 1)
 
 
 def gumbel_argmax_inputs(rows, size, g, device, dtype):

@@ -129,15 +129,6 @@ REGISTRY: dict[str, Op] = {op.name: op for op in (
        "examples.swiglu_product_inputs", (0,), (*_GENERIC, "tests/test_swiglu_product.py"),
        run_fn="examples.swiglu_product_rows", unfused_fn="examples.swiglu_product_unfused",
        dtypes=(torch.bfloat16,), max_rows_gpu=512),   # swiglu_product.MAX_ROWS: above it the unfused ops run
-    Op("rms_norm_linear", "norm_linear", "the unfused ops' bits", "examples.rms_norm_linear_rows_reference",
-       "examples.rms_norm_linear_inputs", (0, 1), (*_GENERIC, "tests/test_norm_linear.py"),
-       run_fn="examples.rms_norm_linear_rows", unfused_fn="examples.rms_norm_linear_unfused",
-       tile_config_fn="norm_linear.tile_config", dtypes=(torch.bfloat16,),
-       max_rows_gpu=256),   # norm_linear.MAX_ROWS: above it the unfused ops run
-    Op("rms_norm_swiglu_product", "swiglu_product", "the unfused ops' bits",
-       "examples.rms_norm_swiglu_product_rows_reference", "examples.rms_norm_swiglu_product_inputs", (0, 1),
-       (*_GENERIC, "tests/test_norm_linear.py"), run_fn="examples.rms_norm_swiglu_product_rows",
-       unfused_fn="examples.rms_norm_swiglu_product_unfused", dtypes=(torch.bfloat16,), max_rows_gpu=512),
     Op("linear_logprobs", "linear_logprobs", "the unfused ops' bits", "examples.linear_logprobs_rows_reference",
        "examples.linear_logprobs_inputs", (0, 2), (*_GENERIC, "tests/test_linear_logprobs.py"),
        follows=("linear", "token_logprobs"), run_fn="examples.linear_logprobs_rows",
@@ -145,11 +136,6 @@ REGISTRY: dict[str, Op] = {op.name: op for op in (
     Op("rope_cache_write", "rope_cache", "the unfused ops' bits", "examples.rope_cache_write_rows_reference",
        "examples.rope_cache_write_inputs", (0, 1, 2, 3, 4, 5), (*_GENERIC, "tests/test_rope_cache.py"),
        run_fn="examples.rope_cache_write_rows", unfused_fn="examples.rope_cache_write_unfused", max_rows=16),
-    Op("rms_norm_qkv_rope_cache", "qkv_rope_cache", "the unfused ops' bits",
-       "examples.rms_norm_qkv_rope_cache_rows_reference", "examples.rms_norm_qkv_rope_cache_inputs", (0, 1, 2, 3, 4),
-       (*_GENERIC, "tests/test_qkv_rope_cache.py"), run_fn="examples.rms_norm_qkv_rope_cache_rows",
-       unfused_fn="examples.rms_norm_qkv_rope_cache_unfused", tile_config_fn="qkv_rope_cache.tile_config",
-       dtypes=(torch.bfloat16,), max_rows_gpu=256),   # norm_linear.MAX_ROWS: above it the unfused ops run
     Op("gumbel_argmax", "gumbel", "row-invariant", "examples.gumbel_argmax_rows_reference",
        "examples.gumbel_argmax_inputs", (0, 1, 2), (*_GENERIC, "tests/kernels/test_gumbel_argmax.py"),
        run_fn="examples.gumbel_argmax_rows"),

@@ -63,26 +63,12 @@ def _rms_norm_fwd_kernel(
         h = h.to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], h, mask=mask)
         x = h.to(tl.float32)
-    rstd = row_rstd(x, N, eps, ROWS, BLOCK_N)
+    rstd = 1.0 / tl.sqrt(sum_of_squares(x, ROWS, BLOCK_N) / N + eps)
+    n = (x * rstd[:, None]).to(y_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    y = normalise(x, rstd, w, y_ptr.dtype.element_ty)
-    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
+    y = n.to(tl.float32) * w[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + rows, rstd, mask=rows < M)
-
-
-# The forward's arithmetic, shared with the products that normalise their rows in their prologue (`norm_linear.py`):
-# the same statements, so the same instructions.
-@triton.jit
-def row_rstd(x, N, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """x [ROWS, BLOCK_N] fp32 (whole rows of width N, zeros past N) -> [ROWS] 1 / sqrt(mean(x^2) + eps) in fp32."""
-    return 1.0 / tl.sqrt(sum_of_squares(x, ROWS, BLOCK_N) / N + eps)
-
-
-@triton.jit
-def normalise(x, rstd, w, dtype: tl.constexpr):
-    """The normalised rows in `dtype`: n = x * rstd rounded (rounding point 1), then w * n in fp32 rounded (2)."""
-    n = (x * rstd[:, None]).to(dtype)
-    return (n.to(tl.float32) * w[None, :]).to(dtype)
 
 
 @triton.jit

@@ -35,21 +35,6 @@ from .rope import apply_rope_reference, rotate
 
 
 @triton.jit
-def qk_norm_halves(x1, x2, x, w_ptr, eps, D, HALF, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_HALF: tl.constexpr):
-    """Head rows' halves x1, x2 [ROWS, BLOCK_HALF] (the dtype's values) RMS-normalised, given the whole rows x
-    [ROWS, BLOCK_D] in fp32 (zeros past D): rms_norm's row, `sum_of_squares` over each full head row (its tree
-    under any layout), each half rounded as rms_norm does. Also the epilogue of `rms_norm_qkv_rope_cache`."""
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    rstd = (1.0 / tl.sqrt(sum_of_squares(x, ROWS, BLOCK_D) / D + eps))[:, None]
-    w1 = tl.load(w_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
-    n1 = (x1.to(tl.float32) * rstd).to(x1.dtype)
-    n2 = (x2.to(tl.float32) * rstd).to(x2.dtype)
-    return (n1.to(tl.float32) * w1).to(x1.dtype), (n2.to(tl.float32) * w2).to(x2.dtype)
-
-
-@triton.jit
 def _norm_rotate_heads(src, sh, w_ptr, c, s, eps, H, D, HALF,
                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr):
     # A token's H head rows (stride sh) as one [BLOCK_H, .] block: the optional norm, then the rotation (fp32 halves).
@@ -59,9 +44,17 @@ def _norm_rotate_heads(src, sh, w_ptr, c, s, eps, H, D, HALF,
     x1 = tl.load(src + h * sh + d, mask=half, other=0.0)
     x2 = tl.load(src + h * sh + HALF + d, mask=half, other=0.0)
     if NORM:
+        # rms_norm's row: `sum_of_squares` over each full head row (its tree under any layout), each half rounded
+        # as it does.
         full = tl.arange(0, BLOCK_D)[None, :]
         x = tl.load(src + h * sh + full, mask=(h < H) & (full < D), other=0.0).to(tl.float32)
-        x1, x2 = qk_norm_halves(x1, x2, x, w_ptr, eps, D, HALF, BLOCK_H, BLOCK_D, BLOCK_HALF)
+        rstd = (1.0 / tl.sqrt(sum_of_squares(x, BLOCK_H, BLOCK_D) / D + eps))[:, None]
+        w1 = tl.load(w_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+        n1 = (x1.to(tl.float32) * rstd).to(x1.dtype)
+        n2 = (x2.to(tl.float32) * rstd).to(x2.dtype)
+        x1 = (n1.to(tl.float32) * w1).to(x1.dtype)
+        x2 = (n2.to(tl.float32) * w2).to(x2.dtype)
     return rotate(x1.to(tl.float32), x2.to(tl.float32), c, s)
 
 

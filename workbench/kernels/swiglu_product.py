@@ -17,11 +17,6 @@ product's; on other GPUs the product has one tile config for every M, and this k
 falls back). The interpreter runs the product's own config (`matmul_config`), whose BLOCK_K its fixed-order
 sums follow. The GPU test holds it to the unfused ops bit for bit (`tests/test_gpu_model.py`).
 
-`rms_norm_swiglu_product(x, residual, norm_weight, gate_up, eps)`: the same with the decoder's residual add and
-RMSNorm in the product's prologue (`norm_linear.py`'s, whose contract it keeps: each program normalises its row
-tile as `rms_norm_add`'s kernel does, then multiplies those bf16 rows), one launch instead of two: the bits of
-`rms_norm_add` then `swiglu_product`, and the stream h.
-
 Inference only: no `autograd.Function` (a training forward runs the two products and `silu_mul`, which have
 their backward).
 """
@@ -32,12 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import interpreting, l2_prefetch, next_power_of_2, pdl_enter, pdl_flags
+from .runtime import interpreting, l2_prefetch, pdl_enter, pdl_flags
 from .matmul import _descriptor, _prefetch_k, _tile_origin, dot_step
 from .matmul_tiles import MatmulConfig, _device_capability, _uses_buckets, matmul_config
-from .norm_linear import (
-    _SMALL_ROWS, _norm_rows, norm_rows_rstd, normalised_tile, rms_norm_linear_reference, with_norm_warps,
-)
 
 # Decode sizes only (larger M runs the packed product, whose persistent tiles are faster there, then silu_mul).
 # Two [BLOCK_N, BLOCK_K] weight tiles a stage: the bucket's tiles with BLOCK_N halved fit the shared memory.
@@ -47,24 +39,17 @@ _CONFIGS: tuple[tuple[int, MatmulConfig], ...] = (
     (64, MatmulConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=4)),
     (MAX_ROWS, MatmulConfig(128, 64, 64, group_m=8, num_warps=4, num_stages=6)),
 )
-# With the norm in the prologue, up to 64 rows: row tiles of 16, as `norm_linear._SMALL_TILE` (why there). Not yet
-# measured.
-_NORM_SMALL = MatmulConfig(16, 64, 128, group_m=8, num_warps=4, num_stages=4)
 
 
-# K is specialized with a norm (NORM_K): the norm kernel's `sum / N` and masks see the width as its kernel does.
 @triton.jit(do_not_specialize=["K"])
 def _swiglu_product_kernel(
     a_desc, b_desc, c_desc, M, INTER, K, b_ptr, stride_bn,
-    x_ptr, res_ptr, h_ptr, nw_ptr, NORM_K, eps, stride_x, stride_res, stride_h,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NORM: tl.constexpr, BLOCK_NORM: tl.constexpr, NORM_ROWS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, PREFETCH_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # b_desc: the packed [2 INTER, K] weight, gate's rows then up's. Tile (off_m, off_n) of the [M, INTER] output
     # reads gate's rows off_n.. and up's rows INTER + off_n..; where INTER is no multiple of BLOCK_N, gate's last
-    # tile reads into up's rows, for columns the store clips. NORM: x's rows normalised in the prologue
-    # (`norm_linear.py`; a_desc unused), the stream h stored by the first column tile's programs.
+    # tile reads into up's rows, for columns the store clips.
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(INTER, BLOCK_N)
     off_m, off_n = _tile_origin(tl.program_id(0), num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
@@ -76,19 +61,11 @@ def _swiglu_product_kernel(
         l2_prefetch(b_ptr + rows[:, None] * stride_bn + ks)
         l2_prefetch(b_ptr + (INTER + rows)[:, None] * stride_bn + ks)
     pdl_enter(PDL)
-    if NORM:
-        rstd = norm_rows_rstd(x_ptr, res_ptr, h_ptr, off_m, M, NORM_K, eps, stride_x, stride_res, stride_h,
-                              off_n == 0, BLOCK_M, BLOCK_NORM, NORM_ROWS, ADD_RESIDUAL)
-        offs_m = off_m + tl.arange(0, BLOCK_M)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         off_k = k * BLOCK_K
-        if NORM:
-            a = normalised_tile(x_ptr, res_ptr, nw_ptr, rstd, offs_m, off_k, M, NORM_K, stride_x, stride_res,
-                                BLOCK_K, ADD_RESIDUAL, c_desc.dtype)
-        else:
-            a = a_desc.load([off_m, off_k])
+        a = a_desc.load([off_m, off_k])
         acc_g = dot_step(a, tl.trans(b_desc.load([off_n, off_k])), acc_g, DOT_IN_FP32, DOT_IN_FP32)
         acc_u = dot_step(a, tl.trans(b_desc.load([INTER + off_n, off_k])), acc_u, DOT_IN_FP32, DOT_IN_FP32)
     # `linear`'s rounding of each product, then `silu_mul`'s two roundings.
@@ -108,85 +85,35 @@ def fused_config(m: int, device: torch.device) -> MatmulConfig | None:
     return next(cfg for max_m, cfg in _CONFIGS if m <= max_m)
 
 
-def _launch(x2, gate_up, cfg, norm=None):
-    """The [M, I] output, or None where TMA cannot read the operands. norm: (residual rows or None, the norm's
-    weight, eps, the stream h's rows)."""
-    m, k = x2.shape
-    inter = gate_up.shape[0] // 2
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    out = torch.empty((m, inter), device=x2.device, dtype=x2.dtype)
-    a_desc = None if norm else _descriptor(x2, [bm, bk])
-    b_desc, c_desc = _descriptor(gate_up, [bn, bk]), _descriptor(out, [bm, bn])
-    if (a_desc is None and not norm) or b_desc is None or c_desc is None:
-        return None
-    res, norm_w, eps, h = norm or (None, None, 0.0, None)
-    r2 = x2 if res is None else res
-    block_norm = next_power_of_2(k)
-    flags = pdl_flags(x2)
-    _swiglu_product_kernel[(triton.cdiv(m, bm) * triton.cdiv(inter, bn),)](
-        a_desc, b_desc, c_desc, m, inter, k, gate_up, gate_up.stride(0),
-        x2 if norm else None, r2 if norm else None, h, norm_w, k, float(eps), x2.stride(0), r2.stride(0),
-        0 if h is None else h.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, NORM=norm is not None, BLOCK_NORM=block_norm,
-        NORM_ROWS=_norm_rows(bm, block_norm, cfg.num_warps), ADD_RESIDUAL=res is not None,
-        DOT_IN_FP32=interpreting(), PREFETCH_K=_prefetch_k(m, k, gate_up.t(), True, flags["PDL"]), **flags,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return out
-
-
-def _operands_fit(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
-    return x.dtype == torch.bfloat16 and gate_up.dtype == x.dtype and gate_up.shape[0] % 2 == 0 and \
-        gate_up.dim() == 2 and x.shape[-1] == gate_up.shape[1] and x.device == gate_up.device
-
-
 def swiglu_product(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(x @ gate.T) * (x @ up.T) [..., I] for x [..., K] and gate_up [2I, K] (gate's rows, then up's), bf16;
     None where the fused kernel does not apply (see `fused_config`; operands TMA cannot read), for the caller
     to run the unfused ops."""
-    if not _operands_fit(x, gate_up):
+    if x.dtype != torch.bfloat16 or gate_up.dtype != x.dtype or gate_up.shape[0] % 2 or \
+            x.shape[-1] != gate_up.shape[1] or x.device != gate_up.device:
         return None
     x2 = x.reshape(-1, x.shape[-1])
     m, k = x2.shape
+    inter = gate_up.shape[0] // 2
     cfg = fused_config(m, x.device)
     if cfg is None or m == 0 or k == 0:
         return None
-    out = _launch(x2, gate_up, cfg)
-    return None if out is None else out.view(*x.shape[:-1], out.shape[1])
-
-
-def rms_norm_swiglu_product(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                            gate_up: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(swiglu_product(rms_norm(h), gate_up), h) with h = x + residual (x itself when residual is None), bf16, in
-    one launch; None where the fused kernel does not apply (`fused_config`, and rows too narrow to span the
-    warps as the norm kernel's do: `norm_linear.py`), for the caller to run the unfused ops."""
-    k = x.shape[-1]
-    if not _operands_fit(x, gate_up) or norm_weight.dtype != x.dtype or norm_weight.shape != (k,) or \
-            (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape)):
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    out = torch.empty((m, inter), device=x.device, dtype=x.dtype)
+    a_desc, b_desc, c_desc = _descriptor(x2, [bm, bk]), _descriptor(gate_up, [bn, bk]), _descriptor(out, [bm, bn])
+    if a_desc is None or b_desc is None or c_desc is None:
         return None
-    x2 = x.reshape(-1, k)
-    r2 = None if residual is None else residual.reshape(-1, k)
-    m = x2.shape[0]
-    cfg = fused_config(m, x.device)
-    if cfg is None or m == 0 or k == 0 or x2.stride(1) != 1 or (r2 is not None and r2.stride(1) != 1):
-        return None
-    if not interpreting():
-        cfg = with_norm_warps(_NORM_SMALL if m <= _SMALL_ROWS else cfg, k)
-        if cfg is None:
-            return None
-    h = x2 if r2 is None else torch.empty((m, k), device=x.device, dtype=x.dtype)
-    out = _launch(x2, gate_up, cfg, (r2, norm_weight.contiguous(), eps, h))
-    return None if out is None else (out.view(*x.shape[:-1], out.shape[1]), h.view(x.shape))
+    flags = pdl_flags(x2)
+    _swiglu_product_kernel[(triton.cdiv(m, bm) * triton.cdiv(inter, bn),)](
+        a_desc, b_desc, c_desc, m, inter, k, gate_up, gate_up.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, DOT_IN_FP32=interpreting(),
+        PREFETCH_K=_prefetch_k(m, k, gate_up.t(), True, flags["PDL"]), **flags,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out.view(*x.shape[:-1], inter)
 
 
 def swiglu_product_reference(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """fp64 reference."""
     g, u = (x.double() @ gate_up.double().t()).chunk(2, dim=-1)
     return torch.nn.functional.silu(g) * u
-
-
-def rms_norm_swiglu_product_reference(x, residual, norm_weight, gate_up, eps: float = 1e-6):
-    """fp64 reference: (swiglu of RMSNorm(h), h), h = x + residual, nothing rounded."""
-    y, h = rms_norm_linear_reference(x, residual, norm_weight, gate_up, eps)
-    g, u = y.chunk(2, dim=-1)
-    return torch.nn.functional.silu(g) * u, h

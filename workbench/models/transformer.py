@@ -146,10 +146,6 @@ class RMSNorm(nn.Module):
         """(norm(x + residual), x + residual): the residual stream's add fused into its norm (same bits)."""
         return rms_norm_add(x, residual, self.weight, self.eps)
 
-    def stream(self, x, residual):
-        """(norm(h), h) of the stream h = x + residual, or x where residual is None (the first layer's)."""
-        return (self(x), x) if residual is None else self.add(x, residual)
-
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -248,19 +244,17 @@ class DecoderLayer(nn.Module):
         `h = h + sublayer(norm(h))`. Layer 0 gets residual None (the stream is the embeddings).
 
         recompute_mlp: keep only the MLP's input and recompute its products in the backward.
-        sublayers: (attention, mlp) to run instead of this layer's modules (`DecodingModel`'s paths). They take the
-        norm and the stream, (norm, x, residual, ...) -> (output, new residual): a product may normalise its rows
-        in its prologue (`rms_norm_linear`, the same bits)."""
-        if sublayers is not None:
-            attn, mlp = sublayers
-            x, residual = attn(self.input_layernorm, x, residual, cos, sin, seq_lens, cache, layer, start, end)
-            return mlp(self.post_attention_layernorm, x, residual)
-        h, residual = self.input_layernorm.stream(x, residual)
-        x = self.self_attn(h, cos, sin, seq_lens, cache, layer, start, end)
+        sublayers: (attention, mlp) to run instead of this layer's modules (`DecodingModel`'s paths)."""
+        attn, mlp = (self.self_attn, self.mlp) if sublayers is None else sublayers
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
+        x = attn(h, cos, sin, seq_lens, cache, layer, start, end)
         h, residual = self.post_attention_layernorm.add(x, residual)
         if recompute_mlp:
-            return checkpoint(self.mlp, h, use_reentrant=False, context_fn=same_mode()), residual
-        return self.mlp(h), residual
+            return checkpoint(mlp, h, use_reentrant=False, context_fn=same_mode()), residual
+        return mlp(h), residual
 
 
 class DecoderStack(nn.Module):
