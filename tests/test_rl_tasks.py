@@ -111,6 +111,8 @@ def test_a_wrong_final_answer_after_the_right_number():
 def test_hostile_completions_end_fast(text, lenient):
     start = time.perf_counter()
     scores = GSM8K.__new__(GSM8K).scores(text, Problem("q", "72"))
+    # The attack's bound, not a speed claim: a quadratic rule or an unbounded sympy call takes minutes on these
+    # inputs, so a margin of seconds over the deadline cannot flake on a loaded machine and still catches them.
     assert time.perf_counter() - start < answers.MATH_VERIFY_TIMEOUT_S + 4
     assert scores == {"strict": 0.0, "lenient": lenient}
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0), "the timer is disarmed"
@@ -133,7 +135,7 @@ def test_math_verify_failures_score_zero(monkeypatch):
     monkeypatch.setattr(math_verify, "parse", stuck)
     start = time.perf_counter()
     assert lenient_correct("\\boxed{\\frac{2}{4}} (stuck)", "0.5") is False
-    assert time.perf_counter() - start < answers.MATH_VERIFY_TIMEOUT_S + 2
+    assert time.perf_counter() - start < answers.MATH_VERIFY_TIMEOUT_S + 2   # the deadline ended it (stuck never returns)
 
 
 def test_lenient_check_outside_the_main_thread():
