@@ -135,7 +135,7 @@ def test_math_verify_failures_score_zero(monkeypatch):
     monkeypatch.setattr(math_verify, "parse", stuck)
     start = time.perf_counter()
     assert lenient_correct("\\boxed{\\frac{2}{4}} (stuck)", "0.5") is False
-    assert time.perf_counter() - start < answers.MATH_VERIFY_TIMEOUT_S + 2   # the deadline ended it (stuck never returns)
+    assert time.perf_counter() - start < answers.MATH_VERIFY_TIMEOUT_S + 2  # the deadline ended it: stuck never returns
 
 
 def test_lenient_check_outside_the_main_thread():
