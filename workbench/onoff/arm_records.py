@@ -17,21 +17,19 @@ from .runner import POLICY_RECORD, RUN_FOLDER
 
 
 def publish_experiment(out_dir: str | Path, dest: str | Path) -> list[Path]:
-    """What `publish=` does: `publish_arms` for the regime preset (the map pairs arms from their records), else
-    `publish`."""
+    """What `publish=` does: `publish_arms` for the regime preset's experiments of several arms (the map pairs arms
+    from their records), else `publish`; the config is read once here."""
     cfg = OnOffConfig(**read_config_file(Path(out_dir) / "config.yaml", OnOffConfig))
-    return publish_arms(out_dir, dest) if cfg.preset == "regime" else [publish(out_dir, dest)]
+    if cfg.preset != "regime" or len(cfg.arms) == 1:
+        return [publish(out_dir, dest)]
+    return publish_arms(Path(out_dir), cfg, dest)
 
 
-def publish_arms(out_dir: str | Path, dest: str | Path) -> list[Path]:
-    """One arm record per arm of out_dir, each published from a view of the experiment as if that arm had run
-    alone (out_dir/arms/<arm>/: its config with that arm, links to its run folders, the call log and the starting
-    weights' digest). A run's bits do not depend on what else shared its GPU (tests/test_gpu_mps.py), so runs of
-    several arms in one hold are the runs each arm would hold alone."""
-    out = Path(out_dir)
-    cfg = OnOffConfig(**read_config_file(out / "config.yaml", OnOffConfig))
-    if len(cfg.arms) == 1:
-        return [publish(out, dest)]
+def publish_arms(out: Path, cfg: OnOffConfig, dest: str | Path) -> list[Path]:
+    """One arm record per arm of the experiment in `out` (its config `cfg`), each published from a view of the
+    experiment as if that arm had run alone (out/arms/<arm>/: its config with that arm, links to its run folders,
+    the call log and the starting weights' digest). A run's bits do not depend on what else shared its GPU
+    (tests/test_gpu_mps.py), so runs of several arms in one hold are the runs each arm would hold alone."""
     runs = {arm: [run for run in sorted(out.iterdir()) if run.is_dir() and (m := RUN_FOLDER.fullmatch(run.name))
                   and m["arm"] == arm and (run / "metrics.csv").exists()] for arm in cfg.arms}
     if missing := [arm for arm, found in runs.items() if not found]:
