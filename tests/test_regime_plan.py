@@ -303,3 +303,37 @@ def test_one_arm_publishes_as_an_arm_record_and_the_map_command_reads_it(tmp_pat
     assert main(["regime-map", "--root", str(dest), "--out", str(elsewhere)]) == 0 and (elsewhere / "map.csv").exists()
     assert not (tmp_path / "elsewhere" / "index.json").exists() and not stale(dest)
     assert main(["regime-map", str(tmp_path / "nowhere")]) == 2
+
+
+def test_a_cut_run_is_read_from_the_hold_that_finished_it(tmp_path):
+    """The plan's parts: runs cut by one hold's time limit are rerun whole in a later hold from the same weights.
+    The finished copy stands in for the cut one, the steps both ran are compared bit for bit, and two finished
+    copies stay an error."""
+    rng = np.random.default_rng(6)
+    whole = _runs("on", dict(zip(SEEDS, rng.normal(0.4, 0.1, 8))), rng, noise=0.02)
+    first = _arm(tmp_path, "on", 1024, "blog", whole[(whole.seed < 4) | (whole.step <= 220)])
+    pd.DataFrame({"run": [f"on-seed{s}" for s in SEEDS], "variant": "on", "seed": SEEDS,
+                  "steps_done": [STEPS if s < 4 else 220 for s in SEEDS], "finished": [s < 4 for s in SEEDS],
+                  "steps": STEPS}).to_csv(first / "runs.csv", index=False)
+    second = _arm(tmp_path, "on", 1024, "blog", whole[whole.seed >= 4], sha="def5678")
+    dose = _arm(tmp_path, "off", 1024, "blog", _runs("off", dict(zip(SEEDS, rng.normal(0.4, 0.1, 8))), rng,
+                                                     kl=2e-3))
+    long = assemble([first, second, dose])
+    cut = long.attrs["superseded"]
+    assert sorted(cut.seed) == [4, 5, 6, 7] and (cut.steps_dropped == 220).all() and cut.rewards_agree.all(), cut
+    on = long[long.variant == "on"]
+    assert on.groupby("seed").source.nunique().eq(1).all() and set(on[on.seed >= 4].source) == {second.name}
+    assert on.groupby("seed").step.max().eq(STEPS).all()
+    row = _row(map_table(long), "P2")
+    assert row.tested and row.on_seeds == "0-7", row.status
+
+    changed = whole[whole.seed >= 4].copy()
+    changed.loc[(changed.metric == "reward_mean") & (changed.step == 7) & (changed.seed == 5), "value"] += 1e-9
+    other = _arm(tmp_path / "g", "on", 1024, "blog", changed, sha="0123abc")
+    flags = assemble([first, other]).attrs["superseded"].set_index("seed").rewards_agree
+    assert not flags[5] and flags.drop(5).all(), "one reward of a rerun differs by 1e-9: its seed is flagged"
+    out = publish_map([first, other, dose], RegimeMapConfig(root=str(tmp_path), out=str(tmp_path / "maps" / "map")))
+    text = (out / "README.md").read_text()
+    assert "WARNING: `on` seed 5 at 1024 tokens, blog, rerun whole in" in text and "| NO |" in text
+    with pytest.raises(ValueError, match=r"seed 4 at 1024 tokens, blog, is in two folders .* and 2 of them finished"):
+        assemble([second, other])

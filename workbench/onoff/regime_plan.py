@@ -137,7 +137,8 @@ def assemble(folders) -> pd.DataFrame:
     it was set to run (`target_steps`). `attrs['arms']` lists the arms found. Raises ValueError, in one line, where
     two arms of a cell differ in a setting other than the arm (or two cells in one besides length, loss and policy),
     or started from other weights (the runner's starting_policy.json, where both records hold it), or where two
-    folders hold the same run (or one name)."""
+    folders hold the same run and not exactly one of them finished it (or one name). A run cut short in one folder
+    and finished in another is read from the latter (`_supersede`; attrs['superseded'] lists such copies)."""
     folders = [Path(f) for f in folders]
     named = Counter(f.name for f in folders)
     if twice := [name for name, n in named.items() if n > 1]:
@@ -179,15 +180,42 @@ def assemble(folders) -> pd.DataFrame:
                   "commit": record.commit, "date": record.date} for v in pd.unique(runs.variant)]
     long = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(
         columns=["step", "metric", "value", *KEY, "source", "finished", "target_steps"])
-    sources = long.groupby(KEY).source.nunique()
-    if (sources > 1).any():
-        length, loss, arm, seed = sources[sources > 1].index[0]
-        both = sorted(set(long.set_index(KEY).loc[(length, loss, arm, seed)].source))
-        raise ValueError(f"the run `{arm}` seed {seed} at {length} tokens, {loss}, is in two folders "
-                         f"({', '.join(both)}): name one of them")
+    long, superseded = _supersede(long)
     long.attrs["arms"] = pd.DataFrame(arms, columns=["source", "max_new_tokens", "loss", "variant", "seeds",
                                                      "device", "commit", "date"])
+    long.attrs["superseded"] = superseded
     return long
+
+
+SUPERSEDED = [*KEY, "kept", "dropped", "steps_dropped", "rewards_agree"]
+"""The columns of assemble's attrs['superseded']: a cut copy of a run left out for the copy that finished."""
+
+
+def _supersede(long: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """`long` with one folder per run, and the copies left out (SUPERSEDED). A run cut short in one hold is rerun
+    whole in a later one from the same starting weights (assemble checks the digests), so where exactly one copy of
+    a run finished, it stands in for the cut copies; `rewards_agree` says whether the steps they share hold the
+    same reward bits, as a run that depends on its seed and settings alone must. Two finished copies, or none,
+    stay an error: which one the map read would be a choice."""
+    sources = long.groupby(KEY).source.nunique()
+    dropped, rows = set(), []
+    for key in sources[sources > 1].index:
+        length, loss, arm, seed = key
+        run = long.set_index(KEY).loc[key]
+        done = sorted(set(run[run.finished.astype(bool)].source))
+        if len(done) != 1:
+            raise ValueError(f"the run `{arm}` seed {seed} at {length} tokens, {loss}, is in "
+                             f"{'two' if len(set(run.source)) == 2 else 'several'} folders "
+                             f"({', '.join(sorted(set(run.source)))}) and {len(done) or 'none'} of them finished "
+                             f"it: name one of them")
+        rewards = run[run.metric == "reward_mean"].pivot_table(index="step", columns="source", values="value")
+        for other in sorted(set(run.source) - set(done)):
+            shared = rewards[[done[0], other]].dropna()
+            rows.append((*key, done[0], other, int(run[run.source == other].step.max()),
+                         bool(len(shared)) and bool((shared[done[0]] == shared[other]).all())))
+            dropped.add((*key, other))
+    keep = ~pd.MultiIndex.from_frame(long[[*KEY, "source"]]).isin(list(dropped))
+    return long[keep].reset_index(drop=True), pd.DataFrame(rows, columns=SUPERSEDED)
 
 
 def run_table(long: pd.DataFrame) -> pd.DataFrame:

@@ -1,8 +1,9 @@
 """The pre-registered regime map as a record folder, built from the arm records (`onoff.publish` of one-arm
 experiments) on any machine: `python -m workbench regime-map [arm folders...] --out <folder>`, or every arm record in
 docs/results/index.json when none is named. The folder holds map.csv (`regime_plan.map_table`), arms.csv (the arm
-records it read), the figures (`comparison_figures.plan_map`, `plan_mismatch`), summary.md, README.md and
-result.json; the records' index is regenerated where the folder is one of them."""
+records it read), superseded.csv (cut copies of runs that another record finished), the figures
+(`comparison_figures.plan_map`, `plan_mismatch`), summary.md, README.md and result.json; the records' index is
+regenerated where the folder is one of them."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def _g(x) -> str:
     return f"{x:#.3g}".rstrip(".") if np.isfinite(x) else "–"
 
 
-def _markdown(table: pd.DataFrame, arms: pd.DataFrame, figures: list[str], sha: str) -> str:
+def _markdown(table: pd.DataFrame, arms: pd.DataFrame, superseded: pd.DataFrame, figures: list[str],
+              sha: str) -> str:
     tested = table[table.tested]
     lines = [f"# The regime map, as pre-registered (`{PLAN}`): {len(tested)} of {len(table)} planned cells tested", "",
              f"- computed at commit {sha} from {len(set(arms.source))} arm records; the arms ran on "
@@ -67,6 +69,9 @@ def _markdown(table: pd.DataFrame, arms: pd.DataFrame, figures: list[str], sha: 
     bad = table[table.on_tokens_differing > 0]
     lines += [f"- WARNING: `on` of {r.name} is not bitwise ({r.on_tokens_differing:.0f} tokens differed)"
               for r in bad.itertuples()]
+    lines += [f"- WARNING: `{r.variant}` seed {r.seed} at {r.max_new_tokens} tokens, {r.loss}, rerun whole in "
+              f"{r.kept}, does not repeat the rewards of its cut copy in {r.dropped}: a run's computation depends "
+              "on more than its seed and settings" for r in superseded[~superseded.rewards_agree].itertuples()]
     lines += ["", "## Cells", "", "| cell | family (tested) | tokens | loss | arm | status | "
               + " | ".join(MISMATCH.values()) + " | dose − on [95% t-CI] | p | p (Holm, family) | detectable |",
               "|---" * (10 + len(MISMATCH)) + "|"]
@@ -79,6 +84,13 @@ def _markdown(table: pd.DataFrame, arms: pd.DataFrame, figures: list[str], sha: 
               "|---" * 8 + "|"]
     lines += [f"| [`{a.source}`](../{a.source}/) | {a.max_new_tokens} | {a.loss} | `{a.variant}` | "
               f"{', '.join(map(str, a.seeds))} | {a.device} | {a.commit} | {a.date} |" for a in arms.itertuples()]
+    if len(superseded):
+        lines += ["", "## Runs cut in one hold and finished in another", "",
+                  "The finished copy is read; the cut copy stays published for its curve. 'Same rewards': the steps "
+                  "both copies ran hold the same reward bits.", "",
+                  "| tokens | loss | arm | seed | read from | left out (cut after step) | same rewards |", "|---" * 7 + "|"]
+        lines += [f"| {r.max_new_tokens} | {r.loss} | `{r.variant}` | {r.seed} | `{r.kept}` | `{r.dropped}` "
+                  f"({r.steps_dropped}) | {'yes' if r.rewards_agree else 'NO'} |" for r in superseded.itertuples()]
     lines += ["", "## Figures", ""] + [f"![{n}]({n}.png) ([SVG]({n}.svg))" for n in figures]
     return "\n".join(lines) + "\n"
 
@@ -122,7 +134,8 @@ def publish_map(folders, cfg: RegimeMapConfig) -> Path:
     figures = {"plan_map": plan_map(table), "plan_mismatch": plan_mismatch(table)}
     for name, fig in figures.items():
         save_figure(fig, out, name)
-    text = _markdown(table, arms, list(figures), sha)
+    long.attrs["superseded"].to_csv(out / "superseded.csv", index=False)
+    text = _markdown(table, arms, long.attrs["superseded"], list(figures), sha)
     (out / "summary.md").write_text(text)
     (out / "README.md").write_text(text)
     numbers = {f"map / {r.name} / {col}": Figure(float(getattr(r, col)))
