@@ -110,6 +110,12 @@ case "${STEP:?}" in
     jobs && echo "still running" || echo "all done"
     tail -n "${TAIL:-3}" "$runs"/*.log; cat "$runs"/probe_*.md 2>/dev/null
     for f in /tmp/ws/*/warm_start_metrics.csv; do [ -f "$f" ] && cp "$f" "$runs/warm_$(basename "$(dirname "$f")").csv"; done
+    # The host's threads and the GPU's use while the runs share it (what a packed arm's step time waits on).
+    { date; uptime; top -b -H -n 1 -w 160 | head -45; nvidia-smi --query-gpu=utilization.gpu,memory.used \
+      --format=csv; } > "$runs/host_$(date +%H%M%S).log" 2>&1
+    # An experiment's own metrics.csv and arms/ repeat its runs' tables (and pub/ the arms'): left out, the tarball
+    # of sixteen runs stays within what $OUT brings back.
     (cd "$runs" && tar czf "$OUT/onoff.tgz" --exclude='checkpoints' --exclude='*.safetensors' --exclude='*.pt' \
-      --exclude='*.distcp' .) ;;
+      --exclude='*.distcp' --no-wildcards-match-slash --exclude='./regime/*/metrics.csv' \
+      --exclude='./regime/*/arms' .) ;;
 esac

@@ -135,6 +135,23 @@ def test_out_of_memory_with_shared_workers_says_what_to_do():
     assert runner._advice([("a/on-seed0", ValueError("bad"))], workers=4) == ""
 
 
+def test_each_run_process_takes_its_share_of_the_host_threads(monkeypatch):
+    """N run processes on one host split its cores (OMP_NUM_THREADS wins where set), as torchrun does: a process
+    per run starting a thread per core oversubscribes the host that launches their kernels."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(runner.os, "cpu_count", lambda: 16)
+    assert [runner.worker_threads(n) for n in (1, 4, 16, 32)] == [16, 4, 1, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert runner.worker_threads(16) == 3
+    seen = []
+    monkeypatch.setattr(runner, "execute", lambda *a, **k: seen.append(torch.get_num_threads()) or "done")
+    before = torch.get_num_threads()
+    try:
+        assert runner._execute_in_worker({}, 0.0, False, True, None, threads=1) == "done" and seen == [1]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_smoke_shrinks_any_preset_to_a_cpu_check():
     """(The nightly's smoke test runs the blog, blog-dose and realistic presets' smoke versions.)"""
     for name in PRESETS:

@@ -1,7 +1,8 @@
 """The pre-registered regime map from arm records published one at a time (`onoff.regime_plan`, `regime_record`):
 a planted effect in one primary cell is called and the null cells are not; Holm runs within a family; arms whose
 settings differ are refused; T x KL is the dose runs' mean over steps and seeds of length x KL; an incomplete cell is
-reported, not tested; the figures draw; one-arm experiments publish as arm records that the map command reads."""
+reported, not tested; the figures draw; one-arm experiments publish as arm records that the map command reads; a
+run cut in one hold is read from the hold that finished it."""
 
 from __future__ import annotations
 
@@ -240,7 +241,9 @@ def test_arms_run_together_publish_as_one_record_each(tmp_path):
         for seed in seeds:
             run = out / f"{arm}-seed{seed}"
             run.mkdir()
-            _runs(arm, {seed: 0.4 + shift}, rng).to_csv(run / "metrics.csv", index=False)
+            table = _runs(arm, {seed: 0.4 + shift}, rng)
+            layer = table[table.metric == "reward_mean"].assign(metric="weight_delta_l2/layer_03")
+            pd.concat([table, layer, layer.assign(metric="weight_delta_l2")]).to_csv(run / "metrics.csv", index=False)
             (run / runner.RECORD).write_text(json.dumps({"config": {"steps": STEPS}, "steps": STEPS}))
     pd.DataFrame({"started": ["x"], "wall_s": [60.0], "device": ["NVIDIA H200"], "git_sha": ["abc1234"]}).to_csv(
         out / "invocations.csv", index=False)
@@ -250,6 +253,9 @@ def test_arms_run_together_publish_as_one_record_each(tmp_path):
     for folder, arm in zip(folders, ("on", "noise=0.6")):
         runs = pd.read_csv(folder / "runs.csv")
         assert set(runs.variant) == {arm} and sorted(runs.seed) == list(seeds), f"{folder.name} holds {list(runs.run)}"
+        published = set(pd.read_csv(folder / "metrics.csv.gz").metric)
+        assert "weight_delta_l2" in published and not [m for m in published if "/" in m], \
+            "the per-layer weight changes stay in the runs' folders, the run-level ones are published"
     status = map_table(assemble(published_arms(dest))).set_index("name").loc["P1", "status"]
     for seed in seeds:
         shutil.rmtree(out / f"noise=0.6-seed{seed}")

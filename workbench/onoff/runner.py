@@ -154,10 +154,19 @@ def execute(run: TrainConfig, deadline: float, keep_checkpoints: bool, first: bo
     return "done"
 
 
-def _execute_in_worker(run: dict, deadline: float, keep_checkpoints: bool, first: bool, gpus) -> str:
-    """One run in a fresh process; with `gpus` (a queue of free GPU slots) on the GPU of the slot it takes. As the
-    current device, not CUDA_VISIBLE_DEVICES: importing the kernels has initialised CUDA already (it decides
-    between the GPU and the interpreter), after which that variable is no longer read."""
+def worker_threads(workers: int) -> int:
+    """CPU threads for each of `workers` run processes: OMP_NUM_THREADS where set, else the host's cores shared
+    out, at least one. As torchrun (and `distributed.launch`): every spawned process otherwise starts a thread per
+    core, so N runs on one host ask for N threads a core while their updates wait on the host to launch kernels. A
+    GPU run's math is on the GPU, so its bits do not depend on this."""
+    return int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // workers))
+
+
+def _execute_in_worker(run: dict, deadline: float, keep_checkpoints: bool, first: bool, gpus, threads: int) -> str:
+    """One run in a fresh process, on `threads` CPU threads; with `gpus` (a queue of free GPU slots) on the GPU of
+    the slot it takes. As the current device, not CUDA_VISIBLE_DEVICES: importing the kernels has initialised CUDA
+    already (it decides between the GPU and the interpreter), after which that variable is no longer read."""
+    torch.set_num_threads(threads)
     if gpus is None:
         return execute(TrainConfig(**run), deadline, keep_checkpoints, first)
     gpu = gpus.get()
@@ -215,7 +224,8 @@ def _run_on_off(cfg: OnOffConfig) -> pd.DataFrame:
             pool = stack.enter_context(ProcessPoolExecutor(max_workers=cfg.workers, mp_context=spawn,
                                                            max_tasks_per_child=1))
             futures = {pool.submit(_execute_in_worker, flat_dict(run), deadline, cfg.keep_checkpoints,
-                                   i < cfg.workers, gpus): run.out_dir for i, run in enumerate(quiet)}
+                                   i < cfg.workers, gpus, worker_threads(cfg.workers)): run.out_dir
+                       for i, run in enumerate(quiet)}
             for future in as_completed(futures):
                 name = futures[future]
                 try:
