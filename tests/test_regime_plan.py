@@ -256,6 +256,8 @@ def test_arms_run_together_publish_as_one_record_each(tmp_path):
         published = set(pd.read_csv(folder / "metrics.csv.gz").metric)
         assert "weight_delta_l2" in published and not [m for m in published if "/" in m], \
             "the per-layer weight changes stay in the runs' folders, the run-level ones are published"
+        assert "mean reward over each run's last 20 steps" in (folder / "summary.md").read_text(), \
+            "an arm record describes the plan's endpoint (steps 281-300)"
     status = map_table(assemble(published_arms(dest))).set_index("name").loc["P1", "status"]
     for seed in seeds:
         shutil.rmtree(out / f"noise=0.6-seed{seed}")

@@ -30,7 +30,7 @@ from .arms import get_arm
 from .comparison_figures import dose_response_figure, regime_map
 from .config import OnOffConfig
 from .figures import delta_histogram, mismatch_panels, reward_curves
-from .regime_plan import recorded_settings
+from .regime_plan import WINDOW as PLAN_WINDOW, recorded_settings
 from .runner import POLICY_RECORD, collect, finished_runs, total_wall_s
 from .stats import (CELL, dose_response, dose_sentence, dose_slope, final_reward_words, regime_table, summarize,
                     verdict)
@@ -312,8 +312,9 @@ def publish(out_dir: str | Path, dest: str | Path) -> Path:
     """Copy out_dir's report to dest/<date>_onoff-<preset>-<device>_<sha>/ (writing the report first), with its
     result.json, and regenerate dest's index (`workbench.records`)."""
     out = Path(out_dir)
-    folder = report(out)
     cfg = OnOffConfig(**read_config_file(out / "config.yaml", OnOffConfig))
+    # A regime arm is a unit of the pre-registered map: its described final reward is the plan's endpoint.
+    folder = report(out, window=PLAN_WINDOW if cfg.preset == "regime" else 10)
     calls = pd.read_csv(out / "invocations.csv")
     device = str(calls.device.iloc[-1])
     slug = (re.search(r"[A-Z]\d{2,4}", device) or re.search(r"\w+", device)).group(0).lower()
