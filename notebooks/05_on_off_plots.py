@@ -74,9 +74,10 @@ for result in shown:
 # The plan (`docs/results/2026-12-02_regime-plan`, written before any run) names its cells: a dose arm against `on`
 # at one generation length and loss, each arm run alone (seeds 0-7, 300 steps) and published as a record of its
 # own. The map is computed here from the arm records listed in `docs/results/index.json`, on any machine: per
-# complete cell, final reward (steps 281-300) dose − `on` paired by seed, exact sign-flip p Holm-adjusted within the
-# cell's family, at the T x KL its dose runs measured. A family with fewer cells tested than planned is an interim
-# result. The grid below shows every planned cell and which of its arms are published.
+# complete cell, final reward (steps 281-300) dose − `on` paired by seed, exact sign-flip p adjusted within the
+# cell's family (Holm over its planned cells once all are tested; until then, an interim result, Bonferroni over
+# them, which the final Holm cannot reverse), at the T x KL its dose runs measured. The grid below shows every
+# planned cell and which of its arms are published.
 
 # %%
 arms = published_arms(published)

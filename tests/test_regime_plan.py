@@ -1,8 +1,8 @@
 """The pre-registered regime map from arm records published one at a time (`onoff.regime_plan`, `regime_record`):
-a planted effect in one primary cell is called and the null cells are not; Holm runs within a family; arms whose
-settings differ are refused; T x KL is the dose runs' mean over steps and seeds of length x KL; an incomplete cell is
-reported, not tested; the figures draw; one-arm experiments publish as arm records that the map command reads; a
-run cut in one hold is read from the hold that finished it."""
+a planted effect in one primary cell is called and the null cells are not; the correction runs within a family and
+an interim call stands; arms whose settings differ are refused; T x KL is the dose runs' mean over steps and seeds of
+length x KL; an incomplete cell is reported, not tested; the figures draw; one-arm experiments publish as arm records
+that the map command reads; a run cut in one hold is read from the hold that finished it."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from workbench.__main__ import main
 from workbench.config import write_config
 from workbench.onoff import arm_records, publish, runner
 from workbench.onoff.comparison_figures import plan_map, plan_mismatch
+from workbench.onoff.paired import holm
 from workbench.onoff.config import preset
 from workbench.onoff.regime_plan import (CELLS, SEEDS, STEPS, RegimeMapConfig, assemble, detectable_effect,
                                         map_table)
@@ -89,7 +90,7 @@ def test_a_planted_primary_effect_is_called_and_the_null_cells_are_not(tmp_path,
     table = map_table(assemble(folders))
     p1, p2, p3 = (_row(table, n) for n in ("P1", "P2", "P3"))
     assert p1.resolved and p1.hi < 0 and p1.d == pytest.approx(-0.1, abs=0.01), f"seed {seed}: {p1.verdict}"
-    assert "lower than `on`" in p1.verdict and "interim: Holm over 3 of the family's 6" in p1.verdict, f"seed {seed}"
+    assert "lower than `on`" in p1.verdict and "interim (3 of the family's 6 planned cells" in p1.verdict, f"seed {seed}"
     assert not p2.resolved and not p3.resolved, f"seed {seed}: {p2.verdict}; {p3.verdict}"
     assert p1.family_in == "3 of 6" and p1.interim and p1.p == pytest.approx(2 / 2 ** 8), f"seed {seed}"
     assert not table[~table.name.isin(["P1", "P2", "P3"])].tested.any(), f"seed {seed}: only complete cells"
@@ -99,23 +100,40 @@ def test_a_planted_primary_effect_is_called_and_the_null_cells_are_not(tmp_path,
                                                                                                ddof=1), rel=1e-3)
 
 
-def test_holm_runs_within_the_family_only(tmp_path):
+def test_the_correction_runs_within_the_family_and_an_interim_call_stands(tmp_path):
+    """Until every cell of a family is tested, a cell's p is scaled by the family's planned size (Bonferroni): a
+    call made then survives the plan's Holm over the whole family, whatever the other cells show; cells of another
+    family change nothing; once the family is complete, Holm over its cells."""
     rng = np.random.default_rng(2)
-    # 6 of 8 positive and two small negatives: exact sign-flip p = 8/256 = 0.031, <= 0.05 alone, not times 2.
-    effects = np.array([0.05, 0.06, 0.04, 0.07, 0.05, 0.06, -0.01, -0.01])
-    p1 = _cell(tmp_path / "a", rng, "noise=0.6", 1024, "blog", effects, noise=0.0)
+    agree = np.full(8, 0.05)                                                 # all 8 positive: p = 2/256
+    p1 = _cell(tmp_path / "a", rng, "noise=0.6", 1024, "blog", agree, noise=0.0)
     alone = _row(map_table(assemble(p1)), "P1")
-    assert alone.p == pytest.approx(8 / 256) and alone.resolved, alone.verdict
-    s1 = _cell(tmp_path / "a", rng, "noise=0.3", 256, "blog", np.zeros(8), noise=0.0)     # another family
-    beside = _row(map_table(assemble(p1 + s1)), "P1")
-    assert beside.p_holm == pytest.approx(8 / 256) and beside.resolved, "a secondary cell is no primary comparison"
-    p3 = _cell(tmp_path / "a", rng, "off", 1024, "grpo", np.zeros(8), noise=0.0)
+    assert alone.p == pytest.approx(2 / 256) and alone.p_holm == pytest.approx(12 / 256) and alone.resolved, \
+        alone.verdict
+    assert "Bonferroni-adjusted 0.0469 <= 0.05" in alone.verdict and "interim (1 of the family's 6" in alone.verdict
+    s1 = _cell(tmp_path / "a", rng, "noise=0.3", 256, "blog", np.zeros(8))   # another family
+    p3 = _cell(tmp_path / "a", rng, "off", 1024, "grpo", np.full(8, -0.05), noise=0.0)
     table = map_table(assemble(p1 + s1 + p3))
-    held = _row(table, "P1")
-    assert held.p == pytest.approx(8 / 256) and held.p_holm == pytest.approx(16 / 256) and not held.resolved, \
-        "the same p, Holm over the family's 2 tested cells: not called"
-    assert "Holm-adjusted 0.0625 > 0.05" in held.verdict and "2 of the family's 6" in held.verdict
-    assert _row(table, "S1").family_in == "1 of 6"
+    for name in ("P1", "P3"):
+        row = _row(table, name)
+        assert row.p_holm == pytest.approx(12 / 256) and row.resolved, f"{name}: {row.verdict}"
+    assert _row(table, "S1").family_in == "1 of 6" and _row(table, "P1").family_in == "2 of 6"
+    # 6 of 8 positive: p = 8/256 = 0.031, <= 0.05 alone but not times the 6 planned cells: no interim call.
+    weaker = _cell(tmp_path / "b", rng, "noise=0.6", 1024, "blog",
+                   np.array([0.05, 0.06, 0.04, 0.07, 0.05, 0.06, -0.01, -0.01]), noise=0.0)
+    held = _row(map_table(assemble(weaker)), "P1")
+    assert held.p == pytest.approx(8 / 256) and held.p_holm == pytest.approx(48 / 256) and not held.resolved
+    assert "Bonferroni-adjusted 0.188 > 0.05" in held.verdict, held.verdict
+    # The whole primary family: Holm over its six cells.
+    rest = [*_cell(tmp_path / "a", rng, "off", 1024, "blog", np.zeros(8), on=False),
+            *_cell(tmp_path / "a", rng, "off-fp8", 1024, "blog", np.zeros(8), on=False),
+            *_cell(tmp_path / "a", rng, "off-fp8", 1024, "grpo", np.zeros(8), on=False),
+            *_cell(tmp_path / "a", rng, "noise=0.6", 1024, "grpo", np.zeros(8), on=False)]
+    full = map_table(assemble(p1 + p3 + rest)).set_index("name")
+    primary = full.loc[["P1", "P2", "P3", "P4", "P5", "P6"]]
+    assert (primary.family_in == "6 of 6").all() and not primary.interim.any()
+    assert np.allclose(primary.p_holm, holm(primary.p.to_numpy(dtype=float))), primary[["p", "p_holm"]]
+    assert full.loc["P1", "resolved"] and "interim" not in full.loc["P1", "verdict"], full.loc["P1", "verdict"]
 
 
 def test_gspo_cells_join_the_secondary_family_where_run(tmp_path):

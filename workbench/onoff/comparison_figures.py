@@ -197,7 +197,7 @@ def plan_map(table: pd.DataFrame) -> Figure:
     fig.supxlabel("filled: resolved (exact sign-flip p, Holm within the cell's family, <= "
                   f"{alpha:g}, and the t-CI excludes 0); hollow: not resolved; x: not resolvable with its seeds and "
                   "family; label: cell (max new tokens)"
-                  + (f"\ninterim: Holm over fewer cells than planned in {', '.join(interim)}" if interim else "")
+                  + (f"\ninterim (Bonferroni over the planned cells) in {', '.join(interim)}" if interim else "")
                   + (f"; {len(tested) - len(drawn)} tested cell(s) without a measured T x KL not drawn"
                      if len(drawn) < len(tested) else ""), **NOTE_STYLE)
     return fig

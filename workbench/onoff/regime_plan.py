@@ -24,7 +24,7 @@ import yaml
 from scipy import stats
 
 from ..records import read_record
-from .paired import ALPHA, LEVEL, compare_paired
+from .paired import ALPHA, LEVEL, compare_paired, smallest_p
 from .stats import REFERENCE, reading
 
 
@@ -274,9 +274,10 @@ def map_table(long: pd.DataFrame) -> pd.DataFrame:
     """The plan's numbers, one row per planned cell (`cells`' order): `on_seeds`/`dose_seeds` (complete runs), its
     `status` ('complete' or what is missing), the dose runs' mismatch (MISMATCH, means over steps and seeds, of
     whatever dose runs are published), and for a complete cell (`tested`) the paired difference dose - `on` of the
-    endpoint (`d`, `lo`/`hi`: 95% t-interval, `p`: exact sign-flip, `p_holm`: Holm over the complete cells of its
-    family, `floor`, `resolved` by the plan's rule, `sd` of the differences, `detectable`), `family_in` ('k of m':
-    Holm over fewer cells than planned is an interim result, `interim`) and the `verdict` in words."""
+    endpoint (`d`, `lo`/`hi`: 95% t-interval, `p`: exact sign-flip, `p_holm`: adjusted within its family, by Holm
+    over its m planned cells once all are complete, before that (`interim`) by Bonferroni over m, `floor`,
+    `resolved` by the plan's rule, `sd` of the differences, `detectable`), `family_in` ('k of m' cells tested) and
+    the `verdict` in words."""
     runs = run_table(long) if len(long) else pd.DataFrame(
         {c: pd.Series(dtype=bool if c == "complete" else object if c in ("loss", "variant") else float)
          for c in [*KEY, "complete", "final_reward", "tokens_differing", *MISMATCH]})
@@ -314,7 +315,15 @@ def map_table(long: pd.DataFrame) -> pd.DataFrame:
         if not len(tested):
             continue
         diffs = np.stack(out.loc[tested, "diffs"].to_list())
-        res = compare_paired(diffs)
+        res, m = compare_paired(diffs), int(planned.sum())
+        interim = len(tested) < m
+        if interim:
+            # Bonferroni over the planned family: a p at most alpha / m is rejected by Holm over all m cells whatever
+            # the others' p, so no cell called now is uncalled when the family completes (Holm over the cells tested
+            # so far could call one that the plan's analysis does not).
+            res["p_holm"] = np.minimum(1.0, m * res["p"])
+            res["floor"] = np.minimum(1.0, m * smallest_p(res["n"]))
+            res["resolved"] = (res["floor"] <= ALPHA) & (res["p_holm"] <= ALPHA) & ((res["lo"] > 0) | (res["hi"] < 0))
         for key, col in (("mean", "d"), ("lo", "lo"), ("hi", "hi"), ("p", "p"), ("p_holm", "p_holm"),
                          ("floor", "floor"), ("resolved", "resolved")):
             out.loc[tested, col] = res[key]
@@ -323,10 +332,10 @@ def map_table(long: pd.DataFrame) -> pd.DataFrame:
             out.at[i, "d_seeds"] = tuple(float(x) for x in d)
             r = out.loc[i]
             text = reading(len(d), r.d, r.lo, r.hi, r.p, r.p_holm, r.floor, bool(r.resolved), REFERENCE,
-                           family=len(tested))
-            out.at[i, "verdict"] = text + (f"; interim: Holm over {len(tested)} of the family's "
-                                           f"{int(planned.sum())} planned cells" if len(tested) < planned.sum()
-                                           else "")
+                           family=m, correction="Bonferroni" if interim else "Holm")
+            out.at[i, "verdict"] = text + (f"; interim ({len(tested)} of the family's {m} planned cells tested): "
+                                           f"Bonferroni over all {m}, which their Holm cannot reverse"
+                                           if interim else "")
     out = out.drop(columns=["diffs"], errors="ignore")
     out["resolved"] = out.resolved.astype(bool)
     out.attrs.update(window=WINDOW, steps=STEPS, alpha=ALPHA, level=LEVEL, reference=REFERENCE)

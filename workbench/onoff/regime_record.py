@@ -58,8 +58,9 @@ def _markdown(table: pd.DataFrame, arms: pd.DataFrame, superseded: pd.DataFrame,
              f"- computed at commit {sha} from {len(set(arms.source))} arm records; the arms ran on "
              f"{', '.join(sorted(set(arms.device)))} at commits {', '.join(sorted(set(arms.commit)))}",
              f"- endpoint: a run's mean reward over steps {STEPS - WINDOW + 1}-{STEPS}; dose - `on` paired by seed "
-             f"({SEEDS[0]}-{SEEDS[-1]}); a cell is called only if its exact sign-flip p, Holm-adjusted within its "
-             f"family over the family's tested cells, is <= {ALPHA:g} and its 95% paired t-interval excludes 0; "
+             f"({SEEDS[0]}-{SEEDS[-1]}); a cell is called only if its exact sign-flip p, adjusted within its family "
+             f"(Holm over its planned cells once all are tested; until then Bonferroni over them, which Holm cannot "
+             f"reverse), is <= {ALPHA:g} and its 95% paired t-interval excludes 0; "
              f"'detectable': the |difference| the test finds with {POWER:.0%} power from the cell's own SD (all "
              f"{len(SEEDS)} signs alike)",
              "", "## Verdict", ""]
@@ -102,7 +103,8 @@ def _verdict(table: pd.DataFrame) -> str:
     return (f"{len(tested)} of {len(table)} planned cells tested ("
             + ", ".join(f"{f} {table[table.family == f].family_in.iloc[0]}" for f in FAMILIES) + "); "
             + (f"resolved against `on`: {', '.join(called)}" if called else "no cell resolved against `on`")
-            + (f"; interim (Holm over fewer cells than planned) in {', '.join(interim)}" if interim else "") + ".")
+            + (f"; interim (Bonferroni over the planned cells until all are tested) in {', '.join(interim)}"
+               if interim else "") + ".")
 
 
 def publish_map(folders, cfg: RegimeMapConfig) -> Path:

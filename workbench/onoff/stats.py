@@ -227,16 +227,17 @@ def _parity_sentence(row: pd.Series, reference: str) -> str:
 
 
 def reading(n: int, d: float, lo: float, hi: float, p: float, p_holm: float, floor: float, resolved: bool,
-            reference: str, alpha: float = ALPHA, family: int = 1) -> str:
-    """What one paired comparison resolves, in words (the verdict's and the regime table's reading)."""
+            reference: str, alpha: float = ALPHA, family: int = 1, correction: str = "Holm") -> str:
+    """What one paired comparison resolves, in words (the verdict's and the regime table's reading); `p_holm` is
+    the p adjusted by `correction` over `family` comparisons."""
     if floor > alpha:
         smallest = 2.0 ** (1 - n)
         if smallest > alpha:
             return (f"not resolvable with {n} seed{'' if n == 1 else 's'} (the smallest attainable p is 2/2^{n} = "
                     f"{_g(smallest)})")
         return (f"not resolvable with {n} seeds and {family} comparisons (the smallest attainable p, 2/2^{n} = "
-                f"{_g(smallest)}, becomes {_g(floor)} under Holm's correction)")
-    ps = f"permutation p {_g(p)}" + (f", Holm-adjusted {_g(p_holm)}" if family > 1 else "")
+                f"{_g(smallest)}, becomes {_g(floor)} under {correction}'s correction)")
+    ps = f"permutation p {_g(p)}" + (f", {correction}-adjusted {_g(p_holm)}" if family > 1 else "")
     if resolved:
         return f"{'higher' if lo > 0 else 'lower'} than `{reference}` ({ps} <= {alpha:g}; the t-interval excludes 0)"
     if p_holm <= alpha:
