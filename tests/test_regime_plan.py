@@ -276,6 +276,8 @@ def test_arms_run_together_publish_as_one_record_each(tmp_path):
             "the per-layer weight changes stay in the runs' folders, the run-level ones are published"
         assert "mean reward over each run's last 20 steps" in (folder / "summary.md").read_text(), \
             "an arm record describes the plan's endpoint (steps 281-300)"
+        assert (folder / "reward.png").exists() and not list(folder.glob("*.svg")) \
+            and "[SVG]" not in (folder / "summary.md").read_text(), "an arm record's figures are PNG only"
     status = map_table(assemble(published_arms(dest))).set_index("name").loc["P1", "status"]
     for seed in seeds:
         shutil.rmtree(out / f"noise=0.6-seed{seed}")

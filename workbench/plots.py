@@ -27,13 +27,16 @@ TITLES = {"reward_mean": "reward", "accuracy": "accuracy", "reward_positive": "s
           "kl": "KL penalty (kl_to)"}
 
 
-def save_figure(fig: Figure, folder: str | Path, name: str) -> list[Path]:
-    """Write `name`.svg and `name`.png into folder; returns the two paths."""
+def save_figure(fig: Figure, folder: str | Path, name: str, svg: bool = True) -> list[Path]:
+    """Write `name`.png (and `name`.svg, the one people take into posts, unless svg=False) into folder; returns the
+    paths written."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    paths = [folder / f"{name}.svg", folder / f"{name}.png"]
-    fig.savefig(paths[0], bbox_inches="tight")
-    fig.savefig(paths[1], bbox_inches="tight", dpi=150)
+    paths = [folder / f"{name}.svg"] if svg else []
+    if svg:
+        fig.savefig(paths[0], bbox_inches="tight")
+    paths.append(folder / f"{name}.png")
+    fig.savefig(paths[-1], bbox_inches="tight", dpi=150)
     return paths
 
 

@@ -95,6 +95,7 @@ def report(out_dir: str | Path, window: int = 10, smooth: int = 5) -> Path:
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir()
+    cfg = OnOffConfig(**read_config_file(out / "config.yaml", OnOffConfig))
     # The run-level metrics, which every view reads; the per-layer-group weight changes (weight_delta_l2/layer_03:
     # two thirds of the rows at 30 layers) stay in the runs' own metrics.csv. Records travel to the GPU with every
     # call of the device, inside its 64 MiB.
@@ -107,9 +108,16 @@ def report(out_dir: str | Path, window: int = 10, smooth: int = 5) -> Path:
     if deltas:
         save_figure(delta_histogram({f"{v} (step 1)": d for v, d in deltas.items()},
                                     title="per-token mismatch at step 1 (the starting policy)"),
-                    folder, "delta_histogram")
+                    folder, "delta_histogram", svg=not _is_arm(cfg))
     write_report(folder, window, smooth)
     return folder
+
+
+def _is_arm(cfg: OnOffConfig) -> bool:
+    """An experiment of one arm, published as an arm record: the regime map's unit, of which it holds dozens. Their
+    figures are PNG only (the map's own record has the SVGs): every record travels to the GPU with each call of the
+    device, inside its 64 MiB."""
+    return len(cfg.arms) == 1
 
 
 def write_report(folder: str | Path, window: int = 10, smooth: int = 5, header: list[str] | None = None,
@@ -144,7 +152,7 @@ def write_report(folder: str | Path, window: int = 10, smooth: int = 5, header: 
             m for m in sorted(set(table.metric)) if m.startswith("accuracy_")), smooth=smooth,
             title=f"ON/OFF {name}: reward, mean over seeds"),
             "mismatch": mismatch_panels(table, smooth=smooth, title=f"ON/OFF {name}: mismatch and update health")}
-    one_arm = len(cfg.arms) == 1
+    one_arm = _is_arm(cfg)
     dose = dose_response(done, window) if not done.empty and regime is None and not one_arm else None
     if dose is not None and dose.variant.str.startswith("noise=").any():
         figures["dose_response"] = dose_response_figure(dose)
@@ -152,7 +160,7 @@ def write_report(folder: str | Path, window: int = 10, smooth: int = 5, header: 
     else:
         dose = None
     for fig_name, fig in figures.items():
-        save_figure(fig, folder, fig_name)
+        save_figure(fig, folder, fig_name, svg=not one_arm)
     shown = [n for n in ("regime_map", "reward", "mismatch", "delta_histogram", "dose_response")
              if n in figures or (folder / f"{n}.png").exists()]
     if done.empty:
@@ -183,8 +191,9 @@ def reissue(folder: str | Path, note: str, window: int = 10) -> None:
     write_report(folder, window, header=header or None, note=note)
 
 
-def _figure_lines(figures) -> list[str]:
-    return ["", "## Figures", ""] + [f"![{name}]({name}.png) ([SVG]({name}.svg))" for name in figures]
+def _figure_lines(figures, folder: Path) -> list[str]:
+    svg = {name: f" ([SVG]({name}.svg))" if (folder / f"{name}.svg").exists() else "" for name in figures}
+    return ["", "## Figures", ""] + [f"![{name}]({name}.png){svg[name]}" for name in figures]
 
 
 def _unfinished_markdown(cfg: OnOffConfig, out: Path, figures, table: pd.DataFrame) -> str:
@@ -210,7 +219,7 @@ def _unfinished_markdown(cfg: OnOffConfig, out: Path, figures, table: pd.DataFra
                        "nothing tested. The runs are published for their curves; the plan's endpoint needs runs "
                        "that reach its last step."), "",
                       "## Where each run got to (described, not tested)", "", *rows]
-                     + _figure_lines(figures)) + "\n"
+                     + _figure_lines(figures, out)) + "\n"
 
 
 def _header(cfg: OnOffConfig, out: Path, done, summary) -> list[str]:
@@ -260,7 +269,7 @@ def _summary_markdown(cfg: OnOffConfig, out: Path, done, summary, dose, figures,
               f"arms compared with `{ref}`. {final_reward_words(int(summary.steps.min()), summary.attrs['window'])} "
               + _threshold_text(summary), "", markdown_table(summary), "", "## Arms", ""]
     lines += [f"- `{v}`: {get_arm(v).description}" for v in summary.variant]
-    lines += _figure_lines(figures)
+    lines += _figure_lines(figures, out)
     caveats = []
     if cfg.smoke:
         seeds = len(cfg.seeds)
@@ -296,7 +305,8 @@ def _regime_markdown(cfg: OnOffConfig, out: Path, done, regime, figures, header=
     for _, r in regime.iterrows():
         lines.append(f"| {r.max_new_tokens} | {r.loss} | `{r.variant}` | {r.seeds} | "
                      + " | ".join(_cell(r, col, how) for col, how in numbers) + f" | {r.verdict} |")
-    lines += ["", "## Arms", ""] + [f"- `{v}`: {get_arm(v).description}" for v in arms] + _figure_lines(figures)
+    lines += ["", "## Arms", ""] + [f"- `{v}`: {get_arm(v).description}" for v in arms]
+    lines += _figure_lines(figures, out)
     return "\n".join(lines) + "\n"
 
 
