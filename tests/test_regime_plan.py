@@ -42,7 +42,8 @@ def _runs(arm: str, finals: dict[int, float], rng, steps: int = STEPS, noise: fl
         values = {"reward_mean": final + rng.normal(0, noise, steps), "response_length": length,
                   "sampler_trainer_kl": k, "seq_logratio_sd": np.sqrt(2 * length * k),
                   "token_ratio_outside_0.2": 10 * k, "seq_sum_ratio_outside_0.2": np.minimum(1, 100 * k),
-                  "is_ess": 1 - np.minimum(0.9, 10 * k), "parity_tokens_differing": (k > 0) * 5.0}
+                  "is_ess": 1 - np.minimum(0.9, 10 * k), "parity_tokens_differing": (k > 0) * 5.0,
+                  "entropy": 0.1 + 10 * k}
         parts += [pd.DataFrame({"step": s, "metric": m, "value": v, "variant": arm, "seed": seed})
                   for m, v in values.items()]
     return pd.concat(parts, ignore_index=True)
@@ -93,6 +94,7 @@ def test_a_planted_primary_effect_is_called_and_the_null_cells_are_not(tmp_path,
     assert "lower than `on`" in p1.verdict and "interim (3 of the family's 6 planned cells" in p1.verdict, f"seed {seed}"
     assert not p2.resolved and not p3.resolved, f"seed {seed}: {p2.verdict}; {p3.verdict}"
     assert p1.family_in == "3 of 6" and p1.interim and p1.p == pytest.approx(2 / 2 ** 8), f"seed {seed}"
+    assert p1.on_entropy == pytest.approx(0.1) and p1.dose_entropy > 0.6, "the runs' last 20 steps' entropy"
     assert not table[~table.name.isin(["P1", "P2", "P3"])].tested.any(), f"seed {seed}: only complete cells"
     # Power: all 8 same-sign at 80% needs norm.ppf(0.8 ** (1/8)) = 1.92 SDs of the paired differences.
     assert p1.detectable == pytest.approx(1.919 * p1.sd, rel=1e-3), f"seed {seed}"
@@ -363,5 +365,6 @@ def test_a_cut_run_is_read_from_the_hold_that_finished_it(tmp_path):
     out = publish_map([first, other, dose], RegimeMapConfig(root=str(tmp_path), out=str(tmp_path / "maps" / "map")))
     text = (out / "README.md").read_text()
     assert "WARNING: `on` seed 5 at 1024 tokens, blog, rerun whole in" in text and "| NO |" in text
+    assert "the trainer's entropy per token over the same steps, `on` 0.100, dose" in text, text
     with pytest.raises(ValueError, match=r"seed 4 at 1024 tokens, blog, is in two folders .* and 2 of them finished"):
         assemble([second, other])

@@ -84,7 +84,7 @@ IF_RUN = ("gspo", "secondary")
 """The plan's cells 'if run': any dose arm of this loss at any length, in this family (named Sg1, Sg2, ...)."""
 
 MAP_METRICS = ("reward_mean", "response_length", "sampler_trainer_kl", "seq_logratio_sd", "token_ratio_outside_0.2",
-               "seq_sum_ratio_outside_0.2", "is_ess", "parity_tokens_differing")
+               "seq_sum_ratio_outside_0.2", "is_ess", "parity_tokens_differing", "entropy")
 """The metrics the map reads (the long tables hold many more)."""
 MISMATCH = {"kl_per_token": "KL / token", "t_x_kl": "T x KL", "seq_logratio_sd": "SD of the sequence log-ratio",
             "token_clip_share": "token ratios outside [0.8, 1.2]",
@@ -220,14 +220,16 @@ def _supersede(long: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 def run_table(long: pd.DataFrame) -> pd.DataFrame:
     """One row per run: `complete` (finished at STEPS steps, the plan's length), `final_reward` (mean reward over
-    steps STEPS - WINDOW + 1 to STEPS), and per MISMATCH column its mean over the run's steps; `t_x_kl` is the mean
-    over steps of that step's mean completion length x its KL per token."""
+    steps STEPS - WINDOW + 1 to STEPS), `final_entropy` (the trainer's entropy per token over the same steps, nats:
+    described beside the endpoint, not in the plan), and per MISMATCH column its mean over the run's steps;
+    `t_x_kl` is the mean over steps of that step's mean completion length x its KL per token."""
     wide = long.pivot_table(index=[*KEY, "step"], columns="metric", values="value", aggfunc="mean")
     wide = wide.reindex(columns=list(MAP_METRICS))
     step = wide.index.get_level_values("step")
-    end = wide.reward_mean.where((step > STEPS - WINDOW) & (step <= STEPS))
+    last = (step > STEPS - WINDOW) & (step <= STEPS)
     runs = pd.DataFrame({"steps": pd.Series(step, index=wide.index).groupby(KEY).max(),
-                         "final_reward": end.groupby(KEY).mean(),
+                         "final_reward": wide.reward_mean.where(last).groupby(KEY).mean(),
+                         "final_entropy": wide.entropy.where(last).groupby(KEY).mean(),
                          "t_x_kl": (wide.response_length * wide.sampler_trainer_kl).groupby(KEY).mean(),
                          **{col: wide[metric].groupby(KEY).mean() for col, metric in _METRIC_OF.items()},
                          "tokens_differing": wide.parity_tokens_differing.groupby(KEY).sum(min_count=1)})
@@ -273,14 +275,15 @@ def cells(runs: pd.DataFrame) -> tuple[Cell, ...]:
 def map_table(long: pd.DataFrame) -> pd.DataFrame:
     """The plan's numbers, one row per planned cell (`cells`' order): `on_seeds`/`dose_seeds` (complete runs), its
     `status` ('complete' or what is missing), the dose runs' mismatch (MISMATCH, means over steps and seeds, of
-    whatever dose runs are published), and for a complete cell (`tested`) the paired difference dose - `on` of the
+    whatever dose runs are published), `on_entropy`/`dose_entropy` (the complete runs' mean `final_entropy`,
+    described), and for a complete cell (`tested`) the paired difference dose - `on` of the
     endpoint (`d`, `lo`/`hi`: 95% t-interval, `p`: exact sign-flip, `p_holm`: adjusted within its family, by Holm
     over its m planned cells once all are complete, before that (`interim`) by Bonferroni over m, `floor`,
     `resolved` by the plan's rule, `sd` of the differences, `detectable`), `family_in` ('k of m' cells tested) and
     the `verdict` in words."""
     runs = run_table(long) if len(long) else pd.DataFrame(
         {c: pd.Series(dtype=bool if c == "complete" else object if c in ("loss", "variant") else float)
-         for c in [*KEY, "complete", "final_reward", "tokens_differing", *MISMATCH]})
+         for c in [*KEY, "complete", "final_reward", "final_entropy", "tokens_differing", *MISMATCH]})
 
     def final(arm: pd.DataFrame) -> pd.Series:
         return arm[arm.complete].set_index("seed").final_reward.reindex(SEEDS)
@@ -294,6 +297,8 @@ def map_table(long: pd.DataFrame) -> pd.DataFrame:
                "dose_seeds": _seeds_words(dose[dose.complete].seed), "tested": not missing,
                "status": "complete" if not missing else "; ".join(missing),
                **{col: pd.to_numeric(dose[col], errors="coerce").mean() for col in MISMATCH},
+               **{f"{name}_entropy": pd.to_numeric(arm[arm.complete].final_entropy, errors="coerce").mean()
+                  for name, arm in (("on", on), ("dose", dose))},
                "on_tokens_differing": pd.to_numeric(on.tokens_differing, errors="coerce").sum(min_count=1)}
         paired = (final(dose) - final(on)).dropna()
         if not missing:

@@ -65,8 +65,9 @@ def _markdown(table: pd.DataFrame, arms: pd.DataFrame, superseded: pd.DataFrame,
              f"{len(SEEDS)} signs alike)",
              "", "## Verdict", ""]
     lines += [f"- {r.name} (`{r.arm}` x {r.loss}, {r.max_new_tokens} tokens, T x KL {_g(r.t_x_kl)}): dose - `on` "
-              f"{_g(r.d)} [{_g(r.lo)}, {_g(r.hi)}], detectable {_g(r.detectable)}: {r.verdict}"
-              for r in tested.itertuples()]
+              f"{_g(r.d)} [{_g(r.lo)}, {_g(r.hi)}], detectable {_g(r.detectable)}: {r.verdict}; described, not "
+              f"tested: the trainer's entropy per token over the same steps, `on` {_g(r.on_entropy)}, dose "
+              f"{_g(r.dose_entropy)} nats" for r in tested.itertuples()]
     bad = table[table.on_tokens_differing > 0]
     lines += [f"- WARNING: `on` of {r.name} is not bitwise ({r.on_tokens_differing:.0f} tokens differed)"
               for r in bad.itertuples()]
