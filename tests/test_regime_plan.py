@@ -91,7 +91,8 @@ def test_a_planted_primary_effect_is_called_and_the_null_cells_are_not(tmp_path,
     table = map_table(assemble(folders))
     p1, p2, p3 = (_row(table, n) for n in ("P1", "P2", "P3"))
     assert p1.resolved and p1.hi < 0 and p1.d == pytest.approx(-0.1, abs=0.01), f"seed {seed}: {p1.verdict}"
-    assert "lower than `on`" in p1.verdict and "interim (3 of the family's 6 planned cells" in p1.verdict, f"seed {seed}"
+    assert "lower than `on`" in p1.verdict and "interim (3 of the family's 6 planned cells" in p1.verdict, \
+        f"seed {seed}"
     assert not p2.resolved and not p3.resolved, f"seed {seed}: {p2.verdict}; {p3.verdict}"
     assert p1.family_in == "3 of 6" and p1.interim and p1.p == pytest.approx(2 / 2 ** 8), f"seed {seed}"
     assert p1.on_entropy == pytest.approx(0.1) and p1.dose_entropy > 0.6, "the runs' last 20 steps' entropy"

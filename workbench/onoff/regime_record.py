@@ -75,7 +75,8 @@ def _markdown(table: pd.DataFrame, arms: pd.DataFrame, superseded: pd.DataFrame,
               f"{r.kept}, does not repeat the rewards of its cut copy in {r.dropped}: a run's computation depends "
               "on more than its seed and settings" for r in superseded[~superseded.rewards_agree].itertuples()]
     lines += ["", "## Cells", "", "| cell | family (tested) | tokens | loss | arm | status | "
-              + " | ".join(MISMATCH.values()) + " | dose − on [95% t-CI] | p | p (Holm, family) | detectable |",
+              + " | ".join(MISMATCH.values())
+              + " | dose − on [95% t-CI] | p | p (family: Holm; interim: Bonferroni) | detectable |",
               "|---" * (10 + len(MISMATCH)) + "|"]
     for r in table.itertuples():
         mism = " | ".join(_g(getattr(r, c)) for c in MISMATCH)
@@ -90,7 +91,8 @@ def _markdown(table: pd.DataFrame, arms: pd.DataFrame, superseded: pd.DataFrame,
         lines += ["", "## Runs cut in one hold and finished in another", "",
                   "The finished copy is read; the cut copy stays published for its curve. 'Same rewards': the steps "
                   "both copies ran hold the same reward bits.", "",
-                  "| tokens | loss | arm | seed | read from | left out (cut after step) | same rewards |", "|---" * 7 + "|"]
+                  "| tokens | loss | arm | seed | read from | left out (cut after step) | same rewards |",
+                  "|---" * 7 + "|"]
         lines += [f"| {r.max_new_tokens} | {r.loss} | `{r.variant}` | {r.seed} | `{r.kept}` | `{r.dropped}` "
                   f"({r.steps_dropped}) | {'yes' if r.rewards_agree else 'NO'} |" for r in superseded.itertuples()]
     lines += ["", "## Figures", ""] + [f"![{n}]({n}.png) ([SVG]({n}.svg))" for n in figures]
