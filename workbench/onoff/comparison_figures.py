@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
-from matplotlib.ticker import FixedFormatter, FixedLocator, LogLocator, NullLocator
+from matplotlib.ticker import FixedFormatter, FixedLocator, FuncFormatter, LogLocator, NullFormatter, NullLocator
 
 from .figures import NOTE_STYLE, arm_colors, arm_label
 from .paired import ALPHA, t_interval
@@ -184,6 +184,11 @@ def plan_map(table: pd.DataFrame) -> Figure:
             ax.text(x, 1.0, f" {name}: {x:g}", transform=ax.get_xaxis_transform(), fontsize=7, va="top",
                     color="0.3")
         ax.set_xscale("log")
+        # Ticks at 1 and 3 a decade, plainly written: the default labels every minor tick of a span under two
+        # decades, and they overlap.
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 3.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlim(lo_x, hi_x)
         ax.set_title(f"loss {loss}", fontsize=10)
         ax.set_xlabel("T x KL of the dose runs (mean over steps and seeds)")
@@ -192,7 +197,7 @@ def plan_map(table: pd.DataFrame) -> Figure:
                        f"{table.attrs.get('steps', STEPS)}), 95% paired t-CI")
     for arm, color in colors.items():
         axes[-1].plot([], [], "o", color=color, label=arm_label(arm))
-    axes[-1].legend(fontsize=7, loc="lower left")
+    axes[-1].legend(fontsize=7, loc="best")
     interim = sorted(set(table[table.interim.astype(bool) & table.tested.astype(bool)].family))
     fig.supxlabel("filled: resolved (exact sign-flip p, Holm within the cell's family, <= "
                   f"{alpha:g}, and the t-CI excludes 0); hollow: not resolved; x: not resolvable with its seeds and "
