@@ -16,6 +16,10 @@
 #               POLICY; SHA, the commit the carried tree holds: the copy has no .git of its own) run by the runner
 #               under its MPS daemon, each published into <runs>/pub as an arm record (`STEP=wait` brings them
 #               back), in the background;
+#   STEP=parts  several such parts at once, of any lengths and losses (PARTS, e.g. "blog:256:off:0,1,2,3
+#               grpo:256:on,noise=0.6:0,1,2,3", each loss:L:arms:seeds, POLICY /tmp/ws/<L> warm-started), one runner
+#               call each, all clients of one MPS daemon this step starts and quits when the last call ends (the
+#               runners join it: onoff/mps.py), the host's threads shared out over all their runs;
 #   STEP=probe  every preset's OFF arms for a few steps (bench/probe_mismatch.py), one job per GPU, in the background;
 #   STEP=cell   run_on_off of the regime cells in CELLS (e.g. "grpo:256 gspo:256") on all GPUs, in the background;
 #   STEP=job    any command CMD on the GPUs GPUS (e.g. "0,1"), in the background, its output in <runs>/NAME.log;
@@ -30,6 +34,17 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 runs=/tmp/onoff
 mkdir -p /tmp/carry "$runs"
+# One part's runner call in the background: loss $1, max new tokens $2, arms $3 and seeds $4 (comma-separated), the
+# warm start $5; its output in <runs>/arm_<name>.log, its runs in <runs>/regime/<name>.
+launch_part() {
+  local name n
+  name="$(echo "$3" | tr ',' '+')-L$2-$1-s$4"
+  n=$(( $(echo "$4" | tr ',' '\n' | wc -l) * $(echo "$3" | tr ',' '\n' | wc -l) ))
+  setsid nohup python3 -m workbench on-off --preset regime loss="$1" max_new_tokens="$2" arms="[$3]" seeds="[$4]" \
+    workers="$n" policy="$5" mps=on out_dir="$runs/regime/$name" publish="$runs/pub" --no-progress ${EXTRA:-} \
+    > "$runs/arm_$name.log" 2>&1 &
+  echo $! >> "$runs/part_pids"
+}
 snapshot() {
   local dest
   dest=/tmp/tree/$(date +%s%N)
@@ -75,11 +90,24 @@ case "${STEP:?}" in
   arm)
     export WORKBENCH_GIT_SHA="${SHA:?the commit the carried tree holds (git rev-parse --short HEAD here)}"
     snapshot; export PYTHONPATH="$PWD:${PYTHONPATH#*:}"
-    name="$(echo "${ARM:?}" | tr ',' '+')-L${L:?}-${LOSS:?}-s${SEEDS:?}"
-    runs_n=$(( $(echo "$SEEDS" | tr ',' '\n' | wc -l) * $(echo "$ARM" | tr ',' '\n' | wc -l) ))
-    setsid nohup python3 -m workbench on-off --preset regime loss="$LOSS" max_new_tokens="$L" arms="[$ARM]" \
-      seeds="[$SEEDS]" workers="$runs_n" policy="${POLICY:?}" mps=on \
-      out_dir="$runs/regime/$name" publish="$runs/pub" --no-progress ${EXTRA:-} > "$runs/arm_$name.log" 2>&1 & ;;
+    launch_part "${LOSS:?}" "${L:?}" "${ARM:?}" "${SEEDS:?}" "${POLICY:?}" ;;
+  parts)
+    export WORKBENCH_GIT_SHA="${SHA:?the commit the carried tree holds (git rev-parse --short HEAD here)}"
+    snapshot; export PYTHONPATH="$PWD:${PYTHONPATH#*:}"
+    total=0
+    for p in ${PARTS:?}; do IFS=: read -r _ _ a s <<< "$p"
+      total=$(( total + $(echo "$a" | tr ',' '\n' | wc -l) * $(echo "$s" | tr ',' '\n' | wc -l) )); done
+    # Every run's share of the host's threads (the runner's rule, workers of all the calls together).
+    export OMP_NUM_THREADS=$(( $(nproc) / total > 0 ? $(nproc) / total : 1 ))
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/wb-mps-parts CUDA_MPS_LOG_DIRECTORY="$runs/mps-log"
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d || exit 1
+    rm -f "$runs/part_pids"
+    for p in $PARTS; do IFS=: read -r loss L a s <<< "$p"; launch_part "$loss" "$L" "$a" "$s" "/tmp/ws/$L"; done
+    # The daemon outlives the last call (whose workers are its clients), then quits.
+    setsid nohup bash -c "alive() { for p in \$(cat $runs/part_pids); do kill -0 \$p 2> /dev/null && return 0; done
+      return 1; }; while alive; do sleep 5; done; echo quit | nvidia-cuda-mps-control" > "$runs/mps_quit.log" 2>&1 &
+    echo "$total runs in $(echo $PARTS | wc -w) calls, $OMP_NUM_THREADS CPU threads each" ;;
   probe)
     n=$(nvidia-smi -L | wc -l); i=0; snapshot; export PYTHONPATH="$PWD:${PYTHONPATH#*:}"
     while read -r args; do

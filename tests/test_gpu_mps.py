@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +79,30 @@ def test_gpu_a_capped_mps_share_is_refused_in_invariant_mode(tmp_path):
     assert not full["invariant"].startswith("refused"), full["invariant"]
     assert capped["invariant"].startswith("refused: invariant kernels need the whole GPU"), capped["invariant"]
     assert capped["standard"] != full["standard"], "the control: standard mode's cuBLAS should follow the SMs"
+
+
+def test_gpu_a_second_call_joins_the_running_daemon(tmp_path):
+    """Runner calls of one GPU hold (`scripts/device_onoff.sh STEP=parts`) share the daemon their caller started: the
+    real daemon's pipe directory holds the control socket the join looks for, an inner call starts none, and a
+    process started under it is a client of the outer daemon's server."""
+    with mps_daemon("on", tmp_path / "outer", "cuda", 2):
+        pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+        assert (Path(pipe) / "control").exists(), sorted(p.name for p in Path(pipe).iterdir())
+        with mps_daemon("on", tmp_path / "inner", "cuda", 2) as on:
+            assert on and os.environ["CUDA_MPS_PIPE_DIRECTORY"] == pipe
+            assert not (tmp_path / "inner" / "mps-log").exists(), "the inner call started a daemon of its own"
+            root = Path(__file__).resolve().parents[1]
+            env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+            child = subprocess.Popen([sys.executable, "-c", _CHILD.format(tests=str(root / "tests"))], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            servers = []
+            while child.poll() is None and not servers:   # a server runs while its client does
+                servers = subprocess.run([CONTROL], input="get_server_list\n", capture_output=True, text=True,
+                                         timeout=60).stdout.split()
+                time.sleep(0.5)
+            _, err = child.communicate(timeout=400)
+        assert child.returncode == 0, err[-3000:]
+        assert servers, "no MPS server ran the client: it did not connect to the outer daemon"
 
 
 _VOLATILE = ("time_", "tokens_per_s")

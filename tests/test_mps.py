@@ -57,6 +57,26 @@ def test_no_daemon_for_one_worker_the_cpu_or_off(fake, tmp_path):
     assert fake() == []
 
 
+def test_a_running_daemon_named_by_the_environment_is_joined_not_started(fake, tmp_path, monkeypatch, capsys):
+    """Several runner calls of one GPU hold share the caller's daemon: none of them starts or quits one (a call that
+    quit it would cut the others' clients off). The control: a pipe directory without a control socket is no
+    daemon, and the call starts (and quits) its own, as before."""
+    pipe = tmp_path / "outer"
+    pipe.mkdir()
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(pipe))
+    (pipe / "control").touch()
+    with mps_daemon("on", tmp_path / "out", "cuda", 4) as on:
+        assert on, "its workers are the daemon's clients"
+        assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe), "the workers connect to the caller's daemon"
+    assert fake() == [], "nothing started or quit"
+    assert "join the running daemon of " + str(pipe) in capsys.readouterr().out
+    (pipe / "control").unlink()
+    with mps_daemon("on", tmp_path / "out", "cuda", 4) as on:
+        assert on and os.environ["CUDA_MPS_PIPE_DIRECTORY"] != str(pipe)
+    assert [c["args"] for c in fake()] == ["-d", ""]
+    assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe), "the caller's setting is restored"
+
+
 def test_missing_binary_warns_for_auto_and_refuses_for_on(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path))   # no control binary anywhere
     with mps_daemon("auto", tmp_path, "cuda", 3) as on:

@@ -53,7 +53,8 @@ class OnOffConfig:
     CUDA memory cache: SmolLM2 runs took 4-16 GB each on the H100, and 11 at once ran out of its 80 GB."""
     mps: str = "auto"
     """workers > 1 on CUDA: run them under a CUDA MPS daemon of the call's own ('auto': where
-    nvidia-cuda-mps-control exists, else time-sliced with a warning; 'on': required; 'off': never); onoff/mps.py."""
+    nvidia-cuda-mps-control exists, else time-sliced with a warning; 'on': required; 'off': never); a daemon the
+    environment names (CUDA_MPS_PIPE_DIRECTORY) is joined, not started; onoff/mps.py."""
     time_limit_min: float = 0.0
     """Stop after this many minutes: running runs checkpoint at their next step boundary, the rest wait; the
     next call with the same out_dir continues (0: no limit)."""

@@ -9,6 +9,11 @@ connect to it and no other MPS user is touched; the daemon is quit when the bloc
 setting changes (no `nvidia-smi -c`): MPS clients and other processes share the GPU in its default compute mode.
 The runner's own process is no client (it connected to CUDA before, if at all, and runs no kernels meanwhile).
 
+Where the caller runs a daemon already (CUDA_MPS_PIPE_DIRECTORY names a pipe directory holding its control
+socket), the workers join it and nothing is started or quit: several runner calls on one GPU (arms of different
+lengths or losses in one GPU hold, `scripts/device_onoff.sh STEP=parts`) are then clients of one daemon, as the
+runs of one call are, instead of each call starting a daemon of its own beside the others'.
+
 Each client gets the whole GPU (no CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is set): a capped share would show the
 process fewer SMs, which the kernels' tile choices do not follow (kernels/matmul_tiles.py, `PINNED_SMS`).
 """
@@ -45,10 +50,16 @@ def wanted(setting: str, device: str, workers: int) -> bool:
 def mps_daemon(setting: str, log_root: str | Path, device: str, workers: int) -> Iterator[bool]:
     """Run the block with an MPS daemon of its own where `setting` asks for one (`wanted`); yields whether it runs.
 
-    'auto' falls back to time-slicing with a one-line warning where the control binary is missing or fails to
+    A daemon the caller runs (CUDA_MPS_PIPE_DIRECTORY with its control socket) is joined, not started. 'auto' falls
+    back to time-slicing with a one-line warning where the control binary is missing or fails to
     start; 'on' raises MpsUnavailable there."""
     if not wanted(setting, device, workers):
         yield False
+        return
+    outer = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
+    if outer and (Path(outer) / "control").exists():
+        print(f"MPS: the {workers} workers join the running daemon of {outer} (CUDA_MPS_PIPE_DIRECTORY)", flush=True)
+        yield True
         return
     binary = shutil.which(CONTROL)
     problem = None if binary else f"{CONTROL} is not on PATH"
