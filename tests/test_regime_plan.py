@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from PIL import Image
 
 from workbench.__main__ import main
 from workbench.config import write_config
@@ -281,6 +282,8 @@ def test_arms_run_together_publish_as_one_record_each(tmp_path):
             "an arm record describes the plan's endpoint (steps 281-300)"
         assert (folder / "reward.png").exists() and not list(folder.glob("*.svg")) \
             and "[SVG]" not in (folder / "summary.md").read_text(), "an arm record's figures are PNG only"
+        with Image.open(folder / "reward.png") as png:
+            assert round(png.info["dpi"][0]) == publish.ARM_DPI, "arm records are drawn at their own resolution"
     status = map_table(assemble(published_arms(dest))).set_index("name").loc["P1", "status"]
     for seed in seeds:
         shutil.rmtree(out / f"noise=0.6-seed{seed}")

@@ -27,16 +27,16 @@ TITLES = {"reward_mean": "reward", "accuracy": "accuracy", "reward_positive": "s
           "kl": "KL penalty (kl_to)"}
 
 
-def save_figure(fig: Figure, folder: str | Path, name: str, svg: bool = True) -> list[Path]:
-    """Write `name`.png (and `name`.svg, the one people take into posts, unless svg=False) into folder; returns the
-    paths written."""
+def save_figure(fig: Figure, folder: str | Path, name: str, svg: bool = True, dpi: int = 150) -> list[Path]:
+    """Write `name`.png at `dpi` (and `name`.svg, the one people take into posts, unless svg=False) into folder;
+    returns the paths written."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"{name}.svg"] if svg else []
     if svg:
         fig.savefig(paths[0], bbox_inches="tight")
     paths.append(folder / f"{name}.png")
-    fig.savefig(paths[-1], bbox_inches="tight", dpi=150)
+    fig.savefig(paths[-1], bbox_inches="tight", dpi=dpi)
     return paths
 
 

@@ -106,18 +106,26 @@ def report(out_dir: str | Path, window: int = 10, smooth: int = 5) -> Path:
     # Arms that differ only in what the update does with the log-probs share step 1's: one of them is enough.
     deltas = _deltas(out, [v for v in sorted(set(table.variant)) if v in _OWN_SAMPLES or v.startswith("noise=")])
     if deltas:
-        save_figure(delta_histogram({f"{v} (step 1)": d for v, d in deltas.items()},
-                                    title="per-token mismatch at step 1 (the starting policy)"),
-                    folder, "delta_histogram", svg=not _is_arm(cfg))
+        histogram = delta_histogram({f"{v} (step 1)": d for v, d in deltas.items()},
+                                    title="per-token mismatch at step 1 (the starting policy)")
+        _save(histogram, folder, "delta_histogram", cfg)
     write_report(folder, window, smooth)
     return folder
 
 
 def _is_arm(cfg: OnOffConfig) -> bool:
     """An experiment of one arm, published as an arm record: the regime map's unit, of which it holds dozens. Their
-    figures are PNG only (the map's own record has the SVGs): every record travels to the GPU with each call of the
-    device, inside its 64 MiB."""
+    figures are PNG only, at ARM_DPI (the map's own record has the SVGs): every record travels to the GPU with each
+    call of the device, inside its 64 MiB beside the model's parts."""
     return len(cfg.arms) == 1
+
+
+ARM_DPI = 80
+"""An arm record's PNG resolution: under a third of the pixels of the default 150 dpi, still legible on screen."""
+
+
+def _save(fig, folder: Path, name: str, cfg: OnOffConfig) -> None:
+    save_figure(fig, folder, name, **({"svg": False, "dpi": ARM_DPI} if _is_arm(cfg) else {}))
 
 
 def write_report(folder: str | Path, window: int = 10, smooth: int = 5, header: list[str] | None = None,
@@ -160,7 +168,7 @@ def write_report(folder: str | Path, window: int = 10, smooth: int = 5, header: 
     else:
         dose = None
     for fig_name, fig in figures.items():
-        save_figure(fig, folder, fig_name, svg=not one_arm)
+        _save(fig, folder, fig_name, cfg)
     shown = [n for n in ("regime_map", "reward", "mismatch", "delta_histogram", "dose_response")
              if n in figures or (folder / f"{n}.png").exists()]
     if done.empty:
