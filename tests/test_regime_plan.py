@@ -19,7 +19,7 @@ from PIL import Image
 from workbench.__main__ import main
 from workbench.config import write_config
 from workbench.onoff import arm_records, publish, runner
-from workbench.onoff.comparison_figures import plan_map, plan_mismatch
+from workbench.onoff.comparison_figures import CURVES, plan_curves, plan_map, plan_mismatch
 from workbench.onoff.paired import holm
 from workbench.onoff.config import preset
 from workbench.onoff.regime_plan import (CELLS, SEEDS, STEPS, RegimeMapConfig, assemble, detectable_effect,
@@ -247,6 +247,18 @@ def test_the_figures_draw(tmp_path):
     assert [line.get_markerfacecolor() == "white" for line in mism.axes[0].lines] == [False, False, True]
     with pytest.raises(ValueError, match="no tested cell"):
         plan_map(map_table(assemble([])))
+    long = assemble(folders)
+    curves = plan_curves(long, table)
+    curves.savefig(io.BytesIO(), format="png", dpi=50)
+    titled = [ax.get_title() for ax in curves.axes if ax.get_title()]
+    assert titled == ["P1: blog x noise=0.6, 1024 tokens", "P6: grpo x noise=0.6, 1024 tokens"], \
+        "a column per cell with runs of both arms (S4 has no `on`)"
+    runs = long[long.metric == "reward_mean"].groupby(["max_new_tokens", "loss"]).apply(
+        lambda g: len(g[["variant", "seed"]].drop_duplicates()))
+    per_cell = [runs[1024, "blog"], runs[1024, "grpo"]]
+    assert [len(ax.lines) for ax in curves.axes] == per_cell * len(CURVES), "a line per run, in every row"
+    with pytest.raises(ValueError, match="no planned cell has published runs of both"):
+        plan_curves(long, table[table.name == "S4"])
 
 
 def test_arms_run_together_publish_as_one_record_each(tmp_path):
@@ -330,7 +342,8 @@ def test_one_arm_publishes_as_an_arm_record_and_the_map_command_reads_it(tmp_pat
     table = pd.read_csv(made[0] / "map.csv").set_index("name")
     assert table.loc["P1", "resolved"] and not table.loc["P2", "resolved"] and table.loc["P1", "family_in"] == "2 of 6"
     assert table.loc["P2", "status"] == "complete", "the two parts of `off` make one complete arm"
-    assert read_record(made[0]).preset == "regime-map" and (made[0] / "plan_map.png").exists()
+    assert read_record(made[0]).preset == "regime-map" and (made[0] / "plan_map.png").exists() \
+        and (made[0] / "plan_curves.svg").exists()
     assert [p.folder.name for p in publish.published_results(dest)] == [made[0].name]
     assert not stale(dest), "the map command left the index current"
     elsewhere = tmp_path / "elsewhere" / "map"

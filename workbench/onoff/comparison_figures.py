@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.ticker import FixedFormatter, FixedLocator, FuncFormatter, LogLocator, NullFormatter, NullLocator
 
 from .figures import NOTE_STYLE, arm_colors, arm_label
@@ -234,4 +235,47 @@ def plan_mismatch(table: pd.DataFrame) -> Figure:
     axes[0].set_ylim(-0.7, len(shown) - 0.3)
     fig.supxlabel("the dose runs' means over steps and seeds; hollow: the cell is not complete (not tested); "
                   "dotted: T x KL 3 (H1) and 20 (the literature)", **NOTE_STYLE)
+    return fig
+
+
+CURVES = {"reward_mean": "reward (a trailing mean)", "entropy": "trainer's entropy per token (nats)"}
+"""The rows of `plan_curves`: what a cell's endpoint averages, and the policy's state that splits its seeds."""
+
+
+def plan_curves(long: pd.DataFrame, table: pd.DataFrame, smooth: int = 10) -> Figure:
+    """Each planned cell with published runs of both its arms (`regime_plan.assemble`'s table `long`, the plan's
+    `map_table`), one column each: every run over its steps, `on` and the dose, reward above and the trainer's entropy
+    below (log axis), a trailing `smooth`-step mean. The map gives a cell one number; this shows what it averages
+    (seeds that blow up beside seeds that do not). Runs cut short end where they stopped."""
+    cells = []
+    for r in table.itertuples():
+        runs = long[(long.max_new_tokens == r.max_new_tokens) & (long.loss == r.loss)
+                    & long.variant.isin(["on", r.arm])]
+        if {"on", r.arm} <= set(runs.variant):
+            cells.append((r, runs[runs.metric.isin(list(CURVES))]))
+    if not cells:
+        raise ValueError("no planned cell has published runs of both its arms")
+    fig = Figure(figsize=(3.4 * len(cells) + 0.8, 5.6), layout="constrained")
+    axes = fig.subplots(len(CURVES), len(cells), sharex="col", squeeze=False)
+    colors = arm_colors([v for _, runs in cells for v in runs.variant.unique()])
+    for j, (r, runs) in enumerate(cells):
+        for i, (metric, label) in enumerate(CURVES.items()):
+            ax = axes[i, j]
+            for (variant, _), run in runs[runs.metric == metric].groupby(["variant", "seed"]):
+                y = run.sort_values("step").set_index("step").value.rolling(smooth, min_periods=1).mean()
+                ax.plot(y.index, y.to_numpy(), color=colors[variant], lw=0.9, alpha=0.8)
+            if metric == "entropy":
+                ax.set_yscale("log")
+            if i == 0:
+                ax.set_title(f"{r.name}: {r.loss} x {r.arm}, {r.max_new_tokens} tokens"
+                             + ("" if r.tested else " (incomplete)"), fontsize=9)
+            if j == 0:
+                ax.set_ylabel(label, fontsize=8)
+            if i == len(CURVES) - 1:
+                ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+    fig.legend([Line2D([], [], color=c) for c in colors.values()], [arm_label(a) for a in colors],
+               loc="outside upper center", ncols=len(colors), fontsize=8, frameon=False)
+    fig.supxlabel(f"one line per run (seed), a trailing {smooth}-step mean; a run cut short ends where it stopped; "
+                  "a cut copy that another hold finished is left out", **NOTE_STYLE)
     return fig

@@ -2,8 +2,8 @@
 experiments) on any machine: `python -m workbench regime-map [arm folders...] --out <folder>`, or every arm record in
 docs/results/index.json when none is named. The folder holds map.csv (`regime_plan.map_table`), arms.csv (the arm
 records it read), superseded.csv (cut copies of runs that another record finished), the figures
-(`comparison_figures.plan_map`, `plan_mismatch`), summary.md, README.md and result.json; the records' index is
-regenerated where the folder is one of them."""
+(`comparison_figures.plan_map`, `plan_mismatch`, `plan_curves`), summary.md, README.md and result.json; the records'
+index is regenerated where the folder is one of them."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from ..env import git_sha
 from ..plots import save_figure
 from ..records import Figure, Record, load_index, write_index, write_record
 from ..tables import project_path
-from .comparison_figures import plan_map, plan_mismatch
+from .comparison_figures import plan_curves, plan_map, plan_mismatch
 from .publish import ARM_SUFFIX
 from .paired import ALPHA
 from .regime_plan import (FAMILIES, MISMATCH, PLAN, POWER, SEEDS, STEPS, WINDOW, RegimeMapConfig, assemble,
@@ -136,7 +136,8 @@ def publish_map(folders, cfg: RegimeMapConfig) -> Path:
     table.to_csv(out / "map.csv", index=False)
     arms = long.attrs["arms"]
     arms.to_csv(out / "arms.csv", index=False)
-    figures = {"plan_map": plan_map(table), "plan_mismatch": plan_mismatch(table)}
+    figures = {"plan_map": plan_map(table), "plan_mismatch": plan_mismatch(table),
+               "plan_curves": plan_curves(long, table)}
     for name, fig in figures.items():
         save_figure(fig, out, name)
     long.attrs["superseded"].to_csv(out / "superseded.csv", index=False)
