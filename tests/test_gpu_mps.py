@@ -5,6 +5,7 @@ them): each test starts an MPS daemon of its own (a private pipe directory, `ono
   the tiles pinned to `matmul_tiles.PINNED_SMS` its bits still changed on an H200); the control: standard mode's
   bits follow the SM count (the Qwen3-1.7B shape, random weights).
 - Two `on` runs at once under MPS: seed 0's metrics, step-1 log-probs and final weights are those of seed 0 alone.
+- A runner call inside another's daemon joins it (one hold's parts of several lengths and losses share one daemon).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def test_gpu_a_capped_mps_share_is_refused_in_invariant_mode(tmp_path):
     assert capped["standard"] != full["standard"], "the control: standard mode's cuBLAS should follow the SMs"
 
 
+@pytest.mark.slow   # 31 s on an H200 (2026-12-03)
 def test_gpu_a_second_call_joins_the_running_daemon(tmp_path):
     """Runner calls of one GPU hold (`scripts/device_onoff.sh STEP=parts`) share the daemon their caller started: the
     real daemon's pipe directory holds the control socket the join looks for, an inner call starts none, and a
