@@ -35,7 +35,7 @@ published = "docs/results"
 from IPython.display import Image, Markdown, display
 
 from workbench.env import resolve_device
-from workbench.onoff.comparison_figures import dose_response_figure, plan_map, plan_mismatch, regime_map
+from workbench.onoff.comparison_figures import dose_response_figure, plan_curves, plan_map, plan_mismatch, regime_map
 from workbench.onoff.figures import MISMATCH_PANELS, mismatch_panels, reward_curves
 from workbench.onoff.publish import published_results
 from workbench.onoff.regime_plan import assemble, map_table
@@ -76,15 +76,18 @@ for result in shown:
 # own. The map is computed here from the arm records listed in `docs/results/index.json`, on any machine: per
 # complete cell, final reward (steps 281-300) dose − `on` paired by seed, exact sign-flip p adjusted within the
 # cell's family (Holm over its planned cells once all are tested; until then, an interim result, Bonferroni over
-# them, which the final Holm cannot reverse), at the T x KL its dose runs measured. The grid below shows every
-# planned cell and which of its arms are published.
+# them, which the final Holm cannot reverse), at the T x KL its dose runs measured; under it, every run of each cell
+# over its steps (reward and the trainer's entropy), which the cell's one number averages. The grid below shows
+# every planned cell and which of its arms are published.
 
 # %%
 arms = published_arms(published)
-plan = map_table(assemble(arms))
+runs = assemble(arms)
+plan = map_table(runs)
 print(map_message(plan, len(arms)))
 if plan.tested.any():
-    for name, figure in (("plan_map", plan_map(plan)), ("plan_mismatch", plan_mismatch(plan))):
+    for name, figure in (("plan_map", plan_map(plan)), ("plan_mismatch", plan_mismatch(plan)),
+                         ("plan_curves", plan_curves(runs, plan))):
         save_figure(figure, f"{run_dir}/figures", name)
         display(figure)
     display(plan[plan.tested][["name", "t_x_kl", "d", "lo", "hi", "p", "p_holm", "family_in", "detectable",

@@ -150,6 +150,7 @@ def test_bad_nightly_inputs(tmp_path):
     assert not passed and "lacks ['device', 'run_dir', 'smoke']" in status.error[0]
 
 
+@pytest.mark.slow   # 22 s on 2 cores: it draws the published regime map, its curves among them
 def test_the_plots_notebook_redraws_any_run(tmp_path):
     rows = [{"step": s, "metric": "reward_mean", "value": s / 10, "variant": v, "seed": 0}
             for s in (1, 2, 3) for v in ("invariant", "standard")]
