@@ -101,7 +101,8 @@ case "${STEP:?}" in
     export OMP_NUM_THREADS=$(( $(nproc) / total > 0 ? $(nproc) / total : 1 ))
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/wb-mps-parts CUDA_MPS_LOG_DIRECTORY="$runs/mps-log"
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    nvidia-cuda-mps-control -d || exit 1
+    nvidia-cuda-mps-control -d || { echo "STEP=parts: no MPS daemon started at $CUDA_MPS_PIPE_DIRECTORY" \
+      "(one step of parts a hold: wait for the last one's runs, or start a fresh machine)"; exit 1; }
     rm -f "$runs/part_pids"
     for p in $PARTS; do IFS=: read -r loss L a s <<< "$p"; launch_part "$loss" "$L" "$a" "$s" "/tmp/ws/$L"; done
     # The daemon outlives the last call (whose workers are its clients), then quits.

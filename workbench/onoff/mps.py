@@ -51,8 +51,8 @@ def mps_daemon(setting: str, log_root: str | Path, device: str, workers: int) ->
     """Run the block with an MPS daemon of its own where `setting` asks for one (`wanted`); yields whether it runs.
 
     A daemon the caller runs (CUDA_MPS_PIPE_DIRECTORY with its control socket) is joined, not started. 'auto' falls
-    back to time-slicing with a one-line warning where the control binary is missing or fails to
-    start; 'on' raises MpsUnavailable there."""
+    back to time-slicing with a one-line warning where the control binary is missing or fails to start; 'on' raises
+    MpsUnavailable there."""
     if not wanted(setting, device, workers):
         yield False
         return
