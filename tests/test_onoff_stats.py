@@ -17,7 +17,8 @@ from workbench.onoff.figures import bootstrap_band, delta_histogram, mismatch_pa
 from workbench.onoff.paired import compare_paired, holm, sign_flip_p, t_interval
 from workbench.config import write_config
 from workbench.onoff.config import OnOffConfig
-from workbench.onoff.publish import markdown_table, published_results, reissue, write_report
+from workbench.onoff.publish import published_results, reissue, write_report
+from workbench.onoff.report_text import markdown_table
 from workbench.records import Record, write_index, write_record
 from workbench.onoff.stats import (dose_response, dose_slope, reference_arm, regime_table, run_endpoints, summarize,
                                    verdict)
