@@ -38,10 +38,11 @@ runs=/tmp/onoff
 mkdir -p /tmp/carry "$runs"
 # One part's runner call in the background: loss $1, max new tokens $2, arms $3 and seeds $4 (comma-separated), the
 # warm start $5; its output in <runs>/arm_<name>.log, its runs in <runs>/regime/<name>.
+runs_of() { echo $(( $(echo "$1" | tr ',' '\n' | wc -l) * $(echo "$2" | tr ',' '\n' | wc -l) )); }  # arms, seeds
 launch_part() {
   local name n
   name="$(echo "$3" | tr ',' '+')-L$2-$1-s$4"
-  n=$(( $(echo "$4" | tr ',' '\n' | wc -l) * $(echo "$3" | tr ',' '\n' | wc -l) ))
+  n=$(runs_of "$3" "$4")
   setsid nohup python3 -m workbench on-off --preset regime loss="$1" max_new_tokens="$2" arms="[$3]" seeds="[$4]" \
     workers="$n" policy="$5" mps=on out_dir="$runs/regime/$name" publish="$runs/pub" --no-progress ${EXTRA:-} \
     > "$runs/arm_$name.log" 2>&1 &
@@ -98,7 +99,7 @@ case "${STEP:?}" in
     snapshot; export PYTHONPATH="$PWD:${PYTHONPATH#*:}"
     total=0
     for p in ${PARTS:?}; do IFS=: read -r _ _ a s <<< "$p"
-      total=$(( total + $(echo "$a" | tr ',' '\n' | wc -l) * $(echo "$s" | tr ',' '\n' | wc -l) )); done
+      total=$(( total + $(runs_of "$a" "$s") )); done
     # Every run's share of the host's threads (the runner's rule, workers of all the calls together).
     export OMP_NUM_THREADS=$(( $(nproc) / total > 0 ? $(nproc) / total : 1 ))
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/wb-mps-parts CUDA_MPS_LOG_DIRECTORY="$runs/mps-log"

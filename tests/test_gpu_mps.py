@@ -59,11 +59,16 @@ print(json.dumps(result))
 """
 
 
-def _child(extra_env: dict) -> dict:
+def _child_command(extra_env: dict) -> tuple[list[str], dict]:
+    """The child's command line and environment (this checkout on its path, `extra_env` added)."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, **extra_env, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run([sys.executable, "-c", _CHILD.format(tests=str(root / "tests"))], env=env,
-                          capture_output=True, text=True, timeout=400)
+    return [sys.executable, "-c", _CHILD.format(tests=str(root / "tests"))], env
+
+
+def _child(extra_env: dict) -> dict:
+    command, env = _child_command(extra_env)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -93,10 +98,8 @@ def test_gpu_a_second_call_joins_the_running_daemon(tmp_path):
         with mps_daemon("on", tmp_path / "inner", "cuda", 2) as on:
             assert on and os.environ["CUDA_MPS_PIPE_DIRECTORY"] == pipe
             assert not (tmp_path / "inner" / "mps-log").exists(), "the inner call started a daemon of its own"
-            root = Path(__file__).resolve().parents[1]
-            env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-            child = subprocess.Popen([sys.executable, "-c", _CHILD.format(tests=str(root / "tests"))], env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            command, env = _child_command({})
+            child = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             servers = []
             while child.poll() is None and not servers:   # a server runs while its client does
                 servers = subprocess.run([CONTROL], input="get_server_list\n", capture_output=True, text=True,

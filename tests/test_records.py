@@ -46,10 +46,10 @@ def test_the_tree_leaves_a_device_call_room_for_a_part_of_the_model():
     """A device call carries the tracked tree and one carried folder within 64 MiB; every GPU hold starts bare and
     carries the real model in parts beside the tree. The records grow with every hold: past this the model no
     longer travels, and no arm can run."""
-    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT.parents[1], capture_output=True)
+    root = ROOT.parents[1]
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True)
     if listed.returncode:
         pytest.skip("not a git checkout")
-    root = ROOT.parents[1]
     tree = sum((root / f).stat().st_size for f in listed.stdout.decode().split("\0") if f and (root / f).is_file())
     room = (64 << 20) - MODEL_PART - (1 << 20)   # 1 MiB for the gguf wheel of the last part and slack
     assert tree <= room, (f"the tracked tree is {tree / 1e6:.1f} MB; with a model part of {MODEL_PART / 1e6:.0f} MB "
