@@ -98,7 +98,10 @@ case "${STEP:?}" in
     export WORKBENCH_GIT_SHA="${SHA:?the commit the carried tree holds (git rev-parse --short HEAD here)}"
     snapshot; export PYTHONPATH="$PWD:${PYTHONPATH#*:}"
     total=0
-    for p in ${PARTS:?}; do IFS=: read -r _ _ a s <<< "$p"
+    for p in ${PARTS:?}; do
+      [[ "$p" =~ ^[a-z]+:[0-9]+:[^:]+:[0-9,]+$ ]] || { echo "STEP=parts: part '$p' is not loss:L:arms:seeds" \
+        "(e.g. blog:256:on,off:0,1,2,3); nothing started"; exit 1; }
+      IFS=: read -r _ _ a s <<< "$p"
       total=$(( total + $(runs_of "$a" "$s") )); done
     # Every run's share of the host's threads (the runner's rule, workers of all the calls together).
     export OMP_NUM_THREADS=$(( $(nproc) / total > 0 ? $(nproc) / total : 1 ))
