@@ -1,6 +1,8 @@
 """Where a decode step's time goes (issue 16's first item): the embedded generator at the Qwen3-1.7B shape (random
 weights), 128-token prompts, batch 64 and 256, invariant mode, the fast standard baseline (`standard-fused`) and
-Hugging Face's eager formulas (`standard`); `--shape smollm2-135M` the regime map's model. Per decode step:
+Hugging Face's eager formulas (`standard`); `--shape smollm2-135M` the regime map's model; `--fp8` the model's fp8
+copy (`generation/fp8.py`, the `off-fp8` arm's sampler: run it with `--modes standard-fused`, that arm's kernels).
+Per decode step:
 
 - the step as `generate` runs it (CUDA graph replay plus the loop's bookkeeping), from its own timer, over the
   same steps;
@@ -16,7 +18,7 @@ Hugging Face's eager formulas (`standard`); `--shape smollm2-135M` the regime ma
 - kernel launches per step (graph nodes plus the loop's eager ops).
 
     python bench/profile_decode.py [--out FILE.md] [--batches 64 256] [--modes invariant standard-fused standard]
-                                    [--kernels N]
+                                    [--kernels N] [--fp8]
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from bench_generate import PROMPT, _prompts
 from timing import MODES, copy_gbs, emit, header, in_mode
 
 from workbench.generation import DecodeGraphs, SamplingParams, generate
+from workbench.generation.fp8 import Fp8Sampler
 from workbench.generation.generator import DecodeStep, Record
 from workbench.generation.sampling import KEYED_SEED, request_keys
 from workbench.models import KVCache, build
@@ -135,16 +138,23 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-1.7B", help="a named shape (workbench.models.config), random weights")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also list the N kernels taking the most time per step, by name")
+    ap.add_argument("--fp8", action="store_true",
+                    help="profile the model's fp8 copy (the off-fp8 arm's sampler, W8A8 projections)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode.py needs a CUDA GPU")
     model = build(a.shape, device="cuda", seed=0)
+    if a.fp8:
+        model = Fp8Sampler(model).model
     cfg = model.config
     gbs = max(copy_gbs())
-    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" not in n)
+    # The fp8 copy holds its projections' codes (1 byte each) as buffers named `weight`, not as parameters.
+    weights = sum(p.numel() * p.element_size() for n, p in (*model.named_parameters(), *model.named_buffers())
+                  if "norm" not in n and n.endswith("weight"))
     kinds = [k for k, _ in KINDS] + ["other"]
     lines = [header(), "",
-             f"{a.shape} shape, random weights, {PROMPT}-token prompts; kernels per decode step = (profile of "
+             f"{a.shape} shape, random weights{' (its fp8 copy: W8A8 projections)' if a.fp8 else ''}, "
+             f"{PROMPT}-token prompts; kernels per decode step = (profile of "
              f"{STEPS} eager decode steps - profile of the prefill alone) / {STEPS}, at a mean KV length of "
              f"{PROMPT + STEPS // 2}; the step as `generate` runs it (graphs, the same {STEPS} steps), median of 5. "
              "In `standard` mode norms, RoPE and SwiGLU are ATen elementwise kernels, counted under `other`. Floors "
