@@ -26,7 +26,8 @@
 #   STEP=cell   run_on_off of the regime cells in CELLS (e.g. "grpo:256 gspo:256") on all GPUs, in the background;
 #   STEP=job    any command CMD on the GPUs GPUS (e.g. "0,1"), in the background, its output in <runs>/NAME.log;
 #   STEP=wait   wait up to WAIT_S seconds for the background jobs, show each log's last TAIL lines (3), then copy
-#               tables and logs to $OUT.
+#               tables and logs to $OUT. Send the next call at once: a machine idle ~30 s between calls goes back
+#               bare with every running job, and only what the last wait copied survives (2026-12-03's cut hold).
 # The background steps run from a copy of the tree taken when they start (/tmp/tree/<n>): every call replaces the
 # working tree, and a job that starts processes later (the runner's workers, one per run) would otherwise run code
 # of two commits in one experiment, or fail mid-way on a field the running code lacks.
