@@ -2,7 +2,8 @@
 
 Why: an `off` run of the regime map did not repeat its own earlier copy bit for bit from its first update on, while
 `on` runs did (`2026-12-03_onoff-regime-arm-off-L256-blog-s0-3-h200_10ee809`). This repeats each mode's pieces in
-one process and prints a digest a repetition; two processes' digests compare across processes.
+one process and prints a digest a repetition; two processes' digests compare across processes. Last, the trainer's
+packed attention alone at the RL update's lengths, with torch's deterministic algorithms off and on.
 
     python bench/probe_repro.py [shape]    # default smollm2-135M, random weights; 'tiny' runs on a CPU
 """
@@ -16,6 +17,7 @@ import torch
 
 from bench_generate import _prompts
 from workbench.generation import SamplingParams, generate
+from workbench.kernels.attention_varlen import attention_varlen
 from workbench.kernels.mode import FUSED_ROWWISE, mode
 from workbench.models import build
 
@@ -28,6 +30,31 @@ def digest(tensors) -> str:
     for t in tensors:
         h.update(t.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()[:12]
+
+
+def varlen_attention(dev: str, small: bool) -> None:
+    """The trainer's packed attention, forward and backward, four times a mode (torch's deterministic algorithms
+    off, then on). FlashAttention-2's backward adds each key block's share of dQ atomically: the order of two
+    shares does not change their sum, so the sequences are long enough for several key blocks (the RL update's
+    packed prompts and answers, 256-1,024 new tokens)."""
+    g = torch.Generator().manual_seed(0)
+    lens = [5, 9, 3] if small else [450, 1210, 330, 790, 1100, 610]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    q, k, v, dy = (torch.randn(sum(lens), 9 if name != "kv" else 3, 64, generator=g).to(dev, torch.bfloat16)
+                   for name in ("q", "kv", "kv", "dy"))
+    k, v = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)   # the 135M shape's 9 query heads over 3 kv heads
+    for name, deterministic in (("standard", False), ("standard", True), ("invariant", False)):
+        torch.use_deterministic_algorithms(deterministic)
+        runs = []
+        for _ in range(4):
+            leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+            with mode(name):
+                out = attention_varlen(*leaves, cu, max(lens))
+            out.backward(dy)
+            runs.append(f"{digest([out])}/{digest(t.grad for t in leaves)}")
+        torch.use_deterministic_algorithms(False)
+        print(f"packed attention, {name}, deterministic algorithms {'on' if deterministic else 'off'}: "
+              f"out/grads {runs}", flush=True)
 
 
 def main(shape: str = "smollm2-135M") -> None:
@@ -53,6 +80,7 @@ def main(shape: str = "smollm2-135M") -> None:
             sampled.append(digest([torch.tensor(sum((c.tokens for c in out.completions), []))]
                                   + [c.logprobs for c in out.completions]))
         print(f"{name}: train logits/grads {train}; generate tokens+log-probs {sampled}", flush=True)
+    varlen_attention(dev, small)
 
 
 if __name__ == "__main__":
