@@ -195,9 +195,10 @@ def _supersede(long: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """`long` with one folder per run, and the copies left out (SUPERSEDED). A run cut short in one hold is rerun
     whole in a later one from the same starting weights (assemble checks the digests), so where exactly one copy of
     a run finished, it stands in for the cut copies; `rewards_agree` says whether the steps they share hold the
-    same reward bits, as a run that depends on its seed and settings alone must (the `off` arms' do not: their
-    `standard` trainer is not repeatable bit for bit, the plan's deviation of 2026-12-03). Two finished copies, or none,
-    stay an error: which one the map read would be a choice."""
+    same reward bits, as a run that depends on its seed and settings alone must where its trainer runs the
+    `invariant` kernels (the `standard` trainer of `off` and its kin does not repeat its updates bit for bit: the
+    plan's deviation of 2026-12-03). Two finished copies, or none, stay an error: which one the map read would be
+    a choice."""
     sources = long.groupby(KEY).source.nunique()
     dropped, rows = set(), []
     for key in sources[sources > 1].index:

@@ -90,7 +90,10 @@ def _markdown(table: pd.DataFrame, arms: pd.DataFrame, superseded: pd.DataFrame,
     if len(superseded):
         lines += ["", "## Runs cut in one hold and finished in another", "",
                   "The finished copy is read; the cut copy stays published for its curve. 'Same rewards': the steps "
-                  "both copies ran hold the same reward bits.", "",
+                  "both copies ran hold the same reward bits (expected where the trainer runs the `invariant` kernels; "
+                  "the `standard` trainer of `off` and its kin does not repeat its updates bit for bit: the plan's "
+                  "deviation of 2026-12-03).",
+                  "",
                   "| tokens | loss | arm | seed | read from | left out (cut after step) | same rewards |",
                   "|---" * 7 + "|"]
         lines += [f"| {r.max_new_tokens} | {r.loss} | `{r.variant}` | {r.seed} | `{r.kept}` | `{r.dropped}` "
