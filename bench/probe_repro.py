@@ -40,9 +40,8 @@ def varlen_attention(dev: str, small: bool) -> None:
     g = torch.Generator().manual_seed(0)
     lens = [5, 9, 3] if small else [450, 1210, 330, 790, 1100, 610]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-    q, k, v, dy = (torch.randn(sum(lens), 9 if name != "kv" else 3, 64, generator=g).to(dev, torch.bfloat16)
-                   for name in ("q", "kv", "kv", "dy"))
-    k, v = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)   # the 135M shape's 9 query heads over 3 kv heads
+    # The 135M shape's heads: 9 query heads over 3 key/value heads, 64 wide.
+    q, k, v, dy = (torch.randn(sum(lens), heads, 64, generator=g).to(dev, torch.bfloat16) for heads in (9, 3, 3, 9))
     for name, deterministic in (("standard", False), ("standard", True), ("invariant", False)):
         torch.use_deterministic_algorithms(deterministic)
         runs = []
