@@ -10,26 +10,23 @@ packed attention alone at the RL update's lengths, with torch's deterministic al
 
 from __future__ import annotations
 
-import hashlib
 import sys
 
 import torch
 
 from bench_generate import _prompts
+from timing import MODES          # the trainer's modes and the engine's (`standard-fused`: `rl.samplers`)
+
 from workbench.generation import SamplingParams, generate
 from workbench.kernels.attention_varlen import attention_varlen
-from workbench.kernels.mode import FUSED_ROWWISE, mode
+from workbench.kernels.mode import mode
 from workbench.models import build
-
-MODES = {"invariant": ("invariant", {}), "standard": ("standard", {}), "standard-fused": ("standard", FUSED_ROWWISE)}
-"""The trainer's modes and the engine's (`standard` with the fused row-wise ops: `rl.samplers`)."""
+from workbench.models.checkpoint import weights_checksum
 
 
 def digest(tensors) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().float().cpu().numpy().tobytes())
-    return h.hexdigest()[:12]
+    """The first 12 hex digits of the tensors' bytes' sha256 (`weights_checksum`)."""
+    return weights_checksum({f"{i:04d}": t for i, t in enumerate(tensors)})[:12]
 
 
 def varlen_attention(dev: str, small: bool) -> None:
