@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from workbench.generation import SamplingParams, generate
-from workbench.generation.fp8 import FP8_MAX, MIN_TOKEN_SCALE, Fp8Linear, Fp8Sampler, fp8_linear, quantize_rows, quantize_weight
+from workbench.generation.fp8 import FP8_MAX, Fp8Linear, Fp8Sampler, fp8_linear, quantize_rows, quantize_weight
 from workbench.kernels import FUSED_ROWWISE, mode
+from workbench.kernels.quantize_fp8 import MIN_TOKEN_SCALE
 from workbench.models import build
 from workbench.onoff.arms import ARMS, arm_settings
 from workbench.rl.config import TrainConfig

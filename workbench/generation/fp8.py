@@ -3,12 +3,13 @@ float8_e4m3fn as vLLM's default fp8 (`quantization="fp8"` on a bf16 checkpoint) 
 from its own fp8 copy of the weights refreshed at every sync.
 
 Numerics contract: the decoder layers' projections only (the embedding, norms, RoPE, attention, LM head and KV cache
-stay bf16). Weights: one scale per tensor vLLM holds (q/k/v share one, gate/up another), s_w = amax|W| / 448 in fp32,
-codes e4m3(W / s_w). Activations: per token, s_a = max(amax|x_row| / 448, 1 / (448 * 512)), codes
-e4m3(clamp(x / s_a, -448, 448)). Product: y = bf16((q_a @ q_w.T) * s_a * s_w (+ b)), the codes' products exact and
-summed in fp32 (on fp8 tensor cores by `torch._scaled_mm` at compute capability 9.0 or newer, in fp32 elsewhere: only
-the sums' order differs). Why each choice, the bias and the sources: docs/generation.md,
-"`workbench/generation/fp8.py`: the fp8 sampler's numerics contract".
+stay bf16). Weights: one scale per tensor vLLM holds (q/k/v share one, gate/up another), s_w = amax|W| / 448 in
+fp32, codes e4m3(W / s_w). Activations: per token, s_a = max(amax|x_row| / 448, 1 / (448 * 512)), codes
+e4m3(clamp(x / s_a, -448, 448)) (on a GPU by one Triton kernel, kernels/quantize_fp8.py, the same bits). Product:
+y = bf16((q_a @ q_w.T) * s_a * s_w (+ b)), the codes' products exact and summed in fp32 (on fp8 tensor cores by
+`torch._scaled_mm` at compute capability 9.0 or newer, in fp32 elsewhere: only the sums' order differs). Why each
+choice, the bias and the sources: docs/generation.md, "`workbench/generation/fp8.py`: the fp8 sampler's numerics
+contract".
 """
 
 from __future__ import annotations
@@ -16,14 +17,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels.quantize_fp8 import FP8_MAX, quantize_fp8
+from ..kernels.quantize_fp8 import quantize_fp8_reference as quantize_rows
 from ..models import build
 from ..models.transformer import CausalLM
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-"""The largest finite float8_e4m3fn."""
-MIN_TOKEN_SCALE = 1.0 / (FP8_MAX * 512.0)
-"""vLLM's floor on a token's scale (an all-zero row quantizes to zeros, not NaN)."""
 _GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
            ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
 """Per layer, the projections quantized with one scale (vLLM's fused parameters), by their module."""
@@ -37,11 +36,12 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes e4m3 [M, K], scales fp32 [M, 1]) of the rows of x [M, K], dynamic per token."""
-    x32 = x.float()
-    scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_TOKEN_SCALE)
-    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes e4m3 [M, K], scales fp32 [M, 1]) of the rows of x [..., K], dynamic per token: on a GPU one Triton
+    launch (the ATen form is eight per input, most of a graph-captured decode step's launches); elsewhere the ATen
+    form, whose bits the kernel's are (tests/test_quantize_fp8.py), as the interpreter would run a Python program
+    per row."""
+    return (quantize_fp8 if x.is_cuda else quantize_rows)(x.reshape(-1, x.shape[-1]))
 
 
 def _tensor_cores(x: torch.Tensor, n: int) -> bool:
@@ -55,7 +55,7 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x[..., K] (bf16) @ (codes[N, K] x scale).T, W8A8 as the module docstring states; bf16 [..., N].
     scale: fp32 [1, N], the weight's one scale in every column (the row-wise layout `_scaled_mm` reads)."""
-    return _product(x, quantize_rows(x.reshape(-1, codes.shape[1])), codes, scale, bias)
+    return _product(x, quantize_activations(x), codes, scale, bias)
 
 
 def _product(x, quantized, codes, scale, bias):
@@ -79,9 +79,9 @@ class _SharedInput:
     def __init__(self):
         self.x, self.quantized = None, None
 
-    def of(self, x: torch.Tensor, k: int):
+    def of(self, x: torch.Tensor):
         if self.x is not x:
-            self.x, self.quantized = x, quantize_rows(x.reshape(-1, k))
+            self.x, self.quantized = x, quantize_activations(x)
         return self.quantized
 
 
@@ -100,7 +100,7 @@ class Fp8Linear(nn.Module):
         self.shared = shared
 
     def forward(self, x):
-        return _product(x, self.shared.of(x, self.weight.shape[1]), self.weight, self.weight_scale, self.bias)
+        return _product(x, self.shared.of(x), self.weight, self.weight_scale, self.bias)
 
 
 class Fp8Sampler:
