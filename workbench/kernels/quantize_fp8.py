@@ -28,6 +28,7 @@ FP8_MAX = 448.0
 """The largest finite float8_e4m3fn."""
 MIN_TOKEN_SCALE = 1.0 / (FP8_MAX * 512.0)
 """vLLM's floor on a token's scale (an all-zero row quantizes to zeros, not NaN)."""
+_MAX, _FLOOR = tl.constexpr(FP8_MAX), tl.constexpr(MIN_TOKEN_SCALE)   # a kernel reads constexpr globals alone
 
 
 @triton.jit
@@ -54,8 +55,8 @@ def _quantize_fp8_kernel(x_ptr, codes_ptr, scale_ptr, stride_x, stride_c, K, BLO
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), MIN_TOKEN_SCALE)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), _MAX), _FLOOR)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -_MAX), _MAX)
     codes = round_to_e4m3(q).to(tl.float8e4nv, fp_downcast_rounding="rtne")
     tl.store(codes_ptr + row * stride_c + cols, codes.to(tl.uint8, bitcast=True), mask=cols < K)
     tl.store(scale_ptr + row, scale)
