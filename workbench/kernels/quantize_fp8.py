@@ -38,8 +38,8 @@ def round_to_e4m3(q):
     For |q| in [2^e, 2^(e+1)), e >= -6, e4m3's spacing is 2^(e-3); below 2^-6 (its subnormals) it stays 2^-9.
     magic = 2^(e+20) is the fp32 value whose spacing is 2^(e-3): |q| + magic lies in [magic, 2 * magic), so that
     one fp32 addition rounds |q| to a multiple of 2^(e-3), to nearest and ties to even (the sum's last bit is the
-    e4m3 code's last bit), and subtracting magic again is exact. The sign goes back as a bit (Triton's unary
-    minus is 0 - r, which would turn -0 into +0)."""
+    e4m3 code's last bit), and subtracting magic again is exact (Triton emits no fast-math flags: the sm90 PTX
+    keeps both steps). The sign goes back as a bit (Triton's unary minus is 0 - r, which would turn -0 into +0)."""
     bits = q.to(tl.int32, bitcast=True)
     mag = bits & 0x7FFFFFFF
     e = tl.maximum((mag >> 23) - 127, -6)
