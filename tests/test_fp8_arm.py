@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from workbench.generation import SamplingParams, generate
-from workbench.generation.fp8 import FP8_MAX, MIN_TOKEN_SCALE, Fp8Linear, Fp8Sampler, fp8_linear, quantize_rows, quantize_weight
+from workbench.generation.fp8 import FP8_MAX, Fp8Linear, Fp8Sampler, fp8_linear, quantize_rows, quantize_weight
 from workbench.kernels import FUSED_ROWWISE, mode
+from workbench.kernels.quantize_fp8 import MIN_TOKEN_SCALE
 from workbench.models import build
 from workbench.onoff.arms import ARMS, arm_settings
 from workbench.rl.config import TrainConfig
@@ -50,13 +51,13 @@ def test_sampler_holds_its_own_copy_and_leaves_the_trainer_weights():
     fp8 = Fp8Sampler(source)
     layer = fp8.model.model.layers[0]
     assert isinstance(layer.self_attn.q_proj, Fp8Linear) and isinstance(layer.mlp.down_proj, Fp8Linear)
-    assert layer.self_attn.packed() is None and layer.mlp.packed() is None, "each projection runs its module"
+    assert layer.self_attn.packed() is not None and layer.mlp.packed() is not None, "q/k/v, gate/up laid out as one"
     # q, k and v share one scale (vLLM quantizes its fused qkv parameter whole), as do gate and up.
     attn = layer.self_attn
     assert torch.equal(attn.q_proj.weight_scale[0, :1], attn.v_proj.weight_scale[0, :1])
     assert not torch.equal(attn.q_proj.weight_scale[0, :1], attn.o_proj.weight_scale[0, :1])
     # The quantized input is shared within a fused parameter's projections: the same values as each alone.
-    assert attn.q_proj.shared is attn.v_proj.shared is not attn.o_proj.shared
+    assert attn.q_proj.group is attn.v_proj.group is not attn.o_proj.group
     x = torch.randn(5, source.config.hidden_size).to(torch.bfloat16)
     attn.q_proj(x)
     assert torch.equal(attn.k_proj(x), fp8_linear(x, attn.k_proj.weight, attn.k_proj.weight_scale))

@@ -3,11 +3,12 @@ float8_e4m3fn as vLLM's default fp8 (`quantization="fp8"` on a bf16 checkpoint) 
 from its own fp8 copy of the weights refreshed at every sync.
 
 Numerics contract: the decoder layers' projections only (the embedding, norms, RoPE, attention, LM head and KV cache
-stay bf16). Weights: one scale per tensor vLLM holds (q/k/v share one, gate/up another), s_w = amax|W| / 448 in fp32,
-codes e4m3(W / s_w). Activations: per token, s_a = max(amax|x_row| / 448, 1 / (448 * 512)), codes
-e4m3(clamp(x / s_a, -448, 448)). Product: y = bf16((q_a @ q_w.T) * s_a * s_w (+ b)), the codes' products exact and
-summed in fp32 (on fp8 tensor cores by `torch._scaled_mm` at compute capability 9.0 or newer, in fp32 elsewhere: only
-the sums' order differs). Why each choice, the bias and the sources: docs/generation.md,
+stay bf16). Weights: one scale per tensor vLLM holds (q/k/v share one, gate/up another), s_w = amax|W| / 448 in
+fp32, codes e4m3(W / s_w). Activations: per token, s_a = max(amax|x_row| / 448, 1 / (448 * 512)), codes
+e4m3(clamp(x / s_a, -448, 448)) (on a GPU by one Triton kernel, kernels/quantize_fp8.py, the same bits). Product:
+y = bf16((q_a @ q_w.T) * s_a * s_w (+ b)), the codes' products exact and summed in fp32 (on fp8 tensor cores by
+`torch._scaled_mm` at compute capability 9.0 or newer, in fp32 elsewhere; q/k/v and gate/up each one product over
+one quantized input: only the sums' order differs). Why each choice, the bias and the sources: docs/generation.md,
 "`workbench/generation/fp8.py`: the fp8 sampler's numerics contract".
 """
 
@@ -16,14 +17,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels.quantize_fp8 import FP8_MAX, quantize_fp8
+from ..kernels.quantize_fp8 import quantize_fp8_reference as quantize_rows
 from ..models import build
 from ..models.transformer import CausalLM
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-"""The largest finite float8_e4m3fn."""
-MIN_TOKEN_SCALE = 1.0 / (FP8_MAX * 512.0)
-"""vLLM's floor on a token's scale (an all-zero row quantizes to zeros, not NaN)."""
 _GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
            ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
 """Per layer, the projections quantized with one scale (vLLM's fused parameters), by their module."""
@@ -37,11 +36,12 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes e4m3 [M, K], scales fp32 [M, 1]) of the rows of x [M, K], dynamic per token."""
-    x32 = x.float()
-    scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_TOKEN_SCALE)
-    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes e4m3 [M, K], scales fp32 [M, 1]) of the rows of x [..., K], dynamic per token: on a GPU one Triton
+    launch (the ATen form is eight per input, most of a graph-captured decode step's launches); elsewhere the ATen
+    form, whose bits the kernel's are (tests/test_quantize_fp8.py), as the interpreter would run a Python program
+    per row."""
+    return (quantize_fp8 if x.is_cuda else quantize_rows)(x.reshape(-1, x.shape[-1]))
 
 
 def _tensor_cores(x: torch.Tensor, n: int) -> bool:
@@ -55,7 +55,7 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x[..., K] (bf16) @ (codes[N, K] x scale).T, W8A8 as the module docstring states; bf16 [..., N].
     scale: fp32 [1, N], the weight's one scale in every column (the row-wise layout `_scaled_mm` reads)."""
-    return _product(x, quantize_rows(x.reshape(-1, codes.shape[1])), codes, scale, bias)
+    return _product(x, quantize_activations(x), codes, scale, bias)
 
 
 def _product(x, quantized, codes, scale, bias):
@@ -71,36 +71,52 @@ def _product(x, quantized, codes, scale, bias):
     return y.view(*x.shape[:-1], n)
 
 
-class _SharedInput:
-    """The projections of one fused vLLM parameter (q/k/v; gate/up) read the same input: its quantization, done
-    by the first of them, is reused by the others (the same values; 2 of every 3 and 1 of every 2 fewer launches).
-    Held by identity: the held input cannot be freed and another tensor take its place."""
+class _Group:
+    """The projections of one fused vLLM parameter (q/k/v; gate/up; o; down alone): their codes, scale and bias
+    each in one buffer, refilled in place by `Fp8Sampler.load` (a captured decode graph reads the new ones), the
+    projections' buffers views of them. So `packing.packed_projections` finds q/k/v and gate/up laid out as one
+    weight and the decoding view runs each group as one product over one quantized input (`packed_product`).
+    The model's own forward runs each projection alone: the group's input is then quantized once, by the first of
+    them, and reused by the others (the same values). Held by identity: the held input cannot be freed and another
+    tensor take its place."""
 
-    def __init__(self):
+    def __init__(self, widths: list[int], n_in: int, bias: bool, device):
+        n = sum(widths)
+        self.codes = torch.zeros((n, n_in), dtype=FP8, device=device)
+        self.scale = torch.ones((1, n), dtype=torch.float32, device=device)
+        self.bias = torch.zeros(n, dtype=torch.bfloat16, device=device) if bias else None
+        self.widths = widths
         self.x, self.quantized = None, None
 
-    def of(self, x: torch.Tensor, k: int):
+    def quantize(self, x: torch.Tensor):
         if self.x is not x:
-            self.x, self.quantized = x, quantize_rows(x.reshape(-1, k))
+            self.x, self.quantized = x, quantize_activations(x)
         return self.quantized
 
 
 class Fp8Linear(nn.Module):
-    """A projection of the fp8 sampler: its codes and scale as buffers (refilled in place by `Fp8Sampler.load`,
-    so a captured decode graph reads the new ones), no parameters. Named `weight` and `lora_A` as `Linear`'s: the
-    q/k/v and gate/up codes are separate tensors, so `packing.packed_projections` finds them unpacked and the
-    model runs each projection through this module."""
+    """A projection of the fp8 sampler: views of its group's codes, scale and bias as buffers, no parameters.
+    Named `weight` and `lora_A` as `Linear`'s, so the decoding view finds a group's projections packed as the bf16
+    model's and takes the same paths (the fused rope and cache write too), their product this module's."""
 
-    def __init__(self, n_out: int, n_in: int, bias: bool, device, shared: _SharedInput):
+    def __init__(self, group: _Group, index: int):
         super().__init__()
-        self.register_buffer("weight", torch.zeros((n_out, n_in), dtype=FP8, device=device))
-        self.register_buffer("weight_scale", torch.ones((1, n_out), dtype=torch.float32, device=device))
-        self.register_buffer("bias", torch.zeros(n_out, dtype=torch.bfloat16, device=device) if bias else None)
+        start = sum(group.widths[:index])
+        rows = slice(start, start + group.widths[index])
+        self.register_buffer("weight", group.codes[rows])
+        self.register_buffer("weight_scale", group.scale[:, rows])
+        self.register_buffer("bias", None if group.bias is None else group.bias[rows])
         self.lora_A = None
-        self.shared = shared
+        self.group = group
 
     def forward(self, x):
-        return _product(x, self.shared.of(x, self.weight.shape[1]), self.weight, self.weight_scale, self.bias)
+        return _product(x, self.group.quantize(x), self.weight, self.weight_scale, self.bias)
+
+    def packed_product(self, codes: torch.Tensor, bias: torch.Tensor | None):
+        """x -> the group's outputs side by side, for `packing.packed_projections`' (codes, bias) of the group:
+        one quantization of x and one product (only the fp32 sums' order may differ from each projection's own)."""
+        scale = self.group.scale
+        return lambda x: _product(x, quantize_activations(x), codes, scale, bias)
 
 
 class Fp8Sampler:
@@ -114,11 +130,11 @@ class Fp8Sampler:
         self.model = build(cfg, device=dev, dtype=torch.bfloat16, seed=None)
         for layer in self.model.model.layers:
             for part, names in _GROUPS:
-                parent, shared = getattr(layer, part), _SharedInput()
-                for name in names:
-                    old = getattr(parent, name)
-                    n_out, n_in = old.weight.shape
-                    setattr(parent, name, Fp8Linear(n_out, n_in, old.bias is not None, dev, shared))
+                parent = getattr(layer, part)
+                old = [getattr(parent, name) for name in names]
+                group = _Group([p.weight.shape[0] for p in old], old[0].weight.shape[1], old[0].bias is not None, dev)
+                for i, name in enumerate(names):
+                    setattr(parent, name, Fp8Linear(group, i))
         self.load(source)
 
     @torch.no_grad()
@@ -127,13 +143,12 @@ class Fp8Sampler:
         for mine, theirs in zip(self.model.model.layers, source.model.layers):
             for part, names in _GROUPS:
                 src = [getattr(getattr(theirs, part), n) for n in names]
+                group = getattr(getattr(mine, part), names[0]).group
                 codes, scale = quantize_weight(torch.cat([p.weight for p in src]))
-                for name, chunk, p in zip(names, codes.split([p.weight.shape[0] for p in src]), src):
-                    dst = getattr(getattr(mine, part), name)
-                    dst.weight.copy_(chunk)
-                    dst.weight_scale.fill_(scale)
-                    if dst.bias is not None:
-                        dst.bias.copy_(p.bias)
+                group.codes.copy_(codes)
+                group.scale.fill_(scale)
+                if group.bias is not None:
+                    group.bias.copy_(torch.cat([p.bias for p in src]))
         # The rest (embedding, norms, an untied LM head): the projections hold buffers, not parameters.
         theirs = dict(source.named_parameters())
         for name, p in self.model.named_parameters():

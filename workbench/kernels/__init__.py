@@ -1,8 +1,8 @@
 """The kernel library: every op of the model (Llama, Mistral, Qwen2, Qwen3) in an `invariant` and a `standard` mode.
 
 Every op, from `registry.REGISTRY` (a test holds this table to it). Contracts: "row-invariant", a row's bits
-depend on that row alone; "the unfused ops' bits", those of the invariant ops it fuses; "exact", integers and
-copies only. Mode: "switch", a name of `mode(...)`; "follows", the switch's ops that choose its path; "invariant
+depend on that row alone; "the unfused ops' bits", those of the invariant ops it fuses; "exact", integers,
+copies and correctly rounded fp32 steps only. Mode: "switch", a name of `mode(...)`; "follows", the switch's ops that choose its path; "invariant
 only", a fused kernel callers take in invariant mode; "one path", the same in both modes. Generic tests:
 tests/test_kernels.py (CPU) and tests/test_gpu.py.
 
@@ -30,6 +30,7 @@ tests/test_kernels.py (CPU) and tests/test_gpu.py.
 | logsumexp | logprobs.py | row-invariant | follows token_logprobs | logprobs.logsumexp_reference | kernels/test_logsumexp.py |
 | logprob_rows | logprobs.py | row-invariant | follows token_logprobs | logprobs.logprob_rows_reference | kernels/test_logsumexp.py |
 | record_add | record.py | exact | one path | record.record_add_reference | kernels/test_record_add.py |
+| quantize_fp8 | quantize_fp8.py | exact | one path | quantize_fp8.quantize_fp8_reference | test_quantize_fp8.py |
 
 Import order matters on a CPU-only machine: `runtime` chooses the Triton
 interpreter before any kernel is decorated.
@@ -50,6 +51,7 @@ from .lora_add import lora_add
 from .matmul import linear
 from .matmul_tiles import matmul_config
 from .norm_rope import norm_rope
+from .quantize_fp8 import quantize_fp8
 from .mode import FUSED_ROWWISE, MODES, current_state, get_mode, mode, set_mode
 from .rmsnorm import rms_norm, rms_norm_add
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -83,6 +85,7 @@ __all__ = [
     "norm_rope",
     "paged_kv_write",
     "pdl",
+    "quantize_fp8",
     "rms_norm",
     "rms_norm_add",
     "rope_cache_write",

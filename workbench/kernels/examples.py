@@ -15,6 +15,7 @@ from .attention_paged import attention_paged, attention_paged_reference, paged_k
 from .attention_varlen import attention_varlen, attention_varlen_reference
 from .linear_logprobs import linear_logprobs, linear_logprobs_reference
 from .matmul import linear_invariant
+from .quantize_fp8 import quantize_fp8, quantize_fp8_reference
 from .silu_mul import silu_mul_invariant
 
 # (small: interpreter-friendly, real: Qwen3-1.7B widths)
@@ -320,3 +321,23 @@ def record_add_rows(*args):
 
 def record_add_rows_reference(*args):
     return _recorded(record.record_add_reference, *args)
+
+
+def quantize_fp8_inputs(rows, size, g, device, dtype):
+    """Activations of a decoder's width, each row at its own magnitude (10^-7 to 10^2: the scale floor's rows
+    too)."""
+    magnitude = 10.0 ** (torch.rand((rows, 1), generator=g) * 9 - 7)
+    return ((torch.randn((rows, SIZES[size]["hidden"]), generator=g) * magnitude).to(device=device, dtype=dtype),)
+
+
+def _code_bits(codes, scale):
+    return torch.cat([codes.view(torch.uint8).long(), scale.view(torch.int32).long()], dim=1)
+
+
+def quantize_fp8_rows(x):
+    """int64 [M, K + 1]: a row's e4m3 codes' bits, then its scale's."""
+    return _code_bits(*quantize_fp8(x))
+
+
+def quantize_fp8_rows_reference(x):
+    return _code_bits(*quantize_fp8_reference(x))

@@ -21,7 +21,7 @@ import torch
 CONTRACTS = {
     "row-invariant": "a row's bits depend on that row alone: not on the batch, its place, the other rows or padding",
     "the unfused ops' bits": "the bits of the invariant ops it fuses, run one after the other (so row-invariant too)",
-    "exact": "integers and copies only: the PyTorch form's bits",
+    "exact": "integers, copies and correctly rounded fp32 steps only: the PyTorch form's bits",
 }
 BOTH = (torch.float32, torch.bfloat16)
 
@@ -163,6 +163,9 @@ REGISTRY: dict[str, Op] = {op.name: op for op in (
     Op("record_add", "record", "exact", "examples.record_add_rows_reference", "examples.record_add_inputs",
        (0, 1, 2, 3, 4, 5, 6, 7), (*_GENERIC, "tests/kernels/test_record_add.py"), run_fn="examples.record_add_rows",
        dtypes=(torch.float32,)),
+    Op("quantize_fp8", "quantize_fp8", "exact", "examples.quantize_fp8_rows_reference", "examples.quantize_fp8_inputs",
+       (0,), (*_GENERIC, "tests/test_quantize_fp8.py"), run_fn="examples.quantize_fp8_rows",
+       dtypes=(torch.bfloat16,)),
 )}
 
 

@@ -4,7 +4,9 @@
 from a model by what generates with it (`generate`'s `DecodeGraphs`, vLLM's `WorkbenchCausalLM`), picks per layer,
 from the weights' layout and the kernel modes in force when it is built:
 - q/k/v as one product and gate/up as another, where `CausalLM.pack` laid their weights out in one buffer and no
-  adapter or hook sits on them (`packing.py`); else each projection's own module (LoRA, a model moved by `.to()`);
+  adapter or hook sits on them (`packing.py`); else each projection's own module (LoRA, a model moved by `.to()`).
+  The product is the kernel library's `linear`, or, for projections of another kind (the fp8 sampler's
+  `Fp8Linear`, its codes laid out so), that kind's own (`packed_product`);
 - over a static `KVCache`, with invariant norm and rope: q/k's norm and rotation and the cache write in one kernel
   (`rope_cache_write`), then attention over the cache;
 - with invariant linear and silu_mul: silu_mul in the gate/up product's epilogue (`swiglu_product`, at the sizes
@@ -22,7 +24,16 @@ from __future__ import annotations
 import torch
 
 from ..kernels import attention_with_cache, get_mode, linear, rope_cache_write, silu_mul, swiglu_product
-from .transformer import MLP, Attention, CausalLM, KVCache, PagedKVCache
+from .transformer import MLP, Attention, CausalLM, KVCache, Linear, PagedKVCache
+
+
+def _packed_product(proj, packed: tuple[torch.Tensor, torch.Tensor | None]):
+    """x -> the packed projections' outputs side by side: `linear` over the packed weight for the model's own
+    `Linear`s, the projections' own packed product for another kind (the fp8 sampler's W8A8 product)."""
+    if isinstance(proj, Linear):
+        weight, bias = packed
+        return lambda x: linear(x, weight, bias)
+    return proj.packed_product(*packed)
 
 
 class _SeparateAttention:
@@ -45,12 +56,12 @@ class _PackedAttention:
     k-steps), then as `_SeparateAttention`."""
 
     def __init__(self, attn: Attention, qkv: tuple[torch.Tensor, torch.Tensor | None]):
-        self.attn, self.qkv = attn, qkv
+        self.attn, self.product = attn, _packed_product(attn.q_proj, qkv)
         self.widths = [attn.hq * attn.d, attn.hkv * attn.d, attn.hkv * attn.d]
 
     def project(self, x):
         a, (b, t, _) = self.attn, x.shape
-        q, k, v = linear(x, *self.qkv).split(self.widths, dim=-1)           # strided column views
+        q, k, v = self.product(x).split(self.widths, dim=-1)               # strided column views
         return q.view(b, t, a.hq, a.d), k.view(b, t, a.hkv, a.d), v.view(b, t, a.hkv, a.d)
 
     def __call__(self, x, cos, sin, seq_lens, cache, layer, start, end):
@@ -78,11 +89,12 @@ class _FusedAttention(_PackedAttention):
 class _PackedMLP:
     """gate and up as one product over the packed weights, then silu_mul on its halves and down_proj."""
 
-    def __init__(self, mlp: MLP, gate_up: torch.Tensor):
-        self.mlp, self.gate_up = mlp, gate_up                               # gate_up [2I, H]
+    def __init__(self, mlp: MLP, gate_up: tuple[torch.Tensor, None]):
+        self.mlp, self.gate_up = mlp, gate_up[0]                            # gate_up [2I, H]
+        self.product = _packed_product(mlp.gate_proj, gate_up)
 
     def __call__(self, x):
-        gate, up = linear(x, self.gate_up).chunk(2, dim=-1)                 # silu_mul reads strided halves
+        gate, up = self.product(x).chunk(2, dim=-1)                        # silu_mul reads strided halves
         return self.mlp.down_proj(silu_mul(gate, up))
 
 
@@ -112,7 +124,8 @@ class DecodingModel:
                 paged = _PackedAttention(attn, qkv)
                 static = _FusedAttention(attn, qkv) if attn.fuses() else paged
             if gate_up is not None:
-                mlp = (_SwigluMLP if swiglu else _PackedMLP)(mlp, gate_up[0])
+                fused = swiglu and isinstance(mlp.gate_proj, Linear)        # the epilogue of `linear`'s product
+                mlp = (_SwigluMLP if fused else _PackedMLP)(mlp, gate_up)
             self.static.append((static, mlp))
             self.paged.append((paged, mlp))
 
