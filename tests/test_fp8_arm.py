@@ -165,9 +165,8 @@ def test_gpu_fp8_arm_mismatches_more_than_engine_off_and_on_stays_bitwise():
     x = torch.randn(64, 576, generator=g).to("cuda", torch.bfloat16)
     codes, s_w = quantize_weight(torch.randn(960, 576, generator=g).to("cuda", torch.bfloat16) * 0.05)
     scale = s_w.expand(1, 960).contiguous()
-    # The tensor cores against the exact products with fp32 sums on the same quantized inputs (the per-token scales
-    # are computed on the device: the CPU's differ in their last bits, so its codes do). Both round an fp32 sum to
-    # bf16 in other orders: where a sum cancels, one bf16 ulp of the largest output is the most they can part.
+    # The tensor cores against the exact products with fp32 sums on the same quantized inputs. Both round an fp32
+    # sum to bf16 in other orders: where a sum cancels, one bf16 ulp of the largest output is the most they can part.
     qa, sa = quantize_rows(x)
     on_cores = fp8_linear(x, codes, scale).float()
     exact = ((qa.float() @ codes.float().t()) * (sa * scale)).to(torch.bfloat16).float()

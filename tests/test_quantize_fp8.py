@@ -137,3 +137,19 @@ def test_gpu_plain_division_is_approximate_and_div_rn_is_torchs():
     _divide_kernel[(x.numel() // 1024,)](x, y, plain, rn, BLOCK=1024)
     assert torch.equal(rn.view(torch.int32), (x / y).view(torch.int32)), f"seed {seed}"
     assert (plain.view(torch.int32) != rn.view(torch.int32)).any(), f"seed {seed}"
+
+
+@pytest.mark.gpu
+def test_gpu_reference_is_the_cpu_reference_and_a_host_scalar_divisor_is_not():
+    """The PyTorch form gives the contract's bits on a GPU too, which the exact-contract checks (tests/test_gpu.py)
+    hold the kernel to there. Negative control: dividing by the Python number 448 on a GPU is ATen's product with
+    the reciprocal, other scales for some rows."""
+    seed = seed_for()
+    x = _random_rows(4096, 576, torch.Generator().manual_seed(seed))
+    codes, scale = quantize_fp8_reference(x.cuda())
+    want_codes, want_scale = quantize_fp8_reference(x)
+    assert torch.equal(scale.cpu().view(torch.int32), want_scale.view(torch.int32)), f"seed {seed}: scales differ"
+    assert torch.equal(codes.cpu().view(torch.uint8), want_codes.view(torch.uint8)), f"seed {seed}: codes differ"
+    amax = x.float().abs().amax(dim=-1, keepdim=True)
+    host_scalar = (amax.cuda() / FP8_MAX).cpu()
+    assert (host_scalar.view(torch.int32) != (amax / FP8_MAX).view(torch.int32)).any(), f"seed {seed}"

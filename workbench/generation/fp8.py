@@ -31,7 +31,7 @@ _GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes e4m3 [N, K], scale fp32 []) of one tensor, dynamic per tensor."""
     w32 = w.detach().float()
-    scale = w32.abs().amax() / FP8_MAX
+    scale = w32.abs().amax() / w32.new_tensor(FP8_MAX)      # IEEE on a GPU too (`quantize_fp8_reference`)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))   # an all-zero weight: codes 0 at any scale
     return (w32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 

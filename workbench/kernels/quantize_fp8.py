@@ -80,5 +80,7 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The PyTorch form: fp32 ATen ops, each exact or correctly rounded, the cast to e4m3 ties to even."""
     x32 = x.reshape(-1, x.shape[-1]).float()
-    scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_TOKEN_SCALE)
+    # The divisor a tensor on x's device, not a Python number: on a GPU, ATen divides by a host scalar as a product
+    # with its reciprocal, one ulp off the IEEE quotient for some rows, and the contract is the quotient.
+    scale = (x32.abs().amax(dim=-1, keepdim=True) / x32.new_tensor(FP8_MAX)).clamp_min(MIN_TOKEN_SCALE)
     return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
