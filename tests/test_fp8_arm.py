@@ -154,6 +154,7 @@ def _k3(sampler: list[torch.Tensor], trainer: list[torch.Tensor]) -> float:
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_gpu_fp8_arm_mismatches_more_than_engine_off_and_on_stays_bitwise():
     """64 prompts x 128 tokens on an H200: `on` (invariant) generator and trainer the same bits; the engine `off`
     (bf16) mismatches; `off-fp8` (W8A8 on the fp8 tensor cores, torch._scaled_mm) mismatches more. The fp8
