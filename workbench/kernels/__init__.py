@@ -2,9 +2,9 @@
 
 Every op, from `registry.REGISTRY` (a test holds this table to it). Contracts: "row-invariant", a row's bits
 depend on that row alone; "the unfused ops' bits", those of the invariant ops it fuses; "exact", integers,
-copies and correctly rounded fp32 steps only. Mode: "switch", a name of `mode(...)`; "follows", the switch's ops that choose its path; "invariant
-only", a fused kernel callers take in invariant mode; "one path", the same in both modes. Generic tests:
-tests/test_kernels.py (CPU) and tests/test_gpu.py.
+copies and correctly rounded fp32 steps only. Mode: "switch", a name of `mode(...)`; "follows", the switch's ops
+that choose its path; "invariant only", a fused kernel callers take in invariant mode; "one path", the same in both
+modes. Generic tests: tests/test_kernels.py (CPU) and tests/test_gpu.py.
 
 | op | file | contract | mode | reference | tests |
 |---|---|---|---|---|---|
