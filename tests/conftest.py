@@ -55,7 +55,16 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: "slow" not in item.keywords)  # stable: collection order within each group
+    # Of each file's slow tests the first goes before every other slow test: one file's tests share their expensive
+    # fixtures (`helpers.once_per_run`), and two of them handed to both workers at once would have one wait on the
+    # other's lock (the torchtitan TP spawn: ~76 s of a worker idle) instead of running another file's meanwhile.
+    seen, rank = set(), {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        rank[item.nodeid] = 2 if "slow" not in item.keywords else int(module in seen)
+        if "slow" in item.keywords:
+            seen.add(module)
+    items.sort(key=lambda item: rank[item.nodeid])  # stable: collection order within each group
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on the device)")
