@@ -116,7 +116,7 @@ class Fp8Linear(nn.Module):
         """x -> the group's outputs side by side, for `packing.packed_projections`' (codes, bias) of the group:
         one quantization of x and one product (only the fp32 sums' order may differ from each projection's own)."""
         scale = self.group.scale
-        return lambda x: _product(x, quantize_activations(x), codes, scale, bias)
+        return lambda x: fp8_linear(x, codes, scale, bias)
 
 
 class Fp8Sampler:
