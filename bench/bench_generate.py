@@ -7,8 +7,11 @@ memory-bandwidth floor ((weights + KV cache bytes) / measured copy bandwidth); t
 cuBLAS + FlashAttention on the same shapes and the compute floor.
 --long: long rollouts instead, batch 64 with 1,024 and 4,096 new tokens and batch 256 with 1,024 (one timed run
 each, caches and graphs kept from an untimed first call), with the peak GPU memory, the static KV cache's size and
-the decode attention alone at the mean length beside its floor; with --vllm, vLLM's default kernels at the same
-lengths (its worker alone on the GPU, 85% of its memory: the long caches do not fit the short table's 35%).
+the decode attention alone at the mean length beside its floor, in both modes' kernels; with --vllm, vLLM's default
+kernels at the same lengths (its worker alone on the GPU, 85% of its memory: the long caches do not fit the short
+table's 35%); with --fp8, the model's fp8 copy too (`generation/fp8.py`, the `off-fp8` arm's sampler, in the
+engine kernels it runs with): the three samplers of the regime map's `on`, `off` and `off-fp8` arms, each alone.
+--shape: a named shape with random weights instead of the Qwen3-1.7B one (e.g. smollm2-135M, the regime map's).
 --vllm: vLLM's engines too, in the same run (vLLM installed; each in a worker process of bench_vllm.py, which
 also checks its parity with the trainer): its default kernels, batch-invariant mode, and vLLM running the workbench
 model; then one table of every engine's tokens/s beside the rate of a decode step at the bandwidth floor.
@@ -16,7 +19,7 @@ model; then one table of every engine's tokens/s beside the rate of a decode ste
 (WORKBENCH_PDL=0), alternating in one process, six calls each per batch, bits compared.
 
     python bench/bench_generate.py [--model FOLDER] [--out FILE.md] [--skip-hf] [--skip-prefill] [--vllm]
-    python bench/bench_generate.py [--model FOLDER] [--out FILE.md] (--long [--vllm] | --prefill | --pdl-ab)
+    python bench/bench_generate.py [--model FOLDER] [--out FILE.md] (--long [--vllm] [--fp8] | --prefill | --pdl-ab)
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 from timing import copy_gbs, emit, gpu_ms, header, in_mode, peak_flops
 
 from workbench.generation import DecodeGraphs, SamplingParams, generate
+from workbench.generation.fp8 import Fp8Sampler
 from workbench.models import KVCache, build, load_pretrained, save_pretrained
 from workbench.models.decoding import DecodingModel
 
@@ -144,10 +148,10 @@ def kv_bytes(cfg, batch: int, tokens: int) -> int:
     return batch * tokens * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
 
 
-def attention_ms(cfg, batch: int, kv_len: int) -> float:
-    """The invariant decode attention alone: every layer's, one query a sequence over `kv_len` cached keys (the
-    static cache), the layers in one CUDA graph (`gpu_ms`: the caches far exceed the L2, so one set)."""
-    from workbench.kernels import attention_with_cache, mode
+def attention_ms(cfg, batch: int, kv_len: int, mode_name: str = "invariant") -> float:
+    """The decode attention alone in `mode_name`'s kernel: every layer's, one query a sequence over `kv_len` cached
+    keys (the static cache), the layers in one CUDA graph (`gpu_ms`: the caches far exceed the L2, so one set)."""
+    from workbench.kernels import attention_with_cache
 
     g = torch.Generator(device="cuda").manual_seed(0)
     shape = (batch, kv_len, cfg.num_key_value_heads, cfg.head_dim)
@@ -162,42 +166,52 @@ def attention_ms(cfg, batch: int, kv_len: int) -> float:
         for k, v in caches:
             attention_with_cache(q, k, v, start, lens)
 
-    with mode("invariant"):
+    with in_mode(mode_name):
         return gpu_ms(lambda: layers, kv_bytes(cfg, batch, kv_len))
 
 
-def long_rollouts(model, weight_bytes: int, copy: float, vllm_rates: dict, cases=LONG) -> list[str]:
+def long_rollouts(model, weight_bytes: int, copy: float, vllm_rates: dict, cases=LONG,
+                  fp8: bool = False) -> list[str]:
     """Issue 44's long generations (`cases`, (batch, new tokens) pairs): each step against its floor at the mean KV
-    length, memory, the decode attention's share of the step beside its own floor, and with vLLM's rates the
-    target's ratio."""
+    length, memory, the decode attention of both modes beside its own floor, and with vLLM's rates the target's
+    ratio. fp8: the model's fp8 copy as well, in the engine kernels (the `off-fp8` arm's sampler)."""
     cfg = model.config
-    lines = ["| batch | new tokens | mode | tok/s | decode step ms | floor ms | step / floor | peak GiB | "
+    samplers = [("invariant", model, "invariant"), ("standard-fused", model, "standard-fused")]
+    if fp8:
+        samplers.append(("standard-fused, fp8 copy", Fp8Sampler(model).model, "standard-fused"))
+    lines = ["| batch | new tokens | sampler | tok/s | decode step ms | floor ms | step / floor | peak GiB | "
              "static KV cache GiB |",
              "|---|---|---|---|---|---|---|---|---|"]
-    attention, ratios = ["| batch | new tokens | mean keys | attention ms (every layer) | its floor ms | "
-                         "attention / floor | share of the invariant step |", "|---|---|---|---|---|---|---|"], []
+    attention, ratios = ["| batch | new tokens | mean keys | invariant attention ms (every layer) | standard-fused "
+                         "attention ms | their floor ms | invariant / floor | standard-fused / floor | share of the "
+                         "invariant step | share of the standard-fused step |",
+                         "|---|---|---|---|---|---|---|---|---|---|"], []
     for batch, new in cases:
         mean_keys = PROMPT + new // 2
+        # The fp8 copy reads one byte a weight, but the floor stays the bf16 weights': the rows compare one job.
         floor_ms = (weight_bytes + kv_bytes(cfg, batch, mean_keys)) / copy / 1e6
         rate, steps = {}, {}
-        for mode_name in ("invariant", "standard-fused"):
-            rate[mode_name], steps[mode_name], peak = ours(model, batch, mode_name, new, runs=1)
-            lines.append(f"| {batch} | {new} | {mode_name} | {rate[mode_name]:,.0f} | {steps[mode_name]:.2f} | "
-                         f"{floor_ms:.2f} | {steps[mode_name] / floor_ms:.2f} | {peak:.1f} | "
+        for label, m, mode_name in samplers:
+            rate[label], steps[label], peak = ours(m, batch, mode_name, new, runs=1)
+            lines.append(f"| {batch} | {new} | {label} | {rate[label]:,.0f} | {steps[label]:.2f} | "
+                         f"{floor_ms:.2f} | {steps[label] / floor_ms:.2f} | {peak:.1f} | "
                          f"{kv_bytes(cfg, batch, PROMPT + new) / 2**30:.1f} |")
             print(lines[-1], flush=True)
         torch.cuda.empty_cache()
-        att, att_floor = attention_ms(cfg, batch, mean_keys), kv_bytes(cfg, batch, mean_keys) / copy / 1e6
-        attention.append(f"| {batch} | {new} | {mean_keys} | {att:.3f} | {att_floor:.3f} | {att / att_floor:.2f} | "
-                         f"{att / steps['invariant']:.0%} |")
+        att = {m: attention_ms(cfg, batch, mean_keys, m) for m in ("invariant", "standard-fused")}
+        att_floor = kv_bytes(cfg, batch, mean_keys) / copy / 1e6
+        attention.append(f"| {batch} | {new} | {mean_keys} | {att['invariant']:.3f} | {att['standard-fused']:.3f} | "
+                         f"{att_floor:.3f} | {att['invariant'] / att_floor:.2f} | "
+                         f"{att['standard-fused'] / att_floor:.2f} | {att['invariant'] / steps['invariant']:.0%} | "
+                         f"{att['standard-fused'] / steps['standard-fused']:.0%} |")
         print(attention[-1], flush=True)
         torch.cuda.empty_cache()
         default = vllm_rates.get(("vllm-default", batch, new))
         if default:
             inv = rate["invariant"]
             ratios.append(f"| {batch} | {new} | {inv:,.0f} | {default:,.0f} | **{inv / default:.2f}x** |")
-    out = [*lines, "", "The decode attention at the mean length (the static cache's kernel, every layer in one graph; "
-           "floor: the K/V bytes read at the copy bandwidth):", "", *attention]
+    out = [*lines, "", "The decode attention at the mean length (the static cache's kernel of each mode, every layer "
+           "in one graph; floor: the K/V bytes read at the copy bandwidth):", "", *attention]
     if ratios:
         out += ["", "Embedded invariant against vLLM's default kernels in this run (target >= 1.2x):", "",
                 "| batch | new tokens | embedded invariant tok/s | vLLM default tok/s | ratio |", "|---|---|---|---|---|",
@@ -279,7 +293,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="also write the tables (markdown) to this file")
     ap.add_argument("--skip-hf", action="store_true", help="leave out transformers.generate (slow)")
-    ap.add_argument("--model", help="a checkpoint folder (default: the Qwen3-1.7B shape, random weights)")
+    ap.add_argument("--model", help="a checkpoint folder (default: --shape's random weights)")
+    ap.add_argument("--shape", default="qwen3-1.7B", help="a named shape (workbench.models.config), random weights")
+    ap.add_argument("--fp8", action="store_true", help="--long: the model's fp8 copy too (the off-fp8 arm's sampler)")
     ap.add_argument("--long", action="store_true", help="batch 64 at 1,024 and 4,096 new tokens and 256 at 1,024 "
                     "instead")
     ap.add_argument("--cases", nargs="+", type=_case, default=list(LONG), metavar="BATCHxNEW",
@@ -294,9 +310,11 @@ def main() -> None:
     # vLLM first, each engine in its own process, while this one holds no cache.
     vllm = {}
     if a.vllm:
-        vllm = (vllm_engines(a.model or "qwen3-1.7B", a.cases, ["vllm-default"], gpu_memory=0.85, timeout=700) if a.long
-                else vllm_engines(a.model or "qwen3-1.7B"))
-    model = load_pretrained(a.model, device="cuda") if a.model else build("qwen3-1.7B", device="cuda", seed=0)
+        vllm = (vllm_engines(a.model or a.shape, a.cases, ["vllm-default"], gpu_memory=0.85, timeout=700) if a.long
+                else vllm_engines(a.model or a.shape))
+    if a.fp8 and not a.long:
+        raise SystemExit("bench_generate.py: --fp8 adds the fp8 copy to --long's table; run it with --long")
+    model = load_pretrained(a.model, device="cuda") if a.model else build(a.shape, device="cuda", seed=0)
     if a.prefill:
         emit([header(), "", *prefill(model)], a.out)
         return
@@ -307,7 +325,7 @@ def main() -> None:
         emit([header(), "", *pdl_ab(model, weight_bytes, copy), "", f"Copy bandwidth {copy:.0f} GB/s."], a.out)
         return
     if a.long:
-        emit([header(), "", *long_rollouts(model, weight_bytes, copy, vllm.get("tput", {}), a.cases), "",
+        emit([header(), "", *long_rollouts(model, weight_bytes, copy, vllm.get("tput", {}), a.cases, a.fp8), "",
               f"Copy bandwidth {copy:.0f} GB/s; peak GiB: torch's peak allocation during the timed run, weights "
               "included.", "", *vllm.get("parity", [])], a.out)
         return
