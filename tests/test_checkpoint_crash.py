@@ -85,7 +85,13 @@ def test_a_save_killed_at_any_instant_leaves_a_whole_checkpoint(tmp_path):
         savers.stdin.flush()
         ready, pid = savers.stdout.readline().split()
         assert ready == "ready"
-        time.sleep(rng.uniform(0.05, 1.5))
+        # The kill lands at a random instant after this round's first whole save, so every round makes progress
+        # however slowly a loaded machine saves (a fixed window after start-up once saw one save in five rounds).
+        deadline = time.monotonic() + 120
+        while (latest_checkpoint(out) is None or int(latest_checkpoint(out).name.split("-")[1]) <= seen) \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 1.5))
         os.kill(int(pid), signal.SIGKILL)
         assert savers.stdout.readline().strip() == "gone"
         last = latest_checkpoint(out)
@@ -101,7 +107,7 @@ def test_a_save_killed_at_any_instant_leaves_a_whole_checkpoint(tmp_path):
         assert len(checkpoints(out)) <= 3, "older checkpoints are pruned (KEEP, plus one a kill left mid-prune)"
     savers.stdin.close()
     assert savers.wait() == 0
-    assert seen >= 2, "the saver made progress between kills"
+    assert seen >= 5, f"the saver made progress in every round (last whole checkpoint: step {seen})"
 
 
 def _cfg(policy, out, **kw):
