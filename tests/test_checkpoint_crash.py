@@ -80,18 +80,19 @@ def test_a_save_killed_at_any_instant_leaves_a_whole_checkpoint(tmp_path):
     seen = 0
     savers = subprocess.Popen([sys.executable, "-c", SAVER, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               env=_env(), text=True)
-    for _ in range(5):
+    for round_ in range(6):
         savers.stdin.write("start\n")
         savers.stdin.flush()
         ready, pid = savers.stdout.readline().split()
         assert ready == "ready"
-        # The kill lands at a random instant after this round's first whole save, so every round makes progress
-        # however slowly a loaded machine saves (a fixed window after start-up once saw one save in five rounds).
+        # Every other round the kill lands at a random instant after the round's first whole save, so those rounds
+        # make progress however slowly a loaded machine saves (a window after start-up alone once saw one save in
+        # five rounds); the others keep that window, where a kill can land in the first save after a resume.
         deadline = time.monotonic() + 120
-        while (latest_checkpoint(out) is None or int(latest_checkpoint(out).name.split("-")[1]) <= seen) \
-                and time.monotonic() < deadline:
+        while round_ % 2 == 0 and time.monotonic() < deadline and \
+                (latest_checkpoint(out) is None or int(latest_checkpoint(out).name.split("-")[1]) <= seen):
             time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 1.5))
+        time.sleep(rng.uniform(0.0 if round_ % 2 == 0 else 0.05, 1.5))
         os.kill(int(pid), signal.SIGKILL)
         assert savers.stdout.readline().strip() == "gone"
         last = latest_checkpoint(out)
@@ -107,7 +108,7 @@ def test_a_save_killed_at_any_instant_leaves_a_whole_checkpoint(tmp_path):
         assert len(checkpoints(out)) <= 3, "older checkpoints are pruned (KEEP, plus one a kill left mid-prune)"
     savers.stdin.close()
     assert savers.wait() == 0
-    assert seen >= 5, f"the saver made progress in every round (last whole checkpoint: step {seen})"
+    assert seen >= 3, f"the saver made progress in every other round (last whole checkpoint: step {seen})"
 
 
 def _cfg(policy, out, **kw):
